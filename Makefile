@@ -1,0 +1,36 @@
+# eaglenest: the two quickstart commands are `make demo` and `make test` (both install what they need first).
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# The CPU build of torch (this pin resolves to a local CPU wheel here; override for other machines/GPUs).
+TORCH_SPEC ?= torch==2.13.0
+export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
+export RAY_AUTH_MODE := disabled
+export RAY_USAGE_STATS_ENABLED := 0
+export PYTHONUNBUFFERED := 1
+
+.PHONY: install demo test lint fmt clean
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[dev]" "$(TORCH_SPEC)"
+	touch $@
+
+install: $(VENV)/.installed
+
+demo: install
+	$(VENV)/bin/eaglenest demo $(DEMO_ARGS)
+
+lint: install
+	$(VENV)/bin/ruff check .
+
+test: install lint
+	$(VENV)/bin/pytest $(PYTEST_ARGS)
+
+fmt: install
+	$(VENV)/bin/ruff check --fix .
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info demo-work

@@ -1,0 +1,325 @@
+"""Configuration: pydantic models for every stage, loaded from one YAML file.
+
+One file may hold every section (``configs/demo.yaml``). Unknown keys and invalid values fail with a
+``ConfigError`` that names the file, the dotted key and what is allowed.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+
+class Section(BaseModel):
+    """Base of every config section: unknown keys are errors, never silently ignored."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ConfigError(ValueError):
+    """A config file that cannot be used; the message names the file, the key and the fix."""
+
+
+# ---------------------------------------------------------------------------------------------------------- target
+class TinyTargetSpec(Section):
+    """Shape of the embedded tiny target (a Llama built from a seed; see eaglenest.engines.tiny)."""
+
+    num_layers: int = Field(8, ge=8, description="decoder layers; >= 8 so low/mid/high taps are distinct")
+    hidden_size: int = Field(128, ge=16)
+    num_heads: int = Field(4, ge=1)
+    num_kv_heads: int = Field(2, ge=1)
+    intermediate_size: int = Field(352, ge=16)
+    vocab_size: int = Field(1024, ge=300, description="BPE vocab trained on the shipped corpus")
+    max_position_embeddings: int = Field(2048, ge=64)
+    seed: int = 0
+    train_steps: int = Field(200, ge=0, description="deterministic CPU pre-training steps on the shipped corpus")
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> TinyTargetSpec:
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"hidden_size {self.hidden_size} must be divisible by num_heads {self.num_heads}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads {self.num_heads} must be divisible by num_kv_heads {self.num_kv_heads}")
+        return self
+
+
+class SGLangEngineConfig(Section):
+    """Arguments for ``sglang.Engine`` (GPU backend); defaults work on the lent H200 with the bundle."""
+
+    tp_size: int = Field(1, ge=1)
+    mem_fraction_static: float = Field(0.7, gt=0, le=0.95)
+    attention_backend: str = "triton"
+    sampling_backend: str = "pytorch"
+    grammar_backend: str = "none"
+    max_running_requests: int | None = Field(None, ge=1)
+    context_length: int | None = Field(None, ge=1)
+    disable_cuda_graph: bool = False
+    extra_args: dict[str, Any] = Field(default_factory=dict, description="passed to sglang.Engine as is")
+    capture_mem_fraction_static: float = Field(
+        0.5, gt=0, le=0.95, description="capture runner's share of the GPU memory free when it starts")
+    capture_max_tokens: int = Field(16384, ge=16, description="tokens per prefill-only capture batch")
+
+
+class TargetConfig(Section):
+    """The target LLM and the engine that runs it."""
+
+    model: str = Field("tiny", description="'tiny' (embedded), a local HF folder, or a hub id")
+    engine: Literal["hf", "sglang"] = "hf"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    aux_layer_ids: list[int] | None = Field(
+        None, description="physical ids (hidden_states index); default [2, N//2, N-3]"
+    )
+    trust_remote_code: bool = False
+    cpu_threads: int | None = Field(None, ge=1, description="torch intra-op threads on CPU (None: torch's default)")
+    tiny: TinyTargetSpec = Field(default_factory=TinyTargetSpec)
+    cache_dir: str | None = Field(None, description="where the tiny target is cached (default ~/.cache/eaglenest)")
+    sglang: SGLangEngineConfig = Field(default_factory=SGLangEngineConfig)
+
+
+# ----------------------------------------------------------------------------------------------------------- regen
+class SamplingConfig(Section):
+    temperature: float = Field(0.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    max_new_tokens: int = Field(128, ge=1)
+    seed: int | None = 0
+
+
+AdapterName = Literal["sharegpt", "openai", "alpaca", "problem_solution", "tool_use", "native"]
+
+
+class SourceConfig(Section):
+    """One dataset source: where it is read from, how it is parsed, how much of it is used."""
+
+    name: str
+    domain: Literal["chat", "reasoning", "math", "coding", "agentic_coding", "tool_use"]
+    adapter: AdapterName
+    path: str | None = Field(None, description="local .jsonl/.json/.parquet file (relative to the config file)")
+    hub_id: str | None = Field(None, description="Hugging Face dataset id, for real runs")
+    split: str = "train"
+    max_samples: int | None = Field(None, ge=1, description="sample cap")
+    sampling: SamplingConfig | None = Field(None, description="per-source override of regen.sampling")
+
+    @model_validator(mode="after")
+    def _one_location(self) -> SourceConfig:
+        if (self.path is None) == (self.hub_id is None):
+            raise ValueError(f"source {self.name!r}: give exactly one of 'path' or 'hub_id'")
+        return self
+
+
+class RegenConfig(Section):
+    """Regeneration + capture job (Ray Data)."""
+
+    sources: list[SourceConfig] = Field(default_factory=list)
+    sources_file: str | None = Field(None, description="YAML file with a top-level 'sources' list")
+    output: str = "out/regen"
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    batch_size: int = Field(8, ge=1, description="conversations per engine call")
+    num_actors: int = Field(1, ge=1, description="engines in the actor pool (data parallel)")
+    num_cpus_per_actor: float = Field(0.5, ge=0)
+    num_gpus_per_actor: float = Field(0, ge=0)
+    min_tokens: int = Field(4, ge=1, description="length filter: shorter samples are quarantined")
+    max_tokens: int = Field(2048, ge=16, description="length filter: longer samples are quarantined")
+    storage_dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    rows_per_shard: int = Field(64, ge=1)
+
+
+# ----------------------------------------------------------------------------------------------------------- train
+class DrafterConfig(Section):
+    """EAGLE-3 drafter shape; None means 'copy from the target'."""
+
+    draft_vocab_size: int = Field(32000, ge=16)
+    intermediate_size: int | None = Field(None, ge=1)
+    num_heads: int | None = Field(None, ge=1)
+    num_kv_heads: int | None = Field(None, ge=1)
+    max_position_embeddings: int | None = Field(None, ge=1, description="default: the target's context length")
+
+
+class TrainConfig(Section):
+    """TTT training on Ray Train."""
+
+    drafter: DrafterConfig = Field(default_factory=DrafterConfig)
+    ttt_steps: int = Field(7, ge=1, description="K unrolled training-time-test steps")
+    step_weight_decay: float = Field(0.8, gt=0, le=1, description="loss weight of step k is decay**k")
+    learning_rate: float = Field(3e-4, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    warmup_ratio: float = Field(0.03, ge=0, lt=1)
+    max_grad_norm: float = Field(0.5, gt=0)
+    batch_size: int = Field(4, ge=1, description="sequences per worker step")
+    max_seq_len: int = Field(2048, ge=8)
+    epochs: int = Field(1, ge=1)
+    max_steps: int | None = Field(None, ge=1)
+    num_workers: int = Field(1, ge=1)
+    use_gpu: bool = False
+    cpus_per_worker: float = Field(1.0, gt=0)
+    eval_fraction: float = Field(0.1, ge=0, lt=1)
+    eval_every: int = Field(50, ge=1)
+    checkpoint_every: int = Field(50, ge=1)
+    keep_checkpoints: int = Field(2, ge=1)
+    seed: int = 0
+    run_name: str = "eaglenest-drafter"
+
+
+# ------------------------------------------------------------------------------------------------------ spec / eval
+class SpecConfig(Section):
+    """Speculative decoding shape; SGLang needs all three set."""
+
+    algorithm: Literal["EAGLE3", "EAGLE"] | None = Field(None, description="default: derived from the drafter")
+    num_steps: int = Field(3, ge=1)
+    topk: int = Field(1, ge=1)
+    num_draft_tokens: int = Field(4, ge=2)
+
+    @model_validator(mode="after")
+    def _budget(self) -> SpecConfig:
+        if self.topk == 1 and self.num_draft_tokens != self.num_steps + 1:
+            raise ValueError(
+                f"with topk 1 a chain of {self.num_steps} steps verifies exactly num_steps+1 = {self.num_steps + 1} "
+                f"tokens; set num_draft_tokens: {self.num_steps + 1}"
+            )
+        if self.num_draft_tokens > self.topk * self.num_steps + 1:
+            raise ValueError(
+                f"num_draft_tokens {self.num_draft_tokens} exceeds the tree (topk*num_steps+1 = "
+                f"{self.topk * self.num_steps + 1})"
+            )
+        return self
+
+
+class BenchConfig(Section):
+    prompts: str | None = Field(None, description="JSONL of prompts ({'messages': [...], 'domain': ...})")
+    num_prompts: int = Field(16, ge=1)
+    max_new_tokens: int = Field(64, ge=1)
+    sweep: list[SpecConfig] = Field(default_factory=lambda: [SpecConfig()])
+
+
+# ----------------------------------------------------------------------------------------------------------- serve
+class ServeConfig(Section):
+    host: str = Field("127.0.0.1", description="bind address; loopback unless you mean it")
+    port: int = Field(8000, ge=1, le=65535)
+    model_name: str = "eaglenest"
+    drafter: str | None = Field(None, description="exported drafter folder")
+    api_key: str | None = Field(None, description="Bearer token; env EAGLENEST_API_KEY also works")
+    spec: SpecConfig = Field(default_factory=SpecConfig)
+    max_concurrent_requests: int = Field(64, ge=1)
+    max_prompt_tokens: int = Field(1536, ge=1)
+    max_tokens_limit: int = Field(512, ge=1)
+    num_replicas: int = Field(1, ge=1)
+    autoscaling: dict[str, Any] | None = None
+    num_cpus_per_replica: float = Field(0.5, ge=0)
+    num_gpus_per_replica: float = Field(0, ge=0)
+    self_test_min_accept_length: float = Field(1.0, ge=1.0)
+    baseline_tokens_per_s: float | None = Field(
+        None, gt=0, description="last benchmarked baseline, for the speedup metric"
+    )
+
+
+# ------------------------------------------------------------------------------------------------------------ root
+class EaglenestConfig(Section):
+    """Every stage's section; each is optional in the file and defaults sensibly."""
+
+    target: TargetConfig = Field(default_factory=TargetConfig)
+    regen: RegenConfig = Field(default_factory=RegenConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    bench: BenchConfig = Field(default_factory=BenchConfig)
+    serve: ServeConfig = Field(default_factory=ServeConfig)
+    base_dir: str = Field(".", description="set by load_config: relative paths in the file resolve against it")
+
+    @field_validator("base_dir")
+    @classmethod
+    def _abs(cls, v: str) -> str:
+        return str(Path(v).resolve())
+
+    def resolve(self, path: str | None) -> str | None:
+        """A path from the config file, resolved against the file's folder."""
+        if path is None:
+            return None
+        p = Path(path).expanduser()
+        return str(p if p.is_absolute() else Path(self.base_dir) / p)
+
+
+def _format_errors(path: str, err: ValidationError) -> str:
+    lines = [f"invalid config {path}:"]
+    for e in err.errors():
+        key = ".".join(str(x) for x in e["loc"]) or "<root>"
+        if e["type"] == "extra_forbidden":
+            parent = e["loc"][:-1]
+            lines.append(f"  {key}: unknown key; allowed here: {', '.join(_allowed_keys(parent))}")
+        else:
+            allowed = ""
+            ctx = e.get("ctx") or {}
+            if "expected" in ctx:
+                allowed = f" (allowed: {ctx['expected']})"
+            lines.append(f"  {key}: {e['msg']}{allowed} (got {e.get('input')!r})")
+    return "\n".join(lines)
+
+
+def _allowed_keys(loc: tuple) -> list[str]:
+    model: type[BaseModel] = EaglenestConfig
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        field = model.model_fields.get(str(part))
+        if field is None:
+            return []
+        ann = field.annotation
+        inner = _model_in(ann)
+        if inner is None:
+            return []
+        model = inner
+    return sorted(k for k in model.model_fields if k != "base_dir")
+
+
+def _model_in(ann: Any) -> type[BaseModel] | None:
+    if isinstance(ann, type) and issubclass(ann, BaseModel):
+        return ann
+    for a in getattr(ann, "__args__", ()) or ():
+        m = _model_in(a)
+        if m is not None:
+            return m
+    return None
+
+
+def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None) -> EaglenestConfig:
+    """Load and validate a config file (None = all defaults); ``sources_file`` is merged into ``regen.sources``."""
+    data: dict[str, Any] = {}
+    base = Path.cwd()
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {p} does not exist")
+        try:
+            data = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {p} is not valid YAML: {e}") from e
+        if not isinstance(data, dict):
+            raise ConfigError(f"config file {p} must hold a mapping of sections, got {type(data).__name__}")
+        base = p.resolve().parent
+    for dotted, value in (overrides or {}).items():
+        node = data
+        *parents, leaf = dotted.split(".")
+        for k in parents:
+            node = node.setdefault(k, {})
+        node[leaf] = value
+    data["base_dir"] = str(base)
+    regen = data.get("regen") or {}
+    if isinstance(regen, dict) and regen.get("sources_file"):
+        sf = Path(regen["sources_file"])
+        sf = sf if sf.is_absolute() else base / sf
+        if not sf.is_file():
+            raise ConfigError(f"invalid config {path}: regen.sources_file {sf} does not exist")
+        extra = yaml.safe_load(sf.read_text()) or {}
+        if not isinstance(extra, dict) or not isinstance(extra.get("sources"), list):
+            raise ConfigError(f"invalid config {sf}: expected a top-level 'sources' list")
+        # sources listed in the sources file resolve their paths against that file's folder
+        for s in extra["sources"]:
+            if isinstance(s, dict) and s.get("path") and not Path(s["path"]).is_absolute():
+                s["path"] = str((sf.parent / s["path"]).resolve())
+        regen = dict(regen)
+        regen["sources"] = list(regen.get("sources") or []) + extra["sources"]
+        data["regen"] = regen
+    try:
+        return EaglenestConfig.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_format_errors(str(path), e)) from None

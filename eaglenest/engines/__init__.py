@@ -1,0 +1,41 @@
+"""Engine layer: the TargetEngine protocol and its backends (transformers here; SGLang imported lazily)."""
+
+from __future__ import annotations
+
+from eaglenest.config import TargetConfig
+from eaglenest.engines.base import (
+    Capture,
+    Generation,
+    Message,
+    SamplingParams,
+    TargetEngine,
+    TargetInfo,
+    render_chat_ids,
+    render_chat_text,
+)
+
+
+def load_engine(cfg: TargetConfig) -> TargetEngine:
+    """Build the configured backend; SGLang is imported only when chosen."""
+    if cfg.engine == "hf":
+        from eaglenest.engines.hf import HFEngine
+
+        return HFEngine.from_config(cfg)
+    if cfg.engine == "sglang":
+        from eaglenest.engines.sglang import SGLangEngine
+
+        return SGLangEngine.from_config(cfg)
+    raise ValueError(f"unknown engine {cfg.engine!r}; allowed: hf, sglang")
+
+
+__all__ = [
+    "Capture",
+    "Generation",
+    "Message",
+    "SamplingParams",
+    "TargetEngine",
+    "TargetInfo",
+    "load_engine",
+    "render_chat_ids",
+    "render_chat_text",
+]

@@ -1,0 +1,147 @@
+"""The TargetEngine protocol: what every backend (transformers, SGLang) offers to regen, drafter and serve."""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+Message = dict[str, Any]
+"""One chat message: ``role``, ``content`` and optionally ``reasoning_content``, ``tool_calls``, ``name``."""
+
+FinishReason = Literal["stop", "length"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to continue a prompt. ``temperature == 0`` means greedy."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    max_new_tokens: int = 128
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass
+class Generation:
+    """One continuation. ``token_ids`` are exact and include the end-of-turn token when the model emitted it."""
+
+    token_ids: list[int]
+    text: str
+    finish_reason: FinishReason
+    prompt_tokens: int = 0
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Capture:
+    """Hidden states of one teacher-forced sequence, in the model's dtype, on the CPU.
+
+    ``aux_hidden_states``: ``[T, 3H]``, the three physical aux layers concatenated in the given order.
+    ``last_hidden_state``: ``[T, H]``, the final *normed* state (what the target's ``lm_head`` consumes).
+    """
+
+    aux_hidden_states: torch.Tensor
+    last_hidden_state: torch.Tensor
+
+
+@dataclass(frozen=True)
+class TargetInfo:
+    """What downstream contracts check against: layer count, sizes, vocab, dtype, engine identity."""
+
+    model: str
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+    max_position_embeddings: int
+    dtype: str
+    engine: str
+    engine_version: str
+    architecture: str
+    eos_token_ids: tuple[int, ...]
+
+
+class TargetEngine(abc.ABC):
+    """A target model that can generate, capture hidden states, and be asked about itself.
+
+    Backends implement ``generate_ids`` and ``capture``; chat rendering is shared so every backend turns the same
+    conversation into the same token ids.
+    """
+
+    info: TargetInfo
+    tokenizer: Any
+
+    @abc.abstractmethod
+    def generate_ids(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> list[Generation]:
+        """Continue each token-id prompt; the whole batch goes to the engine at once."""
+
+    @abc.abstractmethod
+    def capture(
+        self, sequences: Sequence[Sequence[int]], layer_ids: Sequence[int] | None = None
+    ) -> list[Capture]:
+        """Teacher-forced prefill of each sequence; aux states at physical ``layer_ids`` + the final normed state."""
+
+    def render_prompt(self, messages: Sequence[Message], tools: Sequence[dict] | None = None) -> list[int]:
+        """Token ids of a conversation followed by the assistant generation prompt, via the target's chat template."""
+        return render_chat_ids(self.tokenizer, messages, tools=tools, add_generation_prompt=True)
+
+    def generate(
+        self,
+        conversations: Sequence[Sequence[Message]],
+        sampling: SamplingParams,
+        tools: Sequence[Sequence[dict] | None] | None = None,
+    ) -> list[Generation]:
+        """Continue each conversation's last turn with a new assistant answer."""
+        tools = tools or [None] * len(conversations)
+        prompts = [self.render_prompt(conv, t) for conv, t in zip(conversations, tools, strict=True)]
+        return self.generate_ids(prompts, sampling)
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release engine resources (GPU memory, subprocesses)."""
+
+
+def render_chat_ids(
+    tokenizer: Any,
+    messages: Sequence[Message],
+    *,
+    tools: Sequence[dict] | None = None,
+    add_generation_prompt: bool,
+) -> list[int]:
+    """Render with the tokenizer's chat template and tokenize without adding special tokens a second time."""
+    text = render_chat_text(tokenizer, messages, tools=tools, add_generation_prompt=add_generation_prompt)
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def render_chat_text(
+    tokenizer: Any,
+    messages: Sequence[Message],
+    *,
+    tools: Sequence[dict] | None = None,
+    add_generation_prompt: bool,
+) -> str:
+    """The chat template's text for ``messages`` (a target without a template is refused with the fix)."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(
+            "the target's tokenizer has no chat_template; regenerating chats needs one "
+            "(add `chat_template` to tokenizer_config.json or pick an instruct model)"
+        )
+    kwargs: dict[str, Any] = {"tokenize": False, "add_generation_prompt": add_generation_prompt}
+    if tools:
+        kwargs["tools"] = list(tools)
+    return tokenizer.apply_chat_template(list(messages), **kwargs)
