@@ -157,6 +157,8 @@ class TrainConfig(Section):
     cpus_per_worker: float = Field(1.0, gt=0)
     eval_fraction: float = Field(0.1, ge=0, lt=1)
     eval_every: int = Field(50, ge=1)
+    eval_max_samples: int | None = Field(256, ge=1, description="held-out samples per evaluation (None = all)")
+    log_every: int = Field(10, ge=1, description="steps between progress lines / metrics.jsonl records")
     checkpoint_every: int = Field(50, ge=1)
     keep_checkpoints: int = Field(2, ge=1)
     seed: int = 0
