@@ -70,7 +70,7 @@ def test_head_runs_no_gpu_work(prepared):
 def test_worker_type_has_8_gpus_for_tp8(prepared):
     gpu = _gpu_types(prepared)
     assert len(gpu) == 1, gpu.keys()
-    (name, node), = gpu.items()
+    ((_name, node),) = gpu.items()
     assert node["resources"]["GPU"] == 8
     assert node["node_config"]["InstanceType"] == "p5en.48xlarge"  # 8 x H200
     assert node["max_workers"] >= 1 and prepared["max_workers"] >= node["max_workers"]
