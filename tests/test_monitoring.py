@@ -264,6 +264,33 @@ def test_dashboard_references_only_metrics_of_the_contract():
         assert not unknown, f"dashboard panel {title!r} references unknown metrics: {sorted(unknown)}"
 
 
+def test_contract_metrics_are_defined_by_the_code():
+    """Each metric of the contract is created by serve/regen/drafter code under exactly this name and type."""
+    sources = {
+        p: p.read_text() for pkg in ("serve", "regen", "drafter", "eaglenest") for p in (REPO / pkg).rglob("*.py")
+    }
+    kinds = {
+        **dict.fromkeys(COUNTERS, "Counter"),
+        **dict.fromkeys(HISTOGRAMS, "Histogram"),
+        **dict.fromkeys(GAUGES, "Gauge"),
+    }
+    missing = []
+    for name, kind in sorted(kinds.items()):
+        # a counter may also be created as name_total: prometheus_client exports both as name_total
+        pattern = rf"[\"']{name}(?:_total)?[\"']" if kind == "Counter" else rf"[\"']{name}[\"']"
+        hits = [p for p, text in sources.items() if re.search(pattern, text)]
+        if not hits:
+            missing.append(name)
+            continue
+        for p in hits:
+            for m in re.finditer(rf"\b(Counter|Gauge|Histogram)\(\s*{pattern}", sources[p]):
+                assert m.group(1) == kind, f"{name} is a {kind} in the alerts but a {m.group(1)} in {p}"
+    assert not missing, (
+        f"named by monitoring/alerts.yml or the dashboard but created nowhere in the code: {missing}; emit them with "
+        "ray.util.metrics under exactly these names, or change the code, alerts and dashboard together"
+    )
+
+
 # ------------------------------------------------------------------------------------------------ dashboard
 def test_dashboard_json_is_built_from_its_script():
     assert DASHBOARD.read_text() == _dashboard_builder().render(), "run: python monitoring/build_dashboard.py"
