@@ -1,0 +1,252 @@
+"""The SGLang backend of TargetEngine: generation, prefill-only capture and EAGLE-3 serving on ``sglang.Engine``.
+
+Run it inside a Ray actor with ``num_gpus = target.sglang.tp_size`` (tensor parallel inside the actor; data parallel
+= more actors). sglang is imported only inside this module's functions, never at import time, so nothing else in
+eaglenest pulls it in.
+
+Pinned to sglang 0.5.14 (``SGLANG_VERSION``). Every sglang name this backend touches is listed in
+``SGLANG_INTERNALS`` below and fetched through ``sglang_symbol``, which refuses anything unlisted; upgrading sglang
+means re-reading exactly these:
+
+- ``sglang:Engine`` / ``sglang:__version__`` (public): generation and speculative serving, offline, batched.
+- ``sglang.srt.server_args:ServerArgs``, ``PortArgs``: capture runner arguments and its ports.
+- ``sglang.srt.configs.model_config:ModelConfig``: the capture runner's model config.
+- ``sglang.srt.model_executor.model_runner:ModelRunner``: constructor (``model_config, mem_fraction_static, gpu_id,
+  tp_rank, tp_size, moe_ep_rank, moe_ep_size, pp_rank, pp_size, nccl_port, server_args``), ``alloc_memory_pool``,
+  ``init_attention_backends``, ``init_cuda_graphs``, ``forward``, ``model``, ``req_to_token_pool``,
+  ``token_to_kv_pool_allocator`` (``.clear()``), ``model_config``, ``device``.
+- ``sglang.srt.managers.schedule_batch:Req`` (``origin_input_ids``, ``full_untruncated_fill_ids``, ``fill_len``,
+  ``logprob_start_len``, ``prefix_indices``, ``set_extend_input_len``) and ``ScheduleBatch`` (``init_new``,
+  ``prepare_for_extend``, ``input_ids``, ``prefill_input_ids_cpu``), with a tree-cache stand-in exposing
+  ``supports_swa/supports_mamba/is_chunk_cache/is_tree_cache/evict``.
+- ``sglang.srt.model_executor.forward_batch_info:ForwardBatch.init_new``.
+- ``sglang.srt.speculative.spec_info:SpeculativeAlgorithm.NONE``.
+- ``sglang.srt.sampling.sampling_params:SamplingParams``.
+- ``sglang.srt.layers.moe:initialize_moe_config``, ``...quantization.fp8_utils:initialize_fp8_gemm_config``,
+  ``...quantization.fp4_utils:initialize_fp4_gemm_config``: globals the model layers read.
+- On the model: ``set_eagle3_layers_to_capture(ids)`` (llama.py adds 1; DeepSeek/Kimi add 1 only when ids[0] == 1),
+  ``[language_model.]model.layers_to_capture``, ``[language_model.]logits_processor.forward(input_ids,
+  hidden_states, lm_head, logits_metadata, aux_hidden_states, ...)`` (hidden_states = final normed state, aux = list
+  of residual streams entering the captured layers, in ascending layer order).
+- Output dict of ``Engine.generate``: ``output_ids``, ``meta_info.finish_reason.type/matched``, ``prompt_tokens``,
+  ``completion_tokens``, ``spec_verify_ct``, ``spec_accept_length``, ``spec_num_correct_drafts``,
+  ``spec_num_proposed_drafts``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eaglenest.config import SGLangEngineConfig, SpecConfig, TargetConfig
+from eaglenest.engines.base import Capture, Generation, SamplingParams, TargetEngine, TargetInfo
+from eaglenest.engines.sglang_args import (
+    SGLANG_VERSION,
+    SGLangVersionError,
+    capture_server_kwargs,
+    check_prompts,
+    check_sglang_version,
+    engine_kwargs,
+    run_generate,
+)
+from eaglenest.engines.sglang_spec import SpeculativeLaunch, TargetFacts, speculative_engine_kwargs
+from eaglenest.layers import default_aux_layer_ids, validate_aux_layer_ids
+
+SGLANG_INTERNALS: tuple[str, ...] = (
+    "sglang:Engine",
+    "sglang:__version__",
+    "sglang.srt.server_args:ServerArgs",
+    "sglang.srt.server_args:PortArgs",
+    "sglang.srt.configs.model_config:ModelConfig",
+    "sglang.srt.model_executor.model_runner:ModelRunner",
+    "sglang.srt.managers.schedule_batch:Req",
+    "sglang.srt.managers.schedule_batch:ScheduleBatch",
+    "sglang.srt.model_executor.forward_batch_info:ForwardBatch",
+    "sglang.srt.speculative.spec_info:SpeculativeAlgorithm",
+    "sglang.srt.sampling.sampling_params:SamplingParams",
+    "sglang.srt.layers.moe:initialize_moe_config",
+    "sglang.srt.layers.quantization.fp8_utils:initialize_fp8_gemm_config",
+    "sglang.srt.layers.quantization.fp4_utils:initialize_fp4_gemm_config",
+)
+"""The only sglang names eaglenest uses (module:attribute); see the module docstring for the attributes used on them."""
+
+__all__ = ["SGLANG_INTERNALS", "SGLANG_VERSION", "SGLangEngine", "installed_sglang_version", "require_sglang",
+           "sglang_symbol"]
+
+
+def installed_sglang_version() -> str | None:
+    """The installed sglang version from package metadata (does not import sglang)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("sglang")
+    except PackageNotFoundError:
+        return None
+
+
+def require_sglang() -> None:
+    """Fail early and clearly unless the pinned sglang is installed."""
+    check_sglang_version(installed_sglang_version())
+
+
+def sglang_symbol(name: str) -> Any:
+    """Import one listed sglang name (``module:attr``); anything not in SGLANG_INTERNALS is refused."""
+    if name not in SGLANG_INTERNALS:
+        raise KeyError(f"{name} is not in SGLANG_INTERNALS; list it there (with what it is used for) before using it")
+    require_sglang()
+    module, attr = name.split(":")
+    mod = importlib.import_module(module)
+    if not hasattr(mod, attr):
+        raise SGLangVersionError(f"sglang {installed_sglang_version()} has no {name}; this backend needs "
+                                 f"sglang=={SGLANG_VERSION}")
+    return getattr(mod, attr)
+
+
+class SGLangEngine(TargetEngine):
+    """TargetEngine on sglang: the whole batch goes to ``Engine.generate`` at once (continuous batching).
+
+    The generation engine (radix cache on) and the capture runner (radix cache and chunked prefill off) are separate
+    and both start lazily, on first use; ``speculative`` launches the engine with an EAGLE-3 drafter instead.
+    """
+
+    def __init__(self, cfg: TargetConfig, *, model_path: str | None = None, drafter: str | None = None,
+                 spec: SpecConfig | None = None):
+        require_sglang()
+        if cfg.device == "cpu":
+            raise ValueError("target.engine sglang runs on GPUs; use target.engine: hf for target.device: cpu")
+        from transformers import AutoTokenizer
+
+        from eaglenest.engines.hf import resolve_model_path
+
+        self.cfg = cfg
+        self.engine_cfg: SGLangEngineConfig = cfg.sglang
+        self.model_path = model_path or resolve_model_path(cfg)
+        self.dtype = "auto" if cfg.dtype == "auto" else cfg.dtype
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path, trust_remote_code=cfg.trust_remote_code)
+        self.facts = TargetFacts.from_model_dir(self.model_path, context_length=self.engine_cfg.context_length)
+        self.info = _target_info(self.model_path, self.tokenizer, self.facts, self.dtype)
+        self.aux_layer_ids = validate_aux_layer_ids(cfg.aux_layer_ids or default_aux_layer_ids(self.info.num_layers),
+                                                    self.info.num_layers)
+        self.launch: SpeculativeLaunch | None = None
+        if drafter is not None:
+            kwargs, self.launch = speculative_engine_kwargs(
+                self.model_path, self.engine_cfg, drafter, spec or SpecConfig(), target=self.facts,
+                expected_physical_ids=cfg.aux_layer_ids, dtype=self.dtype, trust_remote_code=cfg.trust_remote_code)
+        else:
+            kwargs = engine_kwargs(self.model_path, self.engine_cfg, dtype=self.dtype,
+                                   trust_remote_code=cfg.trust_remote_code)
+        self.engine_kwargs = kwargs
+        self._engine: Any = None
+        self._capture: Any = None
+
+    @classmethod
+    def from_config(cls, cfg: TargetConfig) -> SGLangEngine:
+        return cls(cfg)
+
+    @classmethod
+    def speculative(cls, cfg: TargetConfig, drafter: str, spec: SpecConfig | None = None) -> SGLangEngine:
+        """An engine that generates with an EAGLE-3 drafter; the launch is checked before anything starts."""
+        return cls(cfg, drafter=drafter, spec=spec)
+
+    # ------------------------------------------------------------------------------------------------ generation
+    @property
+    def engine(self) -> Any:
+        if self._engine is None:
+            Engine = sglang_symbol("sglang:Engine")
+            self._engine = Engine(**self.engine_kwargs)
+        return self._engine
+
+    def generate_ids(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> list[Generation]:
+        """All prompts in one ``Engine.generate`` call (sglang batches them continuously); exact output ids."""
+        def decode(t: list[int]) -> str:
+            return self.tokenizer.decode(t, skip_special_tokens=True)
+
+        if not prompts:
+            return []
+        gens = run_generate(self.engine.generate, prompts, sampling, decode=decode,
+                            vocab_size=self.info.vocab_size, eos_token_ids=self.info.eos_token_ids)
+        if self.launch is not None:
+            for g in gens:
+                g.meta.setdefault("algorithm", self.launch.algorithm)
+        return gens
+
+    # --------------------------------------------------------------------------------------------------- capture
+    @property
+    def capture_runner(self) -> Any:
+        if self._capture is None:
+            from eaglenest.engines.sglang_capture import SGLangCaptureRunner
+
+            kw = capture_server_kwargs(self.model_path, self.engine_cfg, dtype=self.dtype,
+                                       trust_remote_code=self.cfg.trust_remote_code,
+                                       max_total_tokens=max(self.engine_cfg.capture_max_tokens * 2, 4096))
+            self._capture = SGLangCaptureRunner(kw, architecture=self.facts.architecture,
+                                                num_layers=self.info.num_layers,
+                                                first_id_rule=self.facts.first_id_rule,
+                                                max_tokens=self.engine_cfg.capture_max_tokens)
+        return self._capture
+
+    def capture(self, sequences: Sequence[Sequence[int]], layer_ids: Sequence[int] | None = None) -> list[Capture]:
+        """Prefill-only capture through SGLang's own model code; tensors in the model dtype, on the CPU."""
+        ids = validate_aux_layer_ids(layer_ids if layer_ids is not None else self.aux_layer_ids, self.info.num_layers)
+        if not sequences:
+            return []
+        seqs = check_prompts(sequences, vocab_size=self.info.vocab_size)
+        return self.capture_runner.capture(seqs, ids)
+
+    # ------------------------------------------------------------------------------------------------ weights
+    def lm_head_weight(self) -> torch.Tensor:
+        """The target's output projection, read from its safetensors (tied embeddings resolved)."""
+        return _read_weight(self.model_path, ("lm_head.weight", "language_model.lm_head.weight"),
+                            fallback=("model.embed_tokens.weight", "language_model.model.embed_tokens.weight"))
+
+    def embed_weight(self) -> torch.Tensor:
+        return _read_weight(self.model_path, ("model.embed_tokens.weight", "language_model.model.embed_tokens.weight"))
+
+    def close(self) -> None:
+        if self._capture is not None:
+            self._capture.close()
+            self._capture = None
+        if self._engine is not None:
+            self._engine.shutdown()
+            self._engine = None
+
+
+def _target_info(model_path: str, tokenizer: Any, facts: TargetFacts, dtype: str) -> TargetInfo:
+    cfg = json.loads((Path(model_path) / "config.json").read_text())
+    text = cfg.get("text_config") or cfg
+    eos: set[int] = set()
+    gen_cfg = Path(model_path) / "generation_config.json"
+    sources = [text.get("eos_token_id"), tokenizer.eos_token_id]
+    if gen_cfg.is_file():
+        sources.append(json.loads(gen_cfg.read_text()).get("eos_token_id"))
+    for src in sources:
+        if src is None:
+            continue
+        eos.update([src] if isinstance(src, int) else [int(s) for s in src])
+    if dtype == "auto":
+        dtype = str(text.get("torch_dtype") or text.get("dtype") or cfg.get("torch_dtype") or "bfloat16")
+    return TargetInfo(
+        model=model_path, num_layers=facts.num_layers, hidden_size=facts.hidden_size,
+        vocab_size=int(text["vocab_size"]), max_position_embeddings=int(text.get("max_position_embeddings") or 0),
+        dtype=dtype, engine="sglang", engine_version=f"sglang-{installed_sglang_version()}",
+        architecture=facts.architecture, eos_token_ids=tuple(sorted(eos)),
+    )
+
+
+def _read_weight(model_path: str, names: Sequence[str], fallback: Sequence[str] = ()) -> torch.Tensor:
+    from safetensors import safe_open
+
+    files = sorted(Path(model_path).glob("*.safetensors"))
+    for group in (names, fallback):
+        for f in files:
+            with safe_open(str(f), framework="pt") as fh:
+                keys = set(fh.keys())
+                for n in group:
+                    if n in keys:
+                        return fh.get_tensor(n)
+    raise KeyError(f"none of {list(names) + list(fallback)} found in {model_path}/*.safetensors")
