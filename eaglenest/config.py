@@ -207,6 +207,7 @@ class ServeConfig(Section):
     max_concurrent_requests: int = Field(64, ge=1)
     max_prompt_tokens: int = Field(1536, ge=1)
     max_tokens_limit: int = Field(512, ge=1)
+    max_batch_size: int = Field(16, ge=1, description="concurrent requests the hf backend decodes as one batch")
     num_replicas: int = Field(1, ge=1)
     autoscaling: dict[str, Any] | None = None
     num_cpus_per_replica: float = Field(0.5, ge=0)

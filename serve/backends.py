@@ -1,0 +1,351 @@
+"""Serving backends: a decoder running on one worker thread per replica, fed by a small batching scheduler.
+
+The HTTP layer never touches torch: it submits a :class:`Job` and receives :class:`DecodeEvent` s through a callback
+(called from the worker thread). The scheduler takes every queued job (up to the decoder's ``max_batch``) and runs
+them as one batch; jobs that arrive meanwhile wait for the next batch.
+
+Backends:
+
+- ``hf`` (CPU default): the reference speculative decoder of ``drafter.spec`` on the transformers target, or its plain
+  baseline decoder when no drafter is configured. Tokens stream as the decoder commits them.
+- ``sglang`` (GPU): a thin adapter onto ``eaglenest.engines.sglang.SGLangEngine`` (imported lazily). The engine
+  returns whole generations, so a stream gets its tokens in one piece at the end.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from eaglenest.config import EaglenestConfig
+from eaglenest.engines.base import Message, SamplingParams, TargetEngine, TargetInfo
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SpecStats:
+    """Speculation counts of one request (target verify forwards after the prefill, draft tokens proposed/accepted).
+
+    ``accept_length`` = mean over verify steps of (accepted + 1): tokens per target forward with the bonus token
+    counted, SGLang's definition; 1.0 means no draft token was ever accepted (and is what plain decoding reports).
+    """
+
+    verify_steps: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+
+    @property
+    def accept_length(self) -> float:
+        return 1.0 + self.accepted_tokens / self.verify_steps if self.verify_steps else 1.0
+
+    def __add__(self, other: SpecStats) -> SpecStats:
+        return SpecStats(self.verify_steps + other.verify_steps, self.draft_tokens + other.draft_tokens,
+                         self.accepted_tokens + other.accepted_tokens)
+
+
+@dataclass
+class DecodeEvent:
+    """Newly committed tokens of one job; the last event of a job has ``finish_reason`` (or ``error``) set."""
+
+    token_ids: list[int]
+    finish_reason: str | None = None
+    stats: SpecStats | None = None
+    error: str | None = None
+
+    @property
+    def final(self) -> bool:
+        return self.finish_reason is not None or self.error is not None
+
+
+@dataclass
+class Job:
+    """One request inside the scheduler; ``emit`` is called from the worker thread."""
+
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    emit_fn: Callable[[DecodeEvent], None]
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    started_at: float | None = None
+    finished: bool = False
+    tokens: int = 0
+
+    def emit(self, ev: DecodeEvent) -> None:
+        if self.finished:
+            return
+        self.tokens += len(ev.token_ids)
+        if ev.final:
+            self.finished = True
+        try:
+            self.emit_fn(ev)
+        except Exception:  # a consumer that went away must not break the batch
+            log.debug("dropping an event for a consumer that is gone", exc_info=True)
+
+
+class Decoder(Protocol):
+    """Runs a batch of jobs to completion, emitting each job's tokens and exactly one final event per job."""
+
+    max_batch: int
+    speculative: bool
+    algorithm: str | None
+
+    def run(self, jobs: list[Job]) -> None: ...
+
+
+# ----------------------------------------------------------------------------------------------------- backend
+class Backend:
+    """A target engine + a decoder + the worker thread that runs it."""
+
+    def __init__(self, engine: TargetEngine, decoder: Decoder, *, name: str) -> None:
+        self.engine = engine
+        self.decoder = decoder
+        self.name = name
+        self._queue: queue.Queue[Job | None] = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._stopping = threading.Event()
+        self.fatal: str | None = None
+
+    # ---- facts
+    @property
+    def info(self) -> TargetInfo:
+        return self.engine.info
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    @property
+    def speculative(self) -> bool:
+        return self.decoder.speculative
+
+    @property
+    def algorithm(self) -> str | None:
+        return self.decoder.algorithm
+
+    # ---- text
+    def render_chat(self, messages: Sequence[Message], tools: Sequence[dict] | None = None) -> list[int]:
+        return self.engine.render_prompt(messages, tools)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    # ---- worker
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name=f"eaglenest-{self.name}-decoder", daemon=True)
+            self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self.fatal is None
+
+    @property
+    def queued(self) -> int:
+        return self._queue.qsize()
+
+    def submit(self, job: Job) -> None:
+        if self._stopping.is_set():
+            raise RuntimeError("the backend is shutting down")
+        if not self.alive:
+            raise RuntimeError(f"the decoder thread is not running ({self.fatal or 'not started'})")
+        self._queue.put(job)
+
+    def _loop(self) -> None:
+        while not self._stopping.is_set():
+            try:
+                job = self._queue.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            if job is None:
+                break
+            batch = [job]
+            while len(batch) < self.decoder.max_batch:
+                try:
+                    nxt = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if nxt is None:
+                    self._stopping.set()
+                    break
+                batch.append(nxt)
+            live = [j for j in batch if not j.cancelled.is_set()]
+            for j in batch:
+                if j.cancelled.is_set():
+                    j.emit(DecodeEvent([], error="cancelled before it started"))
+            if not live:
+                continue
+            now = time.perf_counter()
+            for j in live:
+                j.started_at = now
+            try:
+                self.decoder.run(live)
+            except Exception as e:  # one bad batch fails its requests, not the replica
+                log.exception("decoder failed on a batch of %d", len(live))
+                msg = f"{type(e).__name__}: {e}"
+                for j in live:
+                    j.emit(DecodeEvent([], error=msg))
+            for j in live:  # a decoder that forgot a job must not hang its client
+                if not j.finished:
+                    j.emit(DecodeEvent([], error="the decoder ended without finishing this request"))
+
+    def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams,
+                 timeout: float | None = None) -> tuple[list[int], str, SpecStats]:
+        """Blocking generation through the worker (self-test, benchmarks): (token ids, finish reason, stats)."""
+        done = threading.Event()
+        events: list[DecodeEvent] = []
+
+        def sink(ev: DecodeEvent) -> None:
+            events.append(ev)
+            if ev.final:
+                done.set()
+
+        self.submit(Job(list(prompt_ids), sampling, sink))
+        if not done.wait(timeout):
+            raise TimeoutError(f"generation did not finish within {timeout} s")
+        last = events[-1]
+        if last.error:
+            raise RuntimeError(last.error)
+        ids = [t for ev in events for t in ev.token_ids]
+        return ids, str(last.finish_reason), last.stats or SpecStats(verify_steps=max(len(ids) - 1, 0))
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop after the running batch; queued jobs that never started get an error event."""
+        self._stopping.set()
+        self._queue.put(None)
+        if self._thread is not None:
+            self._thread.join(timeout)
+        while True:
+            try:
+                job = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                job.emit(DecodeEvent([], error="the server is shutting down"))
+        self.engine.close()
+
+
+# ------------------------------------------------------------------------------------------------ hf decoder
+class HFSpecDecoder:
+    """``drafter.spec``'s reference decoder (SpecDecoder with a drafter, BaselineDecoder without) on the hf target.
+
+    Jobs with the same sampling settings decode as one ragged batch and stream per target forward. A seeded sampled
+    request decodes alone: its RNG is derived from its row, and row 0 keeps the answer independent of the traffic.
+    """
+
+    def __init__(self, dec: Any, *, speculative: bool, algorithm: str | None, max_batch: int,
+                 draft_tokens_per_step: int) -> None:
+        self.dec = dec
+        self.speculative = speculative
+        self.algorithm = algorithm
+        self.max_batch = max_batch
+        self.per_step = draft_tokens_per_step if speculative else 0
+
+    def groups(self, jobs: list[Job]) -> list[list[Job]]:
+        out: dict[Any, list[Job]] = {}
+        for i, j in enumerate(jobs):
+            alone = j.sampling.seed is not None and not j.sampling.greedy
+            out.setdefault((j.sampling, i) if alone else (j.sampling,), []).append(j)
+        return list(out.values())
+
+    def run(self, jobs: list[Job]) -> None:
+        for group in self.groups(jobs):
+            # SpecDecoder._run is the batched streaming loop behind its public generate()/stream()
+            chunks = self.dec._run([j.prompt_ids for j in group], group[0].sampling)
+            try:
+                for row, chunk in chunks:
+                    job = group[row]
+                    stats = None
+                    if chunk.result is not None:
+                        r = chunk.result
+                        stats = SpecStats(verify_steps=r.draft_steps, draft_tokens=r.draft_steps * self.per_step,
+                                          accepted_tokens=sum(r.accepted_per_step))
+                    job.emit(DecodeEvent(list(chunk.token_ids),
+                                         finish_reason=chunk.finish_reason if chunk.finished else None, stats=stats))
+                    if all(j.cancelled.is_set() or j.finished for j in group):
+                        break  # every client of this batch is gone: stop decoding it
+            finally:
+                chunks.close()
+            for j in group:
+                if not j.finished:
+                    j.emit(DecodeEvent([], error="cancelled"))
+
+
+# --------------------------------------------------------------------------------------------- sglang adapter
+class SGLangDecoder:
+    """Batches go to ``SGLangEngine.generate_ids`` whole (SGLang batches continuously inside); per-request spec
+    counts come from its ``meta_info``."""
+
+    speculative = True
+
+    def __init__(self, engine: Any, max_batch: int) -> None:
+        self.engine = engine
+        self.max_batch = max_batch
+        launch = getattr(engine, "launch", None)
+        self.algorithm = getattr(launch, "algorithm", None)
+        self.speculative = launch is not None
+
+    def run(self, jobs: list[Job]) -> None:
+        groups: dict[SamplingParams, list[Job]] = {}
+        for j in jobs:
+            groups.setdefault(j.sampling, []).append(j)
+        for sampling, group in groups.items():
+            gens = self.engine.generate_ids([j.prompt_ids for j in group], sampling)
+            for j, g in zip(group, gens, strict=True):
+                n = len(g.token_ids)
+                meta = g.meta or {}
+                verify = int(meta.get("spec_verify_ct") or 0)
+                accepted = meta.get("draft_tokens_accepted")
+                stats = SpecStats(verify_steps=verify, draft_tokens=int(meta.get("draft_tokens_proposed") or 0),
+                                  accepted_tokens=int(accepted if accepted is not None else max(n - verify, 0)))
+                j.emit(DecodeEvent(list(g.token_ids), finish_reason=g.finish_reason, stats=stats))
+
+
+# ------------------------------------------------------------------------------------------------- factory
+def make_backend(cfg: EaglenestConfig, drafter: str | None) -> Backend:
+    """The configured backend, started; ``drafter`` None serves the plain target (baseline decoding)."""
+    engine_kind = cfg.target.engine
+    if engine_kind == "hf":
+        import torch
+
+        from eaglenest.engines import load_engine
+
+        torch.set_num_threads(cfg.target.cpu_threads or 1)
+        engine = load_engine(cfg.target)
+        decoder: Decoder = _hf_decoder(engine, drafter, cfg)
+    elif engine_kind == "sglang":
+        from eaglenest.engines.sglang import SGLangEngine
+
+        if drafter is not None:
+            engine = SGLangEngine.speculative(cfg.target, drafter, cfg.serve.spec)
+        else:
+            engine = SGLangEngine.from_config(cfg.target)
+        decoder = SGLangDecoder(engine, max_batch=cfg.serve.max_concurrent_requests)
+    else:
+        raise ValueError(f"unknown target.engine {engine_kind!r}; allowed: hf, sglang")
+    backend = Backend(engine, decoder, name=engine_kind)
+    backend.start()
+    return backend
+
+
+def _hf_decoder(engine: Any, drafter: str | None, cfg: EaglenestConfig) -> Decoder:
+    from drafter.spec import BaselineDecoder, SpecDecoder
+
+    spec = cfg.serve.spec
+    if drafter is None:
+        return HFSpecDecoder(BaselineDecoder.from_engine(engine), speculative=False, algorithm=None,
+                             max_batch=cfg.serve.max_batch_size, draft_tokens_per_step=0)
+    from drafter.export import load_drafter
+
+    model = load_drafter(drafter, device=engine.device, dtype=engine.dtype, target_embedding=engine.embed_weight())
+    algorithm = spec.algorithm or "EAGLE3"
+    dec = SpecDecoder.from_engine(engine, model, spec)
+    return HFSpecDecoder(dec, speculative=True, algorithm=algorithm, max_batch=cfg.serve.max_batch_size,
+                         draft_tokens_per_step=spec.num_draft_tokens - 1)

@@ -1,0 +1,118 @@
+"""``eaglenest serve`` and its non-blocking Python API: ``start_serve(cfg, drafter) -> url`` / ``stop_serve()``.
+
+Imports of Ray, torch and FastAPI happen inside the functions, so ``eaglenest --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import threading
+from typing import Any
+
+RAY_ENV_DEFAULTS = {
+    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",  # one machine: keep every Ray process on loopback
+    "RAY_AUTH_MODE": "disabled",
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+_STATE: dict[str, Any] = {"owns_ray": False, "apps": []}
+
+
+def _ray_env() -> None:
+    for k, v in RAY_ENV_DEFAULTS.items():
+        os.environ.setdefault(k, v)
+
+
+def start_serve(
+    cfg: Any,
+    drafter_dir: str | None = None,
+    *,
+    host: str | None = None,
+    port: int | None = None,
+    name: str = "eaglenest",
+    route_prefix: str = "/",
+    num_cpus: float | None = None,
+) -> str:
+    """Deploy the app on Ray Serve and return its base URL (``http://host:port[prefix]``) once it is running.
+
+    Connects to the running Ray (or starts a local one) and starts Serve's HTTP proxy on ``host:port`` (default:
+    ``serve.host`` / ``serve.port``). The OpenAI client uses ``base_url=url + "/v1"``. A failed preflight raises
+    before anything is deployed; a replica whose self-test fails still starts and reports unhealthy on ``/health``.
+    Call again with another ``name`` and ``route_prefix`` to add a second application to the same Serve instance.
+    """
+    _ray_env()
+    import ray
+    from ray import serve
+    from ray.serve._private.api import serve_start
+
+    from serve.app import make_app
+
+    host = host or cfg.serve.host
+    port = int(port or cfg.serve.port)
+    if not ray.is_initialized():
+        kwargs: dict[str, Any] = {"log_to_driver": False,
+                                  "runtime_env": {"env_vars": {"TOKENIZERS_PARALLELISM": "false"}}}
+        if num_cpus is not None:
+            kwargs["num_cpus"] = num_cpus
+        ray.init(**kwargs)
+        _STATE["owns_ray"] = True
+    app = make_app(cfg, drafter_dir)  # preflight first: nothing starts for a bad drafter
+    client = serve_start(http_options={"host": host, "port": port})
+    actual = client.http_config
+    if (actual.host, int(actual.port)) != (host, port):
+        raise RuntimeError(f"Ray Serve already runs on {actual.host}:{actual.port}, not {host}:{port}; stop it "
+                           f"(serve shutdown) or use that address")
+    serve.run(app, name=name, route_prefix=route_prefix, blocking=False)
+    _STATE["apps"].append(name)
+    return f"http://{host}:{port}{route_prefix.rstrip('/')}"
+
+
+def stop_serve(name: str | None = None) -> None:
+    """Delete one application (``name``) or shut Serve down (graceful: running requests finish first).
+
+    Ray itself is shut down too when ``start_serve`` started it.
+    """
+    import ray
+    from ray import serve
+
+    if not ray.is_initialized():
+        return
+    if name is not None:
+        serve.delete(name)
+        if name in _STATE["apps"]:
+            _STATE["apps"].remove(name)
+        return
+    serve.shutdown()
+    _STATE["apps"].clear()
+    if _STATE["owns_ray"]:
+        ray.shutdown()
+        _STATE["owns_ray"] = False
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", required=True, help="eaglenest YAML config (target: and serve: sections)")
+    p.add_argument("--drafter", default=None, help="exported drafter folder (default serve.drafter; none = baseline)")
+    p.add_argument("--port", type=int, default=None, help="HTTP port (default serve.port)")
+    p.add_argument("--host", default=None, help="bind address (default serve.host, 127.0.0.1)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from eaglenest.config import load_config
+
+    cfg = load_config(args.config)
+    url = start_serve(cfg, args.drafter, host=args.host, port=args.port)
+    print(f"eaglenest serving {cfg.serve.model_name} at {url}  (OpenAI base_url {url}/v1, health {url}/health)")
+    print("press Ctrl-C to stop", flush=True)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        while not stop.wait(1.0):
+            pass
+    except KeyboardInterrupt:
+        pass
+    print("stopping (running requests finish first) ...", flush=True)
+    stop_serve()
+    return 0

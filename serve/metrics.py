@@ -1,0 +1,133 @@
+"""Serve metrics through ``ray.util.metrics`` (exported by Ray's per-node metrics agent with a ``ray_`` prefix).
+
+The names are a contract with ``monitoring/alerts.yml`` and the Grafana dashboard; change them only together.
+Accept length counts the bonus token (1.0 = no draft token accepted: the drafter is bypassed).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+TTFT_BOUNDARIES = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
+ITL_BOUNDARIES = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5]
+ACCEPT_BOUNDARIES = [1.0, 1.05, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 8.0]
+
+METRIC_NAMES = (
+    "eaglenest_serve_requests",
+    "eaglenest_serve_ttft_seconds",
+    "eaglenest_serve_inter_token_latency_seconds",
+    "eaglenest_serve_generated_tokens",
+    "eaglenest_serve_accept_length",
+    "eaglenest_serve_accept_length_current",
+    "eaglenest_serve_draft_tokens_proposed",
+    "eaglenest_serve_draft_tokens_accepted",
+    "eaglenest_serve_speedup_vs_baseline",
+    "eaglenest_serve_replica_healthy",
+    "eaglenest_serve_tokens_per_second",
+)
+
+
+@dataclass
+class RequestStats:
+    """What one finished request contributes to the metrics."""
+
+    completion_tokens: int
+    ttft_s: float | None
+    decode_s: float
+    accept_length: float
+    draft_tokens: int
+    accepted_tokens: int
+    speculative: bool
+
+
+class ServeMetrics:
+    """All serve metrics of one process; ``smoothing`` weights the newest request in the tokens/s gauges."""
+
+    def __init__(self, model: str, *, baseline_tokens_per_s: float | None = None, smoothing: float = 0.2) -> None:
+        from ray.util.metrics import Counter, Gauge, Histogram
+
+        self.model = model
+        self.tags = {"model": model}
+        self.baseline = baseline_tokens_per_s
+        self.smoothing = smoothing
+        self._tps: float | None = None
+        self._lock = threading.Lock()
+        m = ("model",)
+        self.requests = Counter("eaglenest_serve_requests", "HTTP requests by route and status code",
+                                tag_keys=("route", "status"))
+        self.ttft = Histogram("eaglenest_serve_ttft_seconds", "time from request arrival to the first generated token",
+                              boundaries=TTFT_BOUNDARIES, tag_keys=m)
+        self.itl = Histogram("eaglenest_serve_inter_token_latency_seconds",
+                             "mean time between output tokens of a request, after the first",
+                             boundaries=ITL_BOUNDARIES, tag_keys=m)
+        self.generated = Counter("eaglenest_serve_generated_tokens", "completion tokens generated", tag_keys=m)
+        self.accept = Histogram("eaglenest_serve_accept_length",
+                                "per-request accept length (tokens per target verify step, bonus token counted)",
+                                boundaries=ACCEPT_BOUNDARIES, tag_keys=m)
+        self.accept_current = Gauge("eaglenest_serve_accept_length_current",
+                                    "accept length of the latest finished request", tag_keys=m)
+        self.proposed = Counter("eaglenest_serve_draft_tokens_proposed", "draft tokens proposed to the target",
+                                tag_keys=m)
+        self.accepted = Counter("eaglenest_serve_draft_tokens_accepted", "draft tokens accepted by the target",
+                                tag_keys=m)
+        self.speedup = Gauge("eaglenest_serve_speedup_vs_baseline",
+                             "decode tokens/s per request over serve.baseline_tokens_per_s (the last benchmark)",
+                             tag_keys=m)
+        self.healthy = Gauge("eaglenest_serve_replica_healthy", "1 when the replica passed its self-test",
+                             tag_keys=m)
+        self.tps = Gauge("eaglenest_serve_tokens_per_second", "decode tokens/s per request (moving average)",
+                         tag_keys=m)
+
+    def request(self, route: str, status: int) -> None:
+        self.requests.inc(1, tags={"route": route, "status": str(status)})
+
+    def set_healthy(self, ok: bool) -> None:
+        self.healthy.set(1.0 if ok else 0.0, tags=self.tags)
+
+    def finished(self, s: RequestStats) -> None:
+        """Record one finished generation."""
+        t = self.tags
+        if s.ttft_s is not None:
+            self.ttft.observe(max(s.ttft_s, 0.0), tags=t)
+        if s.completion_tokens > 1 and s.ttft_s is not None:
+            self.itl.observe(max(s.decode_s, 0.0) / (s.completion_tokens - 1), tags=t)
+        if s.completion_tokens <= 0:
+            return
+        self.generated.inc(s.completion_tokens, tags=t)
+        self.accept.observe(s.accept_length, tags=t)
+        self.accept_current.set(s.accept_length, tags=t)
+        if s.draft_tokens:
+            self.proposed.inc(s.draft_tokens, tags=t)
+        if s.accepted_tokens:
+            self.accepted.inc(s.accepted_tokens, tags=t)
+        if s.completion_tokens > 1 and s.decode_s > 0:
+            rate = (s.completion_tokens - 1) / s.decode_s
+            with self._lock:
+                self._tps = rate if self._tps is None else (1 - self.smoothing) * self._tps + self.smoothing * rate
+                tps = self._tps
+            self.tps.set(tps, tags=t)
+            if self.baseline:
+                self.speedup.set(tps / self.baseline, tags=t)
+
+    @property
+    def tokens_per_second(self) -> float | None:
+        return self._tps
+
+
+class NullMetrics(ServeMetrics):
+    """Same interface, records nothing (in-process engine use without Ray)."""
+
+    def __init__(self, model: str = "", **_: Any) -> None:  # noqa: D107 - no Ray metrics objects
+        self.model, self.tags, self.baseline, self.smoothing, self._tps = model, {"model": model}, None, 0.2, None
+        self._lock = threading.Lock()
+
+    def request(self, route: str, status: int) -> None:
+        pass
+
+    def set_healthy(self, ok: bool) -> None:
+        pass
+
+    def finished(self, s: RequestStats) -> None:
+        pass

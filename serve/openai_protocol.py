@@ -1,0 +1,266 @@
+"""OpenAI wire format: request models (type-checked only; value checks live in ``check_*`` with a named param),
+response and stream-chunk builders, and the error body.
+
+Type problems (missing ``messages``, ``max_tokens: "ten"``) are schema errors (HTTP 422); values the server cannot
+honour (``temperature: -1``, ``n: 3``, an unknown argument) are bad parameters (HTTP 400), each naming the param.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict
+
+# ------------------------------------------------------------------------------------------------------- errors
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    503: "service_unavailable",
+}
+
+
+class APIError(Exception):
+    """An error that becomes an OpenAI-style JSON body with an HTTP status."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.status, self.message, param=self.param, code=self.code)
+
+
+def error_body(status: int, message: str, *, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "invalid_request_error"), "param": param,
+                      "code": code}}
+
+
+# ----------------------------------------------------------------------------------------------------- requests
+class _Request(BaseModel):
+    # unknown arguments are kept so they can be refused with a 400 that names them (as OpenAI does)
+    model_config = ConfigDict(extra="allow")
+
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int | None = None
+    stream: bool | None = False
+    stream_options: dict[str, Any] | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    logprobs: bool | int | None = None
+    user: str | None = None
+
+    @property
+    def unknown_args(self) -> list[str]:
+        return sorted((self.model_extra or {}).keys())
+
+    @property
+    def include_usage(self) -> bool:
+        return bool((self.stream_options or {}).get("include_usage"))
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+
+
+class ChatCompletionRequest(_Request):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: dict[str, Any] | None = None
+    top_logprobs: int | None = None
+
+
+class CompletionRequest(_Request):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    echo: bool | None = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+# ---------------------------------------------------------------------------------------------------- responses
+class SpecUsage(BaseModel):
+    """Speculative-decoding counts of one request: accept length counts the bonus token (1.0 = no draft accepted)."""
+
+    accept_length: float
+    draft_tokens: int
+    accepted_tokens: int
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    spec: SpecUsage
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def chat_response(rid: str, model: str, text: str, finish_reason: str, usage: Usage,
+                  created: int | None = None) -> dict[str, Any]:
+    return {
+        "id": rid, "object": "chat.completion", "created": created or now(), "model": model,
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                     "finish_reason": finish_reason}],
+        "usage": usage.model_dump(),
+    }
+
+
+def completion_response(rid: str, model: str, text: str, finish_reason: str, usage: Usage,
+                        created: int | None = None) -> dict[str, Any]:
+    return {
+        "id": rid, "object": "text_completion", "created": created or now(), "model": model,
+        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
+        "usage": usage.model_dump(),
+    }
+
+
+def chat_chunk(rid: str, model: str, created: int, *, delta: dict[str, Any] | None = None,
+               finish_reason: str | None = None, usage: Usage | None = None) -> dict[str, Any]:
+    """One ``chat.completion.chunk``; a usage-only chunk has ``choices: []`` (``stream_options.include_usage``)."""
+    choices = [] if delta is None else [{"index": 0, "delta": delta, "logprobs": None,
+                                         "finish_reason": finish_reason}]
+    return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": choices,
+            "usage": usage.model_dump() if usage is not None else None}
+
+
+def completion_chunk(rid: str, model: str, created: int, *, text: str | None = None,
+                     finish_reason: str | None = None, usage: Usage | None = None) -> dict[str, Any]:
+    choices = [] if text is None else [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]
+    return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": choices,
+            "usage": usage.model_dump() if usage is not None else None}
+
+
+def models_response(model: str, created: int, owned_by: str = "eaglenest") -> dict[str, Any]:
+    return {"object": "list", "data": [{"id": model, "object": "model", "created": created, "owned_by": owned_by}]}
+
+
+class SamplingRequest(BaseModel):
+    """The checked sampling knobs of one request (what the engine receives)."""
+
+    max_tokens: int
+    temperature: float
+    top_p: float
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+
+
+def check_sampling(req: _Request, *, max_tokens: int | None, max_tokens_limit: int,
+                   supported: tuple[str, ...] = ()) -> SamplingRequest:
+    """Value checks shared by both routes; each failure is a 400 naming the parameter."""
+    if req.unknown_args:
+        name = req.unknown_args[0]
+        raise APIError(400, f"Unrecognized request argument supplied: {name}", param=name,
+                       code="unrecognized_argument")
+    if req.n not in (None, 1):
+        raise APIError(400, f"n={req.n} is not supported: this server returns one choice per request (n=1)",
+                       param="n")
+    for name in ("presence_penalty", "frequency_penalty"):
+        v = getattr(req, name)
+        if v not in (None, 0, 0.0):
+            raise APIError(400, f"{name} is not supported by speculative decoding here; omit it or send 0",
+                           param=name)
+    if req.logit_bias:
+        raise APIError(400, "logit_bias is not supported; omit it", param="logit_bias")
+    if req.logprobs not in (None, False, 0):
+        raise APIError(400, "logprobs are not supported; omit them", param="logprobs")
+    temperature = 1.0 if req.temperature is None else float(req.temperature)
+    if not 0.0 <= temperature <= 2.0:
+        raise APIError(400, f"temperature must be in [0, 2], got {req.temperature}", param="temperature")
+    top_p = 1.0 if req.top_p is None else float(req.top_p)
+    if not 0.0 < top_p <= 1.0:
+        raise APIError(400, f"top_p must be in (0, 1], got {req.top_p}", param="top_p")
+    if max_tokens is None:
+        max_tokens = max_tokens_limit
+    elif max_tokens < 1:
+        raise APIError(400, f"max_tokens must be >= 1, got {max_tokens}", param="max_tokens")
+    elif max_tokens > max_tokens_limit:
+        raise APIError(400, f"max_tokens {max_tokens} exceeds this server's limit of {max_tokens_limit} "
+                            f"(serve.max_tokens_limit)", param="max_tokens")
+    stops: tuple[str, ...] = ()
+    if req.stop is not None:
+        stops = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop)
+        if len(stops) > 4:
+            raise APIError(400, f"at most 4 stop sequences, got {len(stops)}", param="stop")
+        if any(not s for s in stops):
+            raise APIError(400, "stop sequences must be non-empty strings", param="stop")
+    return SamplingRequest(max_tokens=max_tokens, temperature=temperature, top_p=top_p, stop=stops, seed=req.seed)
+
+
+def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
+    """Messages as the chat template expects them: text parts joined, other part types refused (400)."""
+    if not req.messages:
+        raise APIError(400, "messages must hold at least one message", param="messages")
+    if req.response_format and req.response_format.get("type", "text") != "text":
+        raise APIError(400, "response_format other than text is not supported", param="response_format")
+    out = []
+    for i, m in enumerate(req.messages):
+        content = m.content
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if part.type != "text" or part.text is None:
+                    raise APIError(400, f"messages[{i}].content: only text parts are supported, got {part.type!r}",
+                                   param=f"messages[{i}].content")
+                texts.append(part.text)
+            content = "".join(texts)
+        role = "system" if m.role == "developer" else m.role
+        msg: dict[str, Any] = {"role": role, "content": content or ""}
+        for k in ("name", "tool_calls", "tool_call_id", "reasoning_content"):
+            v = getattr(m, k)
+            if v is not None:
+                msg[k] = v
+        out.append(msg)
+    return out
+
+
+def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
+    """A pydantic error list as one readable message and the first offending param."""
+    parts, param = [], None
+    for e in errors[:5]:
+        loc = ".".join(str(x) for x in e.get("loc", ()) if x not in ("body",))
+        param = param or (loc.split(".")[0] if loc else None)
+        parts.append(f"{loc or '<body>'}: {e.get('msg')}")
+    return "invalid request: " + "; ".join(parts), param
+
+
+__all__ = [
+    "APIError", "ChatCompletionRequest", "ChatMessage", "CompletionRequest", "SamplingRequest", "SpecUsage", "Usage",
+    "chat_chunk", "chat_messages", "chat_response", "check_sampling", "completion_chunk", "completion_response",
+    "error_body", "models_response", "new_id", "validation_message",
+]
