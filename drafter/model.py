@@ -111,12 +111,14 @@ class Rotary(nn.Module):
 
     def __init__(self, head_dim: int, theta: float) -> None:
         super().__init__()
-        inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-        self.register_buffer("inv_freq", inv, persistent=False)
+        # a plain attribute, not a buffer: ``module.to(bfloat16)`` must not round the frequencies
+        self.inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
 
     def cos_sin(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """``position_ids [B, S]`` -> cos, sin ``[B, 1, S, head_dim]``."""
-        freqs = position_ids.float()[..., None] * self.inv_freq.to(position_ids.device)
+        """``position_ids [B, S]`` -> cos, sin ``[B, 1, S, head_dim]`` (angles in fp32)."""
+        if self.inv_freq.device != position_ids.device:
+            self.inv_freq = self.inv_freq.to(position_ids.device)
+        freqs = position_ids.float()[..., None] * self.inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)[:, None]
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
