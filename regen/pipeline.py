@@ -1,0 +1,190 @@
+"""``run_regen``: sources -> normalize -> plan -> actor pool of target engines -> shards + quarantine + manifest.
+
+A run has two Ray Data executions. The first reads and normalizes every source (CPU tasks) and streams the result
+through the driver, which resolves duplicates, skips ids already in the output folder and writes this run's plan.
+The second reads the plan and runs it through ``map_batches(EngineActor, compute=ActorPoolStrategy(size=n))`` into
+``ShardDatasink``. Kill either at any point and rerun the same command: completed files are scanned first, so every
+input sample ends up exactly once in a shard or in quarantine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from eaglenest.config import EaglenestConfig, SamplingConfig
+from regen.output import (
+    OutputFolderError,
+    check_identity,
+    remove_stale_temporaries,
+    scan_completed,
+    write_final_manifest,
+)
+from regen.sources import build_plan, check_sources, data_context
+
+LOCAL_RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled",
+                 "RAY_USAGE_STATS_ENABLED": "0"}
+WRITE_CPUS = 0.25
+
+
+def ensure_ray() -> None:
+    """Attach to ``RAY_ADDRESS`` (a cluster, or a ``ray job submit`` driver) or start a local Ray."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    if not os.environ.get("RAY_ADDRESS"):
+        for k, v in LOCAL_RAY_ENV.items():
+            os.environ.setdefault(k, v)
+    ray.init(runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
+
+
+def target_identity(cfg: EaglenestConfig) -> dict[str, Any]:
+    """What the shards will be checked against, from the model's config (no weights are loaded in the driver)."""
+    from transformers import AutoConfig
+
+    from eaglenest.engines.hf import resolve_model_path, text_config
+    from eaglenest.layers import default_aux_layer_ids, validate_aux_layer_ids
+
+    path = resolve_model_path(cfg.target)
+    mc = text_config(AutoConfig.from_pretrained(path, trust_remote_code=cfg.target.trust_remote_code))
+    n = int(mc.num_hidden_layers)
+    aux = validate_aux_layer_ids(cfg.target.aux_layer_ids or default_aux_layer_ids(n), n)
+    return {"target": str(path), "num_layers": n, "hidden_size": int(mc.hidden_size),
+            "vocab_size": int(mc.vocab_size), "aux_layer_ids": aux, "dtype": cfg.regen.storage_dtype,
+            "engine": cfg.target.engine}
+
+
+def _sampling(s: SamplingConfig) -> dict[str, Any]:
+    return {"temperature": s.temperature, "top_p": s.top_p, "max_new_tokens": s.max_new_tokens, "seed": s.seed}
+
+
+def _resolved_sources(cfg: EaglenestConfig) -> list:
+    out = []
+    for s in cfg.regen.sources:
+        out.append(s.model_copy(update={"path": cfg.resolve(s.path)}) if s.path else s)
+    return out
+
+
+def run_regen(cfg: EaglenestConfig, output: str | Path | None = None, limit: int | None = None, *,
+              log: Callable[[str], None] = print, progress_interval_s: float = 15.0) -> dict[str, Any]:
+    """Run (or resume) the regen job; returns the summary that is also written to ``DIR/manifest.json``.
+
+    ``limit`` caps every source at ``limit`` input rows (on top of its ``max_samples``): a quick smoke run over all
+    formats. Bad rows never stop the job; they are counted per source and reason.
+    """
+    t_start = time.monotonic()
+    rc = cfg.regen
+    sources = _resolved_sources(cfg)
+    check_sources(sources)
+    out_dir = Path(output if output is not None else cfg.resolve(rc.output) or rc.output).resolve()
+    identity = target_identity(cfg)
+    check_identity(out_dir, identity)
+    stale = remove_stale_temporaries(out_dir)
+    completed = scan_completed(out_dir)
+    if completed.duplicates:
+        raise OutputFolderError(f"{out_dir} records {len(completed.duplicates)} sample id(s) twice (e.g. "
+                                f"{completed.duplicates[0]}); the folder was written by something else")
+    ensure_ray()
+    import ray
+
+    from regen.progress import ProgressTracker
+
+    log(f"regen: {len(sources)} sources -> {out_dir} ({len(completed)} samples already recorded"
+        f"{f', {stale} partial files removed' if stale else ''})")
+    tracker = ProgressTracker.remote()
+    plan = build_plan(sources, out_dir, limit=limit, completed=completed, rows_per_file=rc.batch_size)
+    q_now = sorted(plan.quarantined_now.items())
+    if q_now:
+        tracker.written.remote({}, [(s, r, n) for (s, r), n in q_now], planned=False)
+    log(f"regen: planned {plan.planned} samples for the engines; {sum(n for _, n in q_now)} rows quarantined while "
+        f"normalizing, {sum(plan.duplicates_per_source.values())} duplicates, "
+        f"{sum(plan.already_done_per_source.values())} already done")
+    totals: dict[str, int] = {}
+    engine_version = None
+    if plan.planned:
+        totals = _run_engine_stage(cfg, plan.files, out_dir, identity, tracker, log, progress_interval_s)
+        engine_version = (ray.get(tracker.snapshot.remote()).get("engine") or {}).get("engine_version")
+    ray.kill(tracker)
+    if engine_version is None:
+        engine_version = _previous_engine_version(out_dir) or f"{identity['engine']} (not started: nothing to do)"
+    wall = time.monotonic() - t_start
+    extra = {
+        "inputs_per_source": plan.inputs_per_source,
+        "duplicates_per_source": plan.duplicates_per_source,
+        "sources": [{k: v for k, v in s.model_dump().items() if v is not None and k != "sampling"}
+                    for s in sources],
+        "last_run": {"planned": plan.planned, "already_done": sum(plan.already_done_per_source.values()),
+                     "quarantined_while_normalizing": sum(n for _, n in q_now),
+                     "written": totals.get("samples", 0), "quarantined_by_engine_stage": totals.get("quarantined", 0),
+                     "generated_tokens": totals.get("generated_tokens", 0),
+                     "truncated_turns": totals.get("truncated_turns", 0),
+                     "dropped_turns": totals.get("dropped_turns", 0),
+                     "limit": limit, "wall_seconds": round(wall, 1)},
+    }
+    manifest = write_final_manifest(out_dir, identity, engine_version, extra)
+    summary = manifest.model_dump()
+    summary["output"] = str(out_dir)
+    return summary
+
+
+def _previous_engine_version(out_dir: Path) -> str | None:
+    import json
+
+    p = out_dir / "manifest.json"
+    return json.loads(p.read_text()).get("engine_version") if p.is_file() else None
+
+
+def _run_engine_stage(cfg: EaglenestConfig, files: list[str], out_dir: Path, identity: dict[str, Any], tracker: Any,
+                      log: Callable[[str], None], interval: float) -> dict[str, int]:
+    import ray
+    from ray.data import ActorPoolStrategy
+
+    from regen.progress import format_progress
+    from regen.stage import EngineActor, ShardDatasink
+
+    rc = cfg.regen
+    sampling = {s.name: _sampling(s.sampling or rc.sampling) for s in rc.sources}
+    ray.get(tracker.start.remote(_count_rows(files)))
+    sink = ShardDatasink(out_dir, rows_per_shard=rc.rows_per_shard, hidden_size=identity["hidden_size"],
+                         storage_dtype=rc.storage_dtype, tracker=tracker)
+    stop = threading.Event()
+
+    def report() -> None:
+        while not stop.wait(interval):
+            with contextlib.suppress(Exception):  # progress lines are best effort
+                log(format_progress(ray.get(tracker.snapshot.remote(), timeout=10)))
+
+    thread = threading.Thread(target=report, name="regen-progress", daemon=True)
+    thread.start()
+    # bars on a TTY; on a pipe (ray job logs) Ray Data logs a progress block every few seconds instead
+    try:
+        with data_context(enable_progress_bars=True, enable_operator_progress_bars=sys.stdout.isatty(),
+                          preserve_order=False, use_datasource_v2=False):
+            ds = ray.data.read_parquet(files, num_cpus=WRITE_CPUS, file_extensions=None)
+            ds = ds.map_batches(
+                EngineActor,
+                fn_constructor_kwargs={"target": cfg.target.model_dump(), "regen": rc.model_dump(),
+                                       "sampling": sampling, "identity": identity, "tracker": tracker},
+                batch_size=rc.batch_size, batch_format="pyarrow", zero_copy_batch=True,
+                compute=ActorPoolStrategy(size=rc.num_actors),
+                num_cpus=rc.num_cpus_per_actor, num_gpus=rc.num_gpus_per_actor,
+            )
+            ds.write_datasink(sink, ray_remote_args={"num_cpus": WRITE_CPUS})
+    finally:
+        stop.set()
+        thread.join(timeout=5)
+    log(format_progress(ray.get(tracker.snapshot.remote())))
+    return sink.totals
+
+
+def _count_rows(files: list[str]) -> int:
+    import pyarrow.parquet as pq
+
+    return sum(pq.ParquetFile(f).metadata.num_rows for f in files)
