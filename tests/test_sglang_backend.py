@@ -145,6 +145,7 @@ def test_run_generate_submits_the_whole_batch_once() -> None:
 
 def test_capture_batch_plan_and_aux_order() -> None:
     assert plan_capture_batches([5, 5, 5, 12, 1], 12) == [[0, 1], [2], [3], [4]]
+    assert plan_capture_batches([1] * 5, 100, max_seqs=2) == [[0, 1], [2, 3], [4]]
     with pytest.raises(ValueError, match="capture_max_tokens"):
         plan_capture_batches([13], 12)
     assert reorder_aux([2, 4, 5], [5, 2, 4]) == [2, 0, 1]

@@ -28,6 +28,7 @@ means re-reading exactly these:
   ``[language_model.]model.layers_to_capture``, ``[language_model.]logits_processor.forward(input_ids,
   hidden_states, lm_head, logits_metadata, aux_hidden_states, ...)`` (hidden_states = final normed state, aux = list
   of residual streams entering the captured layers, in ascending layer order).
+- ``Engine.generate(input_ids=[...], sampling_params=[...])``, ``Engine.flush_cache()``, ``Engine.shutdown()``.
 - Output dict of ``Engine.generate``: ``output_ids``, ``meta_info.finish_reason.type/matched``, ``prompt_tokens``,
   ``completion_tokens``, ``spec_verify_ct``, ``spec_accept_length``, ``spec_num_correct_drafts``,
   ``spec_num_proposed_drafts``.
@@ -143,6 +144,11 @@ class SGLangEngine(TargetEngine):
         self.engine_kwargs = kwargs
         self._engine: Any = None
         self._capture: Any = None
+
+    @property
+    def device(self) -> torch.device:
+        """Where captured tensors can be moved for training (the engine's GPU; captures come back on the CPU)."""
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
     @classmethod
     def from_config(cls, cfg: TargetConfig) -> SGLangEngine:

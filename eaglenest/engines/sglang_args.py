@@ -12,6 +12,9 @@ from typing import Any
 from eaglenest.config import SGLangEngineConfig
 from eaglenest.engines.base import FinishReason, Generation, SamplingParams
 
+CAPTURE_MAX_SEQS = 256
+"""Sequences per capture forward (the capture runner's max_running_requests: its request-slot pool)."""
+
 SGLANG_VERSION = "0.5.14"
 """The one SGLang release this backend is written and tested against (its capture path touches internals)."""
 
@@ -121,6 +124,7 @@ def capture_server_kwargs(
         "chunked_prefill_size": -1,
         "disable_cuda_graph": True,
         "skip_tokenizer_init": True,
+        "max_running_requests": CAPTURE_MAX_SEQS,
         "log_level": "error",
     }
     if cfg.context_length is not None:
@@ -281,8 +285,8 @@ def check_prompts(prompts: Sequence[Sequence[int]], *, vocab_size: int | None = 
     return out
 
 
-def plan_capture_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
-    """Pack sequence indexes, in order, into prefill batches of at most ``max_tokens`` tokens each.
+def plan_capture_batches(lengths: Sequence[int], max_tokens: int, max_seqs: int = CAPTURE_MAX_SEQS) -> list[list[int]]:
+    """Pack sequence indexes, in order, into prefill batches of at most ``max_tokens`` tokens / ``max_seqs`` rows.
 
     One sequence longer than ``max_tokens`` is refused (capture never truncates, and chunked prefill is off).
     """
@@ -299,7 +303,7 @@ def plan_capture_batches(lengths: Sequence[int], max_tokens: int) -> list[list[i
                 f"sequence {i} has {n} tokens but one capture batch holds at most {max_tokens}; raise "
                 f"target.sglang.capture_max_tokens (GPU memory permitting) or filter long samples (regen.max_tokens)"
             )
-        if used + n > max_tokens and cur:
+        if (used + n > max_tokens or len(cur) >= max_seqs) and cur:
             batches.append(cur)
             cur, used = [], 0
         cur.append(i)
