@@ -283,11 +283,11 @@ class _Reporter:
             m.set_default_tags(tags)
 
     def truncate_after(self, step: int) -> None:
-        """On resume, drop records the killed run wrote past the checkpoint (they will be redone)."""
+        """Drop records a killed run wrote past the checkpoint it resumes from (-1: a fresh start, drop all)."""
         if not self.enabled or not self.path.is_file():
             return
         keep = [line for line in self.path.read_text().splitlines()
-                if line.strip() and json.loads(line).get("step", 0) <= step]
+                if line.strip() and step >= 0 and json.loads(line).get("step", 0) <= step]
         self.path.write_text("".join(line + "\n" for line in keep))
         self.start_step = step
 
@@ -408,6 +408,8 @@ def _train_loop(config: dict[str, Any]) -> None:  # noqa: C901 - one linear trai
             with (out / "resume_log.jsonl").open("a") as f:
                 f.write(json.dumps(record, sort_keys=True) + "\n")
             _log(f"resumed from step {state['step']} ({ckpt.path})")
+    else:
+        reporter.truncate_after(-1)
     del ckpt
 
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if on_gpu else torch.autocast("cpu", enabled=False)
