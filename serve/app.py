@@ -122,6 +122,7 @@ class ServerCore:
         metrics_cls = ServeMetrics if use_ray_metrics else NullMetrics
         self.metrics: ServeMetrics = metrics_cls(self.model_name, baseline_tokens_per_s=s.baseline_tokens_per_s)
         self.metrics.set_healthy(False)
+        self.metrics.start_refresh()
         self.preflight = None
         if drafter is not None:  # local targets are checked before anything loads, others from the loaded engine
             from serve.preflight import local_target_folder, preflight_for_config
@@ -472,6 +473,7 @@ class ServerCore:
         """Refuse new requests, let running ones finish (bounded), then stop the decoder."""
         self.shutting_down = True
         self.metrics.set_healthy(False)
+        self.metrics.stop_refresh()
         deadline = time.monotonic() + timeout
         while self.inflight and time.monotonic() < deadline:
             time.sleep(0.05)

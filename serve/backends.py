@@ -132,7 +132,8 @@ class Backend:
         return self.engine.render_prompt(messages, tools)
 
     def encode(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        """A raw completion prompt, tokenized as the tokenizer does by default (BOS where the model adds one)."""
+        return list(self.tokenizer.encode(text))
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)

@@ -9,6 +9,7 @@ import argparse
 import os
 import signal
 import threading
+from dataclasses import dataclass
 from typing import Any
 
 RAY_ENV_DEFAULTS = {
@@ -41,17 +42,33 @@ def start_serve(
     Connects to the running Ray (or starts a local one) and starts Serve's HTTP proxy on ``host:port`` (default:
     ``serve.host`` / ``serve.port``). The OpenAI client uses ``base_url=url + "/v1"``. A failed preflight raises
     before anything is deployed; a replica whose self-test fails still starts and reports unhealthy on ``/health``.
-    Call again with another ``name`` and ``route_prefix`` to add a second application to the same Serve instance.
+    Call again with another ``name`` and ``route_prefix`` to add an application to the same Serve instance.
     """
+    return start_apps([AppSpec(cfg, drafter_dir, name, route_prefix)], host=host or cfg.serve.host,
+                      port=port or cfg.serve.port, num_cpus=num_cpus)[0]
+
+
+@dataclass
+class AppSpec:
+    """One application of :func:`start_apps`."""
+
+    cfg: Any
+    drafter_dir: str | None = None
+    name: str = "eaglenest"
+    route_prefix: str = "/"
+
+
+def start_apps(apps: list[AppSpec], *, host: str = "127.0.0.1", port: int = 8000,
+               num_cpus: float | None = None) -> list[str]:
+    """Deploy several applications on one Serve instance at once (their replicas start in parallel); URLs in order."""
     _ray_env()
     import ray
     from ray import serve
     from ray.serve._private.api import serve_start
+    from ray.serve.api import RunTarget
 
     from serve.app import make_app
 
-    host = host or cfg.serve.host
-    port = int(port or cfg.serve.port)
     if not ray.is_initialized():
         kwargs: dict[str, Any] = {"log_to_driver": False,
                                   "runtime_env": {"env_vars": {"TOKENIZERS_PARALLELISM": "false"}}}
@@ -59,15 +76,16 @@ def start_serve(
             kwargs["num_cpus"] = num_cpus
         ray.init(**kwargs)
         _STATE["owns_ray"] = True
-    app = make_app(cfg, drafter_dir)  # preflight first: nothing starts for a bad drafter
-    client = serve_start(http_options={"host": host, "port": port})
+    targets = [RunTarget(target=make_app(a.cfg, a.drafter_dir), name=a.name, route_prefix=a.route_prefix)
+               for a in apps]  # preflight first: nothing starts for a bad drafter
+    client = serve_start(http_options={"host": host, "port": int(port)})
     actual = client.http_config
-    if (actual.host, int(actual.port)) != (host, port):
+    if (actual.host, int(actual.port)) != (host, int(port)):
         raise RuntimeError(f"Ray Serve already runs on {actual.host}:{actual.port}, not {host}:{port}; stop it "
                            f"(serve shutdown) or use that address")
-    serve.run(app, name=name, route_prefix=route_prefix, blocking=False)
-    _STATE["apps"].append(name)
-    return f"http://{host}:{port}{route_prefix.rstrip('/')}"
+    serve.run_many(targets)
+    _STATE["apps"].extend(a.name for a in apps)
+    return [f"http://{host}:{port}{a.route_prefix.rstrip('/')}" for a in apps]
 
 
 def stop_serve(name: str | None = None) -> None:

@@ -80,11 +80,39 @@ class ServeMetrics:
         self.tps = Gauge("eaglenest_serve_tokens_per_second", "decode tokens/s per request (moving average)",
                          tag_keys=m)
 
+        self._gauges: dict[int, tuple[Any, float]] = {}
+        self._stop = threading.Event()
+        self._refresher: threading.Thread | None = None
+
     def request(self, route: str, status: int) -> None:
         self.requests.inc(1, tags={"route": route, "status": str(status)})
 
     def set_healthy(self, ok: bool) -> None:
-        self.healthy.set(1.0 if ok else 0.0, tags=self.tags)
+        self._set(self.healthy, 1.0 if ok else 0.0)
+
+    def _set(self, gauge: Any, value: float) -> None:
+        with self._lock:
+            self._gauges[id(gauge)] = (gauge, value)
+        gauge.set(value, tags=self.tags)
+
+    def start_refresh(self, interval_s: float = 5.0) -> None:
+        """Re-report every gauge's last value periodically: Ray's metrics agent drops a gauge series that has not
+        been reported for two export intervals, and a replica's health must stay visible between requests."""
+        if self._refresher is not None:
+            return
+
+        def loop() -> None:
+            while not self._stop.wait(interval_s):
+                with self._lock:
+                    items = list(self._gauges.values())
+                for gauge, value in items:
+                    gauge.set(value, tags=self.tags)
+
+        self._refresher = threading.Thread(target=loop, name="eaglenest-metrics-refresh", daemon=True)
+        self._refresher.start()
+
+    def stop_refresh(self) -> None:
+        self._stop.set()
 
     def finished(self, s: RequestStats) -> None:
         """Record one finished generation."""
@@ -97,7 +125,7 @@ class ServeMetrics:
             return
         self.generated.inc(s.completion_tokens, tags=t)
         self.accept.observe(s.accept_length, tags=t)
-        self.accept_current.set(s.accept_length, tags=t)
+        self._set(self.accept_current, s.accept_length)
         if s.draft_tokens:
             self.proposed.inc(s.draft_tokens, tags=t)
         if s.accepted_tokens:
@@ -107,9 +135,9 @@ class ServeMetrics:
             with self._lock:
                 self._tps = rate if self._tps is None else (1 - self.smoothing) * self._tps + self.smoothing * rate
                 tps = self._tps
-            self.tps.set(tps, tags=t)
+            self._set(self.tps, tps)
             if self.baseline:
-                self.speedup.set(tps / self.baseline, tags=t)
+                self._set(self.speedup, tps / self.baseline)
 
     @property
     def tokens_per_second(self) -> float | None:
@@ -127,6 +155,12 @@ class NullMetrics(ServeMetrics):
         pass
 
     def set_healthy(self, ok: bool) -> None:
+        pass
+
+    def start_refresh(self, interval_s: float = 5.0) -> None:
+        pass
+
+    def stop_refresh(self) -> None:
         pass
 
     def finished(self, s: RequestStats) -> None:

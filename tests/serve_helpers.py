@@ -1,0 +1,46 @@
+"""Small drafter folders for the serve and preflight tests, written by the real exporter (random weights)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+
+def tiny_target_facts(target: Path) -> dict[str, Any]:
+    return json.loads((Path(target) / "config.json").read_text())
+
+
+def make_drafter(out: Path, target: Path, *, aux_layer_ids: tuple[int, int, int] = (2, 4, 5), hidden: int | None = None,
+                 draft_vocab: int = 512, seed: int = 0, max_position_embeddings: int | None = None) -> Path:
+    """Export a randomly initialised EAGLE-3 drafter for ``target`` (float32) with drafter.export."""
+    import torch
+
+    from drafter.export import export_drafter
+    from drafter.model import DrafterModelConfig, Eagle3Drafter
+
+    t = tiny_target_facts(target)
+    h = hidden or int(t["hidden_size"])
+    cfg = DrafterModelConfig(
+        hidden_size=h, num_attention_heads=4, num_key_value_heads=2, head_dim=h // 4, intermediate_size=2 * h,
+        vocab_size=int(t["vocab_size"]), draft_vocab_size=draft_vocab, aux_layer_ids=list(aux_layer_ids),
+        target_hidden_size=h, target_num_layers=int(t["num_hidden_layers"]), target=str(target),
+        max_position_embeddings=max_position_embeddings or int(t.get("max_position_embeddings", 2048)),
+    )
+    torch.manual_seed(seed)
+    model = Eagle3Drafter(cfg)
+    # a non-trivial vocab mapping (a random sorted subset of the target vocab), so d2t is not all zeros
+    ids = torch.randperm(cfg.vocab_size, generator=torch.Generator().manual_seed(seed))[:draft_vocab].sort().values
+    t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
+    t2d[ids] = True
+    model.set_vocab_mapping(ids - torch.arange(draft_vocab), t2d)
+    return export_drafter(model, out, dtype="float32")
+
+
+def rewrite_tensors(folder: Path, fn) -> None:
+    """Load the export's tensors, apply ``fn(dict) -> dict``, write them back (safetensors)."""
+    from safetensors.torch import load_file, save_file
+
+    f = Path(folder) / "model.safetensors"
+    tensors = fn(dict(load_file(str(f))))
+    save_file(tensors, str(f), metadata={"format": "pt"})

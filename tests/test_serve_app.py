@@ -1,0 +1,325 @@
+"""The serve app on a live Ray Serve (127.0.0.1, free port), exercised with the official openai client.
+
+One Serve instance, three applications (started once for the module):
+- ``/``        the tiny target + an exported EAGLE-3 drafter (speculative path), default limits;
+- ``/strict``  plain target, API key, max 1 concurrent request, short prompt and max_tokens limits;
+- ``/sick``    the drafter with an unreachable self-test minimum: the replica must report unhealthy and say why.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+import urllib.request
+
+import httpx
+import openai
+import pytest
+from serve_helpers import make_drafter
+
+from eaglenest.config import EaglenestConfig
+from eaglenest.engines.base import SamplingParams
+
+API_KEY = "sk-eaglenest-test"
+PROMPTS = [
+    "Hello! Who are you?",
+    "Write a short poem about the sea.",
+    "What is 12 times 7? Explain briefly.",
+    "List three colors.",
+]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _cfg(target, **serve) -> EaglenestConfig:
+    return EaglenestConfig.model_validate({"target": {"model": str(target), "device": "cpu", "dtype": "float32"},
+                                           "serve": {"num_cpus_per_replica": 0.25, **serve}})
+
+
+@pytest.fixture(scope="module")
+def served(ray_session, tiny_target_path, tmp_path_factory):
+    from serve.cli import AppSpec, start_apps, stop_serve
+
+    drafter = make_drafter(tmp_path_factory.mktemp("serve") / "drafter", tiny_target_path)
+    t = tiny_target_path
+    apps = [
+        AppSpec(_cfg(t, max_tokens_limit=64), str(drafter), "main", "/"),
+        AppSpec(_cfg(t, model_name="strict", api_key=API_KEY, max_concurrent_requests=1, max_prompt_tokens=32,
+                     max_tokens_limit=24), None, "strict", "/strict"),
+        AppSpec(_cfg(t, model_name="sick", self_test_min_accept_length=4.5), str(drafter), "sick", "/sick"),
+    ]
+    urls = start_apps(apps, port=_free_port())  # the three replicas start in parallel
+    yield dict(zip(("main", "strict", "sick"), urls, strict=True))
+    stop_serve()
+
+
+def _client(url: str, key: str = "none", **kw) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=120, **kw)
+
+
+def _greedy(engine, messages=None, prompt_ids=None, max_tokens=48, stop=()):
+    sp = SamplingParams(temperature=0.0, max_new_tokens=max_tokens, stop=tuple(stop))
+    if prompt_ids is None:
+        prompt_ids = engine.render_prompt(messages)
+    return engine.generate_ids([prompt_ids], sp)[0]
+
+
+def test_models_and_health(served):
+    assert [m.id for m in _client(served["main"]).models.list().data] == ["eaglenest"]
+    health = httpx.get(f"{served['main']}/health", timeout=30).json()
+    assert health["status"] == "ok" and health["speculative"] is True and health["algorithm"] == "EAGLE3"
+    assert health["self_test"]["ok"] is True and health["self_test"]["accept_length"] >= 1.0
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_greedy_matches_the_engine(served, tiny_engine, stream):
+    client = _client(served["main"])
+    for prompt in PROMPTS[:2]:
+        messages = [{"role": "user", "content": prompt}]
+        want = _greedy(tiny_engine, messages)
+        if stream:
+            chunks = list(client.chat.completions.create(model="eaglenest", messages=messages, temperature=0,
+                                                         max_tokens=48, stream=True,
+                                                         stream_options={"include_usage": True}))
+            assert chunks[0].choices[0].delta.role == "assistant"
+            text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+            usage = chunks[-1].usage
+            assert chunks[-1].choices == [] and finish == [want.finish_reason]
+        else:
+            r = client.chat.completions.create(model="eaglenest", messages=messages, temperature=0, max_tokens=48)
+            text, usage = r.choices[0].message.content, r.usage
+            assert r.choices[0].finish_reason == want.finish_reason
+        assert text == want.text
+        assert usage.completion_tokens == len(want.token_ids)
+        assert usage.prompt_tokens == len(tiny_engine.render_prompt(messages))
+        spec = usage.model_extra["spec"]
+        assert set(spec) == {"accept_length", "draft_tokens", "accepted_tokens"}
+        assert spec["accept_length"] >= 1.0 and spec["draft_tokens"] > 0  # the drafter proposed tokens
+        assert 0 <= spec["accepted_tokens"] <= spec["draft_tokens"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_completions_greedy_matches_the_engine(served, tiny_engine, stream):
+    client = _client(served["main"])
+    prompt = "The answer is"
+    want = _greedy(tiny_engine, prompt_ids=tiny_engine.tokenizer.encode(prompt), max_tokens=32)
+    if stream:
+        chunks = list(client.completions.create(model="eaglenest", prompt=prompt, temperature=0, max_tokens=32,
+                                                stream=True))
+        text = "".join(c.choices[0].text for c in chunks if c.choices)
+        assert chunks[-1].choices[0].finish_reason == want.finish_reason
+    else:
+        r = client.completions.create(model="eaglenest", prompt=prompt, temperature=0, max_tokens=32)
+        text = r.choices[0].text
+        assert r.usage.completion_tokens == len(want.token_ids) and r.usage.model_extra["spec"]["draft_tokens"] > 0
+    assert text == want.text
+
+
+def test_stop_sequences(served, tiny_engine):
+    messages = [{"role": "user", "content": PROMPTS[2]}]
+    want = _greedy(tiny_engine, messages, stop=(".",))
+    assert "." in _greedy(tiny_engine, messages).text  # the stop really cuts something
+    for stream in (False, True):
+        r = _client(served["main"]).chat.completions.create(model="eaglenest", messages=messages, temperature=0,
+                                                            max_tokens=48, stop=["."], stream=stream)
+        if stream:
+            chunks = list(r)
+            text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            assert chunks[-1].choices[0].finish_reason == "stop"
+        else:
+            text = r.choices[0].message.content
+            assert r.choices[0].finish_reason == "stop"
+        assert text == want.text and "." not in text
+
+
+ERROR_CASES = [
+    # (body or raw, status, param)
+    ({"model": "eaglenest"}, 422, "messages"),
+    ({"model": "eaglenest", "messages": "hi"}, 422, "messages"),
+    ({"model": "eaglenest", "messages": [{"role": "user", "content": "hi"}], "max_tokens": "ten"}, 422, "max_tokens"),
+    ({"model": "eaglenest", "messages": [{"role": "wizard", "content": "hi"}]}, 422, "messages"),
+    ({"model": "eaglenest", "messages": [{"role": "user", "content": "hi"}], "temperature": -1}, 400, "temperature"),
+    ({"model": "eaglenest", "messages": [{"role": "user", "content": "hi"}], "n": 3}, 400, "n"),
+    ({"model": "eaglenest", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 100000}, 400, "max_tokens"),
+    ({"model": "eaglenest", "messages": [{"role": "user", "content": "hi"}], "bogus": True}, 400, "bogus"),
+    ({"model": "eaglenest", "messages": []}, 400, "messages"),
+    ({"model": "gpt-9", "messages": [{"role": "user", "content": "hi"}]}, 404, "model"),
+    (b"{not json", 400, None),
+]
+
+
+def _assert_error(resp: httpx.Response, status: int, param: str | None = None) -> dict:
+    assert resp.status_code == status, resp.text
+    err = resp.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    if param is not None:
+        assert err["param"] == param, err
+    return err
+
+
+@pytest.mark.parametrize("body,status,param", ERROR_CASES)
+def test_bad_requests_get_openai_errors(served, body, status, param):
+    url = f"{served['main']}/v1/chat/completions"
+    if isinstance(body, bytes):
+        resp = httpx.post(url, content=body, headers={"content-type": "application/json"}, timeout=30)
+    else:
+        resp = httpx.post(url, json=body, timeout=30)
+    _assert_error(resp, status, param)
+
+
+def test_unknown_routes_and_the_client_view_of_errors(served):
+    _assert_error(httpx.get(f"{served['main']}/v1/nope", timeout=30), 404)
+    _assert_error(httpx.get(f"{served['main']}/v1/chat/completions", timeout=30), 405)
+    client = _client(served["main"])
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.chat.completions.create(model="gpt-9", messages=[{"role": "user", "content": "hi"}])
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        client.completions.create(model="eaglenest", prompt="hi", temperature=5)
+    with pytest.raises(openai.UnprocessableEntityError):
+        client.completions.create(model="eaglenest", prompt={"not": "a prompt"})
+
+
+def test_api_key(served):
+    url = served["strict"]
+    with pytest.raises(openai.AuthenticationError, match="Incorrect API key"):
+        _client(url, "wrong-key").chat.completions.create(model="strict", messages=[{"role": "user", "content": "hi"}],
+                                                          max_tokens=4)
+    body = {"model": "strict", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    _assert_error(httpx.post(f"{url}/v1/chat/completions", json=body, timeout=30), 401)
+    _assert_error(httpx.get(f"{url}/v1/models", timeout=30), 401)
+    _assert_error(httpx.get(f"{url}/v1/models", headers={"Authorization": "Basic abc"}, timeout=30), 401)
+    assert httpx.get(f"{url}/health", timeout=30).status_code == 200  # probes need no key
+    r = _client(url, API_KEY).chat.completions.create(model="strict", messages=[{"role": "user", "content": "hi"}],
+                                                       max_tokens=4, temperature=0)
+    assert r.usage.completion_tokens >= 1
+    assert r.usage.model_extra["spec"] == {"accept_length": 1.0, "draft_tokens": 0, "accepted_tokens": 0}
+
+
+def test_prompt_too_long_is_413(served):
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    body = {"model": "strict", "messages": [{"role": "user", "content": "word " * 200}], "max_tokens": 4}
+    err = _assert_error(httpx.post(f"{served['strict']}/v1/chat/completions", json=body, headers=headers,
+                                   timeout=30), 413)
+    assert "serve.max_prompt_tokens" in err["message"]
+    body = {"model": "strict", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 25}
+    _assert_error(httpx.post(f"{served['strict']}/v1/chat/completions", json=body, headers=headers, timeout=30), 400,
+                  "max_tokens")
+
+
+def test_over_the_concurrency_limit_is_429(served):
+    """max_concurrent_requests 1: of 8 simultaneous streams some are refused with 429, the rest complete."""
+    client = _client(served["strict"], API_KEY)
+    results: list[object] = []
+    barrier = threading.Barrier(8)
+
+    def one():
+        barrier.wait()
+        try:
+            chunks = list(client.chat.completions.create(
+                model="strict", messages=[{"role": "user", "content": PROMPTS[1]}], max_tokens=24, temperature=0,
+                stream=True))
+            results.append(chunks[-1].choices[0].finish_reason)
+        except openai.RateLimitError as e:
+            results.append(e)
+
+    threads = [threading.Thread(target=one) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    refused = [r for r in results if isinstance(r, openai.RateLimitError)]
+    done = [r for r in results if r in ("stop", "length")]
+    assert len(results) == 8 and len(refused) + len(done) == 8, results
+    assert refused and done
+    assert "max_concurrent_requests" in str(refused[0])
+
+
+def test_64_concurrent_streams_complete(served, tiny_engine):
+    want = {p: _greedy(tiny_engine, [{"role": "user", "content": p}], max_tokens=24).text for p in PROMPTS}
+
+    async def run() -> list[tuple[str, str, str | None]]:
+        client = openai.AsyncOpenAI(base_url=f"{served['main']}/v1", api_key="none", max_retries=0, timeout=300)
+
+        async def one(i: int) -> tuple[str, str, str | None]:
+            prompt = PROMPTS[i % len(PROMPTS)]
+            stream = await client.chat.completions.create(
+                model="eaglenest", messages=[{"role": "user", "content": prompt}], max_tokens=24, temperature=0,
+                stream=True)
+            parts, finish = [], None
+            async for c in stream:
+                if c.choices:
+                    parts.append(c.choices[0].delta.content or "")
+                    finish = c.choices[0].finish_reason or finish
+            return prompt, "".join(parts), finish
+
+        try:
+            return await asyncio.gather(*(one(i) for i in range(64)))
+        finally:
+            await client.close()
+
+    t0 = time.perf_counter()
+    results = asyncio.run(run())
+    assert len(results) == 64
+    for prompt, text, finish in results:
+        assert finish in ("stop", "length")
+        assert text == want[prompt]  # batched speculative decoding keeps every greedy answer exact
+    assert time.perf_counter() - t0 < 180
+
+
+def test_failed_self_test_reports_unhealthy(served):
+    resp = httpx.get(f"{served['sick']}/health", timeout=30)
+    err = _assert_error(resp, 503)
+    assert "self_test_min_accept_length 4.5" in err["message"] and "preflight" in err["message"]
+    assert resp.json()["self_test"]["ok"] is False
+    with pytest.raises(openai.InternalServerError, match="unhealthy"):
+        _client(served["sick"]).chat.completions.create(model="sick", messages=[{"role": "user", "content": "hi"}])
+
+
+def _scrape(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        return r.read().decode()
+
+
+def test_metrics_endpoint_has_accept_length_and_ttft(served, ray_session):
+    # some traffic (ok and failing), then scrape Ray's metrics agent on this node
+    _client(served["main"]).chat.completions.create(model="eaglenest", messages=[{"role": "user", "content": "hi"}],
+                                                    max_tokens=8, temperature=0)
+    for body in ({"model": "nope", "messages": [{"role": "user", "content": "hi"}]}, {"model": "eaglenest"},
+                 {"model": "eaglenest", "messages": [{"role": "user", "content": "hi"}], "n": 2}):
+        assert httpx.post(f"{served['main']}/v1/chat/completions", json=body, timeout=30).status_code >= 400
+    port = ray_session.nodes()[0]["MetricsExportPort"]
+    wanted = [
+        'ray_eaglenest_serve_accept_length_bucket{', 'ray_eaglenest_serve_ttft_seconds_bucket{',
+        'ray_eaglenest_serve_accept_length_current{', 'ray_eaglenest_serve_inter_token_latency_seconds_bucket{',
+        'ray_eaglenest_serve_generated_tokens_total{', 'ray_eaglenest_serve_draft_tokens_proposed_total{',
+        'ray_eaglenest_serve_tokens_per_second{',
+    ]
+    deadline, text = time.monotonic() + 60, ""
+    while time.monotonic() < deadline:
+        text = _scrape(port)
+        lines = text.splitlines()
+        have = all(any(line.startswith(w) and 'model="eaglenest"' in line for line in lines) for w in wanted)
+        sick = [ln for ln in lines if ln.startswith("ray_eaglenest_serve_replica_healthy{") and 'model="sick"' in ln]
+        main = [ln for ln in lines if ln.startswith("ray_eaglenest_serve_replica_healthy{")
+                and 'model="eaglenest"' in ln]
+        requests = [ln for ln in lines if ln.startswith("ray_eaglenest_serve_requests_total{")]
+        if have and sick and main and requests:
+            break
+        time.sleep(2)
+    else:
+        families = sorted({ln.split("{")[0] for ln in text.splitlines() if ln.startswith("ray_eaglenest_serve")})
+        missing = [w for w in wanted if not any(ln.startswith(w) and 'model="eaglenest"' in ln for ln in lines)]
+        pytest.fail(f"metrics missing after 60 s: {missing}, healthy gauges sick={sick} main={main}, "
+                    f"{len(requests)} request series; eaglenest families seen: {families}")
+    assert float(sick[-1].rsplit(" ", 1)[1]) == 0.0 and float(main[-1].rsplit(" ", 1)[1]) == 1.0
+    statuses = {s for ln in requests for s in ("200", "400", "401", "404", "413", "422", "429", "503")
+                if f'status="{s}"' in ln}
+    assert {"200", "400", "404", "422"} <= statuses
+    assert any('route="/v1/chat/completions"' in ln for ln in requests)

@@ -1,0 +1,107 @@
+"""Pieces of the serve layer that need no Ray: streaming detokenization, parameter checks, deployment options."""
+
+from __future__ import annotations
+
+import pytest
+
+from eaglenest.config import EaglenestConfig
+from serve.openai_protocol import APIError, ChatCompletionRequest, CompletionRequest, chat_messages, check_sampling
+from serve.text import StreamText
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_target_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(tiny_target_path))
+
+
+def _stream(tokenizer, ids, stop=(), sizes=(1,)):
+    text = StreamText(lambda t: tokenizer.decode(t, skip_special_tokens=True), stop)
+    pieces, i, k = [], 0, 0
+    while i < len(ids):
+        n = sizes[k % len(sizes)]
+        pieces.append(text.feed(ids[i:i + n]))
+        i, k = i + n, k + 1
+    pieces.append(text.finish())
+    return "".join(pieces), text
+
+
+@pytest.mark.parametrize("sizes", [(1,), (3,), (1, 4, 2)])
+def test_stream_pieces_concatenate_to_the_full_text(tokenizer, sizes):
+    ids = tokenizer.encode("Here they are: 8, 8, 29. That is café — naïve ünïcode! 12 * 7 = 84.")
+    joined, _ = _stream(tokenizer, ids, sizes=sizes)
+    assert joined == tokenizer.decode(ids, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("sizes", [(1,), (2,), (5,)])
+def test_stop_string_is_cut_even_across_tokens(tokenizer, sizes):
+    full = "The sum is 42. Next sentence here."
+    ids = tokenizer.encode(full)
+    joined, text = _stream(tokenizer, ids, stop=("42. N",), sizes=sizes)
+    assert joined == "The sum is " and text.stopped
+    joined, text = _stream(tokenizer, ids, stop=("zzz",), sizes=sizes)  # a stop that never comes holds nothing back
+    assert joined == tokenizer.decode(ids, skip_special_tokens=True) and not text.stopped
+
+
+def test_check_sampling_names_the_bad_param():
+    def req(**kw):
+        return ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                                                     **kw})
+
+    cases = {"temperature": {"temperature": -0.5}, "top_p": {"top_p": 0}, "n": {"n": 2},
+             "max_tokens": {"max_tokens": 10_000}, "stop": {"stop": ["a", "b", "c", "d", "e"]},
+             "frequency_penalty": {"frequency_penalty": 0.5}, "bogus_arg": {"bogus_arg": 1}}
+    for param, kw in cases.items():
+        r = req(**kw)
+        with pytest.raises(APIError) as e:
+            check_sampling(r, max_tokens=r.max_tokens, max_tokens_limit=64)
+        assert e.value.status == 400 and e.value.param == param, (param, e.value.message)
+    ok = check_sampling(req(temperature=0, stop="\n", seed=3), max_tokens=None, max_tokens_limit=64)
+    assert (ok.max_tokens, ok.temperature, ok.stop, ok.seed) == (64, 0.0, ("\n",), 3)
+
+
+def test_messages_accept_text_parts_and_refuse_images():
+    r = ChatCompletionRequest.model_validate({"model": "m", "messages": [
+        {"role": "developer", "content": "be brief"},
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]})
+    assert chat_messages(r) == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "ab"}]
+    r = ChatCompletionRequest.model_validate({"model": "m", "messages": [
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]})
+    with pytest.raises(APIError, match="only text parts"):
+        chat_messages(r)
+    assert CompletionRequest.model_validate({"model": "m", "prompt": [1, 2, 3]}).prompt == [1, 2, 3]
+
+
+def test_deployment_options_follow_the_config():
+    from serve.app import deployment_options
+
+    cfg = EaglenestConfig.model_validate({"serve": {"num_replicas": 3, "num_cpus_per_replica": 2,
+                                                    "num_gpus_per_replica": 1, "max_concurrent_requests": 32}})
+    opts = deployment_options(cfg)
+    assert opts["num_replicas"] == 3
+    assert opts["ray_actor_options"] == {"num_cpus": 2, "num_gpus": 1}
+    assert opts["max_ongoing_requests"] > 32  # excess requests reach the replica and get a clear 429
+    auto = deployment_options(EaglenestConfig.model_validate(
+        {"serve": {"autoscaling": {"min_replicas": 1, "max_replicas": 4, "target_ongoing_requests": 8}}}))
+    assert "num_replicas" not in auto and auto["autoscaling_config"]["max_replicas"] == 4
+
+
+def test_build_app_refuses_unknown_args_and_a_bad_drafter(tmp_path, tiny_target_path):
+    from serve_helpers import make_drafter
+
+    from serve.app import build_app
+    from serve.preflight import PreflightError
+
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text(f"target:\n  model: {tiny_target_path}\n  device: cpu\nserve:\n  spec:\n    algorithm: EAGLE\n")
+    with pytest.raises(ValueError, match="unknown application args"):
+        build_app({"config": str(cfg), "drafter_dir": "x"})
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        build_app({"config": str(cfg), "drafter": str(tmp_path / "missing")})
+    d = make_drafter(tmp_path / "d", tiny_target_path)
+    with pytest.raises(PreflightError, match="algorithm EAGLE3"):
+        build_app({"config": str(cfg), "drafter": str(d)})
+    cfg.write_text(f"target:\n  model: {tiny_target_path}\n  device: cpu\n")
+    app = build_app({"config": str(cfg), "drafter": str(d)})
+    assert type(app).__name__ == "Application"
