@@ -388,7 +388,8 @@ def _train_loop(config: dict[str, Any]) -> None:  # noqa: C901 - one linear trai
     objective = TTTObjective(drafter, tc.ttt_steps, tc.step_weight_decay)
     model = ray.train.torch.prepare_model(objective)
     trainable = [p for p in drafter.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=tc.learning_rate, betas=(0.9, 0.95), weight_decay=tc.weight_decay)
+    optimizer = torch.optim.AdamW(trainable, lr=tc.learning_rate, betas=(0.9, 0.95), weight_decay=tc.weight_decay,
+                                  **({"fused": True} if on_gpu else {}))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(total_steps, tc.warmup_ratio))
     reporter = _Reporter(out, tc.run_name, total_steps, enabled=rank == 0)
     if ckpt is not None:

@@ -12,9 +12,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
-from safetensors.torch import load_file, save_file
 
 VOCAB_FILE = "vocab.safetensors"
 
@@ -53,9 +51,12 @@ class VocabMapping:
         return float(self.counts[self.draft_ids].sum()) / total if total else 0.0
 
     def fingerprint(self) -> str:
-        return hashlib.sha256(self.draft_ids.numpy().tobytes() + str(self.vocab_size).encode()).hexdigest()[:16]
+        blob = self.draft_ids.to(torch.int64).contiguous().view(torch.uint8).numpy().tobytes()
+        return hashlib.sha256(blob + str(self.vocab_size).encode()).hexdigest()[:16]
 
     def save(self, path: str | Path) -> Path:
+        from safetensors.torch import save_file
+
         path = Path(path)
         save_file(
             {"draft_ids": self.draft_ids.contiguous(), "d2t": self.d2t.contiguous(), "t2d": self.t2d,
@@ -67,6 +68,8 @@ class VocabMapping:
 
     @classmethod
     def load(cls, path: str | Path) -> VocabMapping:
+        from safetensors.torch import load_file
+
         t = load_file(str(path))
         return cls.from_maps(t["d2t"], t["t2d"], t.get("counts"))
 
@@ -83,10 +86,10 @@ class VocabMapping:
         return cls(ids, vocab, counts if counts is not None else torch.zeros(vocab, dtype=torch.long))
 
 
-def count_tokens(
-    samples: Iterable[tuple[Sequence[int] | np.ndarray, Sequence[int] | np.ndarray]], vocab_size: int
-) -> torch.Tensor:
+def count_tokens(samples: Iterable[tuple[Sequence[int], Sequence[int]]], vocab_size: int) -> torch.Tensor:
     """Frequency of each target id over loss-masked tokens of ``(input_ids, loss_mask)`` samples."""
+    import numpy as np
+
     counts = np.zeros(vocab_size, dtype=np.int64)
     for ids, mask in samples:
         ids = np.asarray(ids, dtype=np.int64)
@@ -102,6 +105,8 @@ def count_tokens(
 
 def build_vocab_mapping(counts: torch.Tensor, draft_vocab_size: int) -> VocabMapping:
     """Top-``N`` ids by count (ties: lower id first; unseen ids fill up by id); ``N = min(draft_vocab_size, V)``."""
+    import numpy as np
+
     vocab = int(counts.numel())
     n = min(int(draft_vocab_size), vocab)
     # stable sort on (-count) keeps ascending id order among equal counts: deterministic on every machine

@@ -1,0 +1,215 @@
+#!/usr/bin/env python3
+"""Throughput of one EAGLE-3 TTT training step, as a fraction of a plain matmul measured in the same run.
+
+The step is exactly what ``eaglenest train`` runs per batch: teacher logits from the frozen target ``lm_head``, the
+K-step TTT forward (drafter.ttt), backward, gradient clipping and a fused AdamW update over fp32 master weights,
+under bf16 autocast on GPU. Inputs are synthetic (random hidden states); throughput does not depend on the values.
+
+    # the GPU acceptance run (Kimi-K2.5 drafter dimensions, reference/training.md §3.5)
+    python benchmarks/train_step.py --device cuda --preset kimi --json train_step.json
+    # the same code at small dimensions on a CPU
+    python benchmarks/train_step.py --device cpu --preset small
+
+Model FLOPs counted: every matmul of the drafter over the K steps (fwd x1 + bwd x2), the attention score/value
+matmuls over the causal step-0 keys plus the diagonal keys (fwd x1 + bwd x2), and the teacher head (fwd only).
+The reference is a square GEMM in the same dtype (bf16 on GPU, fp32 on CPU); the "model-shaped" GEMM (tokens x
+2H @ 2H x (q+k+v)) is reported too. Needs only torch and this repository (no Ray, no transformers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from drafter.model import DrafterModelConfig, Eagle3Drafter  # noqa: E402
+from drafter.ttt import TeacherHead, TTTObjective  # noqa: E402
+from drafter.vocab import VocabMapping  # noqa: E402
+
+PRESETS = {
+    # Kimi-K2.5 drafter (SpecForge kimi-k25-eagle3 config): H 7168, 64 x 128 heads, 64 KV heads, I 18432
+    "kimi": dict(hidden=7168, heads=64, kv_heads=64, head_dim=128, intermediate=18432, draft_vocab=32000,
+                 vocab=163840, seq_len=2048, batch=1),
+    # small enough for a laptop CPU, same structure (GQA included)
+    "small": dict(hidden=256, heads=4, kv_heads=2, head_dim=64, intermediate=704, draft_vocab=2000, vocab=8000,
+                  seq_len=128, batch=2),
+}
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def matmul_tflops(device: torch.device, dtype: torch.dtype, m: int, k: int, n: int, iters: int) -> float:
+    a = torch.randn(m, k, device=device, dtype=dtype)
+    b = torch.randn(k, n, device=device, dtype=dtype)
+    for _ in range(3):
+        a @ b
+    sync(device)
+    t = time.perf_counter()
+    for _ in range(iters):
+        a @ b
+    sync(device)
+    return 2 * m * k * n * iters / (time.perf_counter() - t) / 1e12
+
+
+def step_flops(cfg: DrafterModelConfig, batch: int, t: int, k_steps: int) -> dict[str, float]:
+    """Model FLOPs of one training step (see the module docstring)."""
+    h, d, nh, nkv = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+    tokens = batch * t
+    per_tok = 2 * (2 * h * (nh + 2 * nkv) * d + nh * d * h + 3 * h * cfg.intermediate_size + h * cfg.draft_vocab_size)
+    linear = tokens * (k_steps * per_tok + 2 * 3 * cfg.target_hidden_size * h)
+    # QK^T and PV: causal half of T x T per head, plus k diagonal keys per row at step k
+    attn = sum(batch * nh * d * 2 * 2 * (t * (t + 1) / 2 + t * k) for k in range(k_steps))
+    teacher = 2 * tokens * cfg.target_hidden_size * cfg.vocab_size
+    return {"linear": 3 * linear, "attention": 3 * attn, "teacher": teacher,
+            "total": 3 * linear + 3 * attn + teacher}
+
+
+def build(p: dict, k_steps: int, device: torch.device, seed: int):
+    torch.manual_seed(seed)
+    cfg = DrafterModelConfig(
+        hidden_size=p["hidden"], num_attention_heads=p["heads"], num_key_value_heads=p["kv_heads"],
+        head_dim=p["head_dim"], intermediate_size=p["intermediate"], vocab_size=p["vocab"],
+        draft_vocab_size=p["draft_vocab"], aux_layer_ids=[2, 30, 58], target_hidden_size=p["hidden"],
+        target_num_layers=61, rope_theta=50000.0, rms_norm_eps=1e-6, max_position_embeddings=262144,
+    )
+    with torch.device(device):
+        drafter = Eagle3Drafter(cfg)
+    draft_ids = torch.randperm(cfg.vocab_size)[: cfg.draft_vocab_size].sort().values
+    mapping = VocabMapping(draft_ids, cfg.vocab_size, torch.zeros(cfg.vocab_size, dtype=torch.long))
+    drafter.set_vocab_mapping(mapping.d2t.to(device), mapping.t2d.to(device))
+    compute = torch.bfloat16 if device.type == "cuda" else torch.float32
+    head = torch.randn(cfg.vocab_size, cfg.hidden_size, device=device, dtype=compute) * 0.02
+    head[draft_ids.to(device)] *= 3.0  # most teacher argmaxes fall inside the draft vocab, as with real data
+    teacher = TeacherHead(head, mapping).to(device)
+    return cfg, drafter, teacher, compute
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--preset", choices=sorted(PRESETS), default=None, help="default: kimi on cuda, small on cpu")
+    ap.add_argument("--seq-len", type=int, default=None)
+    ap.add_argument("--batch", type=int, default=None)
+    ap.add_argument("--ttt-steps", type=int, default=7)
+    ap.add_argument("--steps", type=int, default=None, help="timed steps (default 6 on cuda, 3 on cpu)")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=None, help="CPU threads")
+    ap.add_argument("--json", default=None, help="write the results here")
+    args = ap.parse_args(argv)
+
+    device = torch.device(args.device)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    p = dict(PRESETS[args.preset or ("kimi" if device.type == "cuda" else "small")])
+    p["seq_len"] = args.seq_len or p["seq_len"]
+    p["batch"] = args.batch or p["batch"]
+    k_steps, t, b = args.ttt_steps, p["seq_len"], p["batch"]
+    steps = args.steps or (6 if device.type == "cuda" else 3)
+
+    cfg, drafter, teacher, compute = build(p, k_steps, device, seed=0)
+    objective = TTTObjective(drafter, k_steps, 0.8)
+    params = [q for q in drafter.parameters() if q.requires_grad]
+    fused = {"fused": True} if device.type == "cuda" else {"foreach": True}
+    opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), **fused)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else \
+        torch.autocast("cpu", enabled=False)
+
+    g = torch.Generator(device="cpu").manual_seed(1)
+    ids = torch.randint(0, cfg.vocab_size, (b, t), generator=g).to(device)
+    aux = torch.randn(b, t, 3 * cfg.hidden_size, generator=g).to(device, compute)
+    last = torch.randn(b, t, cfg.hidden_size, generator=g).to(device, compute)
+    mask = torch.ones(b, t, dtype=torch.bool, device=device)
+    lengths = torch.full((b,), t, device=device)
+
+    timing = {"teacher": 0.0, "forward": 0.0, "backward": 0.0, "optimizer": 0.0}
+
+    def one_step(record: bool) -> torch.Tensor:
+        marks = [time.perf_counter()]
+
+        def mark() -> None:
+            if record:
+                sync(device)
+                marks.append(time.perf_counter())
+
+        with autocast:
+            targets = teacher(last, mask, lengths)
+            mark()
+            out = objective(ids, aux, targets)
+            mark()
+        out.loss.backward()
+        mark()
+        torch.nn.utils.clip_grad_norm_(params, 0.5)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        mark()
+        if record:
+            for key, a, z in zip(timing, marks[:-1], marks[1:], strict=True):
+                timing[key] += z - a
+        return out.loss.detach()
+
+    for _ in range(args.warmup):
+        one_step(False)
+    sync(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        loss = one_step(False)
+    sync(device)
+    step_s = (time.perf_counter() - t0) / steps
+    one_step(True)  # one synchronised step for the phase breakdown (not in the throughput)
+
+    flops = step_flops(cfg, b, t, k_steps)
+    achieved = flops["total"] / step_s / 1e12
+    ref_iters = 20 if device.type == "cuda" else 5
+    ref_n = 8192 if device.type == "cuda" else 1024
+    ref = matmul_tflops(device, compute, ref_n, ref_n, ref_n, ref_iters)
+    qkv_out = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim
+    shaped = matmul_tflops(device, compute, b * t, 2 * cfg.hidden_size, qkv_out, ref_iters)
+    res = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda"
+        else f"cpu ({torch.get_num_threads()} threads)",
+        "torch": torch.__version__,
+        "dtype": str(compute).removeprefix("torch."),
+        "dims": {**p, "ttt_steps": k_steps, "trainable_params": drafter.num_trainable_parameters()},
+        "step_s": step_s,
+        "tokens_per_s": b * t / step_s,
+        "model_tflop_per_step": flops["total"] / 1e12,
+        "flop_split": {k: v / flops["total"] for k, v in flops.items() if k != "total"},
+        "achieved_tflops": achieved,
+        "matmul_reference": {"shape": [ref_n, ref_n, ref_n], "tflops": ref},
+        "matmul_model_shaped": {"shape": [b * t, 2 * cfg.hidden_size, qkv_out], "tflops": shaped},
+        "fraction_of_matmul": achieved / ref,
+        "phase_s": timing,
+        "loss": float(loss),
+        "peak_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
+    }
+    if not math.isfinite(res["loss"]):
+        print("warning: the loss is not finite", file=sys.stderr)
+    print(f"TTT train step on {res['device']}, {res['dtype']}: H {p['hidden']}, {p['heads']}x{p['head_dim']} heads "
+          f"(kv {p['kv_heads']}), I {p['intermediate']}, Vd {p['draft_vocab']}, V {p['vocab']}, B {b} x T {t}, "
+          f"K {k_steps}, {res['dims']['trainable_params'] / 1e6:.1f}M trainable params")
+    print(f"  step {step_s * 1e3:.1f} ms   {res['tokens_per_s']:.0f} tokens/s   {achieved:.2f} TFLOP/s achieved "
+          f"({res['model_tflop_per_step']:.2f} TFLOP/step)")
+    print(f"  matmul {ref_n}^3: {ref:.2f} TFLOP/s   -> fraction {res['fraction_of_matmul']:.1%}   "
+          f"(model-shaped GEMM {shaped:.2f} TFLOP/s)")
+    print("  phases (one synced step): " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in timing.items()))
+    if res["peak_memory_gib"] is not None:
+        print(f"  peak memory {res['peak_memory_gib']:.1f} GiB")
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

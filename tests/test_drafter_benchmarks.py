@@ -1,0 +1,26 @@
+"""The GPU training-step benchmark script runs end to end at toy dimensions on the CPU (so it cannot rot)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_train_step_benchmark_runs_on_cpu(tmp_path) -> None:
+    out = tmp_path / "ts.json"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "train_step.py"), "--device", "cpu", "--preset", "small",
+         "--seq-len", "32", "--ttt-steps", "3", "--steps", "1", "--warmup", "1", "--threads", "1",
+         "--json", str(out)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    res = json.loads(out.read_text())
+    assert res["tokens_per_s"] > 0 and res["fraction_of_matmul"] > 0
+    assert res["dims"]["hidden"] == 256 and res["dims"]["ttt_steps"] == 3
+    assert abs(sum(res["flop_split"].values()) - 1) < 1e-9
+    assert "fraction" in proc.stdout and "tokens/s" in proc.stdout
