@@ -111,7 +111,7 @@ def test_eagle_with_an_eagle3_drafter_refused_by_us_but_accepted_by_sglang(folde
     assert sa.speculative_algorithm == "EAGLE"
 
 
-def test_sglang_auto_fills_partial_spec_args_with_a_bare_assert(folders: tuple[Path, Path]) -> None:
+def test_sglang_fails_partial_spec_args_with_a_bare_assert(folders: tuple[Path, Path]) -> None:
     """Why we always pass all three: sglang fails partial shapes without a message (and ours cannot build one)."""
     target, drafter = folders
     with pytest.raises(AssertionError):
