@@ -229,7 +229,7 @@ def worker_throughput(out: Path) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------------- checks 3 + 4: spec
 def _spec_engine_cfg(path: str):
     return target_cfg(path, "sglang", mem_fraction_static=0.25, capture_mem_fraction_static=0.2,
-                      extra_args={"cuda_graph_max_bs": 16})
+                      extra_args={"cuda_graph_max_bs_decode": 16})
 
 
 def _agg_accept(gens: Sequence[Any]) -> float:

@@ -55,11 +55,11 @@ def test_version_check() -> None:
 
 
 def test_engine_kwargs_prefix_cache_on_and_backends() -> None:
-    cfg = SGLangEngineConfig(max_running_requests=64, extra_args={"cuda_graph_max_bs": 16})
+    cfg = SGLangEngineConfig(max_running_requests=64, extra_args={"cuda_graph_max_bs_decode": 16})
     kw = engine_kwargs("/m", cfg, dtype="bfloat16", seed=7)
     assert kw["disable_radix_cache"] is False
     assert (kw["attention_backend"], kw["sampling_backend"], kw["grammar_backend"]) == ("triton", "pytorch", "none")
-    assert kw["random_seed"] == 7 and kw["max_running_requests"] == 64 and kw["cuda_graph_max_bs"] == 16
+    assert kw["random_seed"] == 7 and kw["max_running_requests"] == 64 and kw["cuda_graph_max_bs_decode"] == 16
     assert "context_length" not in kw and not any(k.startswith("speculative") for k in kw)
     with pytest.raises(ValueError, match="may not set"):
         engine_kwargs("/m", SGLangEngineConfig(extra_args={"speculative_algorithm": "EAGLE"}))

@@ -190,3 +190,38 @@ def test_every_listed_internal_exists_with_the_signature_we_call() -> None:
     assert callable(Req.set_extend_input_len)
     lp = list(inspect.signature(LogitsProcessor.forward).parameters)
     assert lp[:6] == ["self", "input_ids", "hidden_states", "lm_head", "logits_metadata", "aux_hidden_states"]
+
+
+def test_gpu_check_settings_are_valid_sglang_args(folders: tuple[Path, Path]) -> None:
+    """Every engine setting benchmarks/gpu_sglang.py launches with is a ServerArgs field sglang 0.5.14 accepts."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import gpu_sglang
+
+    target, drafter = folders
+    cfgs = [gpu_sglang._spec_engine_cfg(str(target)), gpu_sglang.target_cfg(str(target), "sglang",
+                                                                             mem_fraction_static=0.6)]
+    for cfg in cfgs:
+        sa = ServerArgs(**engine_kwargs(str(target), cfg.sglang, dtype=cfg.dtype), **CPU_ONLY)
+        assert sa.dtype == "bfloat16" and sa.disable_radix_cache is False
+        cap = ServerArgs(**capture_server_kwargs(str(target), cfg.sglang, dtype=cfg.dtype), device="cuda")
+        assert cap.disable_radix_cache is True
+    kw, _ = speculative_engine_kwargs(str(target), cfgs[0].sglang, drafter, SpecConfig(), dtype="bfloat16")
+    assert ServerArgs(**kw, **CPU_ONLY).speculative_algorithm == "EAGLE3"
+
+
+def test_capture_tree_cache_stand_in_covers_sglangs_offline_driver() -> None:
+    """Our no-prefix tree cache answers every method sglang's own offline driver (bench_one_batch) provides."""
+    import ast
+    import importlib.util
+
+    from eaglenest.engines.sglang_capture import _NoPrefixCache
+
+    spec = importlib.util.find_spec("sglang.bench_one_batch")
+    assert spec is not None and spec.origin
+    tree = ast.parse(Path(spec.origin).read_text())
+    cls = next(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == "TreeCacheNamespace")
+    upstream = {f.name for f in cls.body if isinstance(f, ast.FunctionDef)}
+    assert upstream and upstream <= set(dir(_NoPrefixCache))
+    fields = {kw.arg for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", "") ==
+              "TreeCacheNamespace" for kw in n.keywords}
+    assert fields == {"page_size", "device", "token_to_kv_pool_allocator"}
