@@ -6,8 +6,9 @@
 1. capture parity: SGLang's in-process prefill capture == the transformers backend's capture (bf16 tolerance) at the
    same physical layer ids, on a random-init ~0.25B Llama (prompts of 37..300 tokens); plus a wrong-layer control
    (SGLang's block k vs transformers' layer k+1 must differ) so the check can see an off-by-one.
-2. regeneration throughput: output tokens/s of SGLangEngine.generate_ids fed in regen-sized batches vs SGLang's own
-   offline Engine.generate with every prompt in one call (same engine, same prompts, prefix cache flushed between).
+2. regeneration throughput: output tokens/s of SGLangEngine.generate_ids vs SGLang's own offline Engine.generate with
+   every prompt in one call (same engine, same 512 prompts, prefix cache flushed between): fed whole (the wrapper's
+   overhead; target ratio >= 0.9), in batches of 128 (regen.batch_size of the GPU config) and of 8 (the default).
 3. EAGLE3 serving: a drafter trained by eaglenest (answers regenerated and hidden states captured through SGLang,
    drafter.spec_fit, drafter.export) for the embedded tiny target; accept length through SGLang vs the reference
    decoder (drafter.spec.SpecDecoder) on the same prompts (target: within 10%); the same drafter under "EAGLE" refused
@@ -189,7 +190,7 @@ def worker_throughput(out: Path) -> dict[str, Any]:
 
     path = big_target(out)
     sg = SGLangEngine(target_cfg(path, "sglang", mem_fraction_static=0.6))
-    prompts, _ = chat_prompts(sg, 256)
+    prompts, _ = chat_prompts(sg, 512)
     sampling = SamplingParams(temperature=0.0, max_new_tokens=128)
     sp = per_request_sampling(sampling, len(prompts), stop_token_ids=sg.info.eos_token_ids)
     sg.generate_ids(prompts[:16], sampling)  # warm-up (CUDA graphs, JIT)
@@ -199,18 +200,25 @@ def worker_throughput(out: Path) -> dict[str, Any]:
         outs = sg.engine.generate(input_ids=prompts, sampling_params=sp)
         return sum(len(o["output_ids"]) for o in outs)
 
-    def ours(batch: int):
+    def ours(batch: int, n: int):
         def run():
-            n = 0
-            for i in range(0, len(prompts), batch):
-                n += sum(len(g.token_ids) for g in sg.generate_ids(prompts[i:i + batch], sampling))
-            return n
+            done = 0
+            for i in range(0, n, batch):
+                done += sum(len(g.token_ids) for g in sg.generate_ids(prompts[i:min(i + batch, n)], sampling))
+            return done
         return run
 
-    order: list[tuple[str, Callable[[], int]]] = [("sglang_offline_one_call", native)]
-    order += [(f"eaglenest_batch_{b}", ours(b)) for b in (8, 64, len(prompts))]
-    for _round in range(2):  # two rounds, best of each: one-off hiccups do not decide the ratio
-        for name, fn in order:
+    # whole batch in one call = the wrapper's own overhead; 128 = regen.batch_size of the GPU config
+    # (configs/kimi-k25.yaml); 8 = the default regen.batch_size (on the first 64 prompts: it is slow)
+    order: list[tuple[str, Callable[[], int], int]] = [
+        ("sglang_offline_one_call", native, 2),
+        (f"eaglenest_batch_{len(prompts)}", ours(len(prompts), len(prompts)), 2),
+        ("eaglenest_batch_128", ours(128, len(prompts)), 2),
+        ("eaglenest_batch_8_first_64", ours(8, 64), 1)]
+    for rnd in range(2):  # two rounds, best of each: one-off hiccups do not decide the ratio
+        for name, fn, rounds in order:
+            if rnd >= rounds:
+                continue
             sg.engine.flush_cache()
             tokens, secs = timed(fn)
             best = runs.get(name)
@@ -223,7 +231,8 @@ def worker_throughput(out: Path) -> dict[str, Any]:
     best_ratio = runs[f"eaglenest_batch_{len(prompts)}"]["ratio_vs_sglang"]
     return {"model": f"random Llama {sg.info.num_layers} layers, hidden {sg.info.hidden_size}",
             "prompts": len(prompts), "max_new_tokens": 128, "runs": runs,
-            "ratio_whole_batch": best_ratio, "target_ratio": 0.9, "passed": bool(best_ratio >= 0.9)}
+            "ratio_whole_batch": best_ratio, "ratio_regen_batch_128": runs["eaglenest_batch_128"]["ratio_vs_sglang"],
+            "target_ratio": 0.9, "passed": bool(best_ratio >= 0.9)}
 
 
 # ------------------------------------------------------------------------------------------- checks 3 + 4: spec
