@@ -16,7 +16,10 @@
 #   capture  benchmarks/gpu_capture.py   transformers backend capture on CUDA bf16 (~1B random Llama)
 #   sglang   benchmarks/gpu_sglang.py    SGLang backend checks 1-4 (capture parity, regen throughput, EAGLE3, speed)
 # GPU_ALL_STEPS="capture sglang" picks steps; SGLANG_CHECKS=1,2,3,4 picks SGLang checks; GPU_ALL_BUDGET_S (570)
-# is the whole run's budget (the device allows 600 s per call: split the checks over two calls if it is not enough).
+# is the whole run's budget. The device allows 600 s per call and all of it takes ~8-11 min on a fresh machine, so
+# the safe plan is two calls (checks 3 and 4 must share a call: the forced-EAGLE run reuses check 3's drafter):
+#   call 1: GPU_ALL_STEPS="capture sglang" SGLANG_CHECKS=1,2 bash benchmarks/gpu_all.sh
+#   call 2: GPU_ALL_STEPS=sglang SGLANG_CHECKS=3,4 bash benchmarks/gpu_all.sh
 set -uo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"

@@ -40,10 +40,11 @@ sys.path.insert(0, str(ROOT))
 GROUPS: dict[str, tuple[tuple[int, ...], int]] = {
     # worker: (checks it covers, timeout seconds)
     "capture": ((1,), 240),
-    "throughput": ((2,), 240),
     "spec": ((3, 4), 420),
     "eagle_forced": ((3,), 180),
+    "throughput": ((2,), 240),
 }
+"""Run in this order (acceptance-critical first: a short time budget cuts the throughput group, not check 3)."""
 BIG = dict(num_layers=16, hidden_size=1024, num_heads=16, num_kv_heads=8, intermediate_size=2816,
            max_position_embeddings=4096, train_steps=0)
 """Random-init Llama (~0.25B parameters with the tiny tokenizer) for checks 1 and 2."""
