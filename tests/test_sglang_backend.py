@@ -269,3 +269,24 @@ def test_engine_without_sglang_fails_with_the_fix() -> None:
 
     with pytest.raises(SGLangVersionError, match="pip install 'eaglenest\\[gpu\\]'"):
         load_engine(TargetConfig(engine="sglang"))
+
+
+def test_target_facts_and_weights_match_the_hf_backend(tiny_target_path: Path, tiny_engine) -> None:
+    """What the sglang engine reports about a target (read from its folder) equals what the hf backend loads."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from eaglenest.engines.sglang import _read_weight, _target_info
+
+    path = str(tiny_target_path)
+    facts = TargetFacts.from_model_dir(path)
+    info = _target_info(path, AutoTokenizer.from_pretrained(path), facts, "bfloat16")
+    ref = tiny_engine.info
+    assert (info.num_layers, info.hidden_size, info.vocab_size, info.architecture, info.eos_token_ids) == (
+        ref.num_layers, ref.hidden_size, ref.vocab_size, ref.architecture, ref.eos_token_ids)
+    assert info.engine == "sglang" and info.max_position_embeddings == ref.max_position_embeddings
+    head = _read_weight(path, ("lm_head.weight",), fallback=("model.embed_tokens.weight",))
+    assert torch.equal(head, tiny_engine.lm_head_weight().detach().cpu())
+    assert torch.equal(_read_weight(path, ("model.embed_tokens.weight",)), tiny_engine.embed_weight().detach().cpu())
+    with pytest.raises(KeyError, match="not_a_tensor"):
+        _read_weight(path, ("not_a_tensor",))
