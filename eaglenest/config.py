@@ -191,8 +191,12 @@ class SpecConfig(Section):
 
 class BenchConfig(Section):
     prompts: str | None = Field(None, description="JSONL of prompts ({'messages': [...], 'domain': ...})")
+    drafter: str | None = Field(None, description="drafter export folder (default: serve.drafter)")
     num_prompts: int = Field(16, ge=1)
     max_new_tokens: int = Field(64, ge=1)
+    repeats: int = Field(3, ge=1, description="interleaved rounds; tok/s is the median over rounds")
+    batch_size: int = Field(1, ge=1)
+    output: str | None = Field(None, description="folder for bench.json, bench.md and bench.png")
     sweep: list[SpecConfig] = Field(default_factory=lambda: [SpecConfig()])
 
 
