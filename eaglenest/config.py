@@ -135,6 +135,7 @@ class DrafterConfig(Section):
     intermediate_size: int | None = Field(None, ge=1)
     num_heads: int | None = Field(None, ge=1)
     num_kv_heads: int | None = Field(None, ge=1)
+    head_dim: int | None = Field(None, ge=1, description="default: the target's head_dim, else hidden/num_heads")
     max_position_embeddings: int | None = Field(None, ge=1, description="default: the target's context length")
 
 
