@@ -73,11 +73,15 @@ def _resolved_sources(cfg: EaglenestConfig) -> list:
 
 
 def run_regen(cfg: EaglenestConfig, output: str | Path | None = None, limit: int | None = None, *,
-              log: Callable[[str], None] = print, progress_interval_s: float = 15.0) -> dict[str, Any]:
+              log: Callable[[str], None] = print, progress_interval_s: float = 15.0,
+              timeline: bool = False, flush_metrics: bool | None = None) -> dict[str, Any]:
     """Run (or resume) the regen job; returns the summary that is also written to ``DIR/manifest.json``.
 
     ``limit`` caps every source at ``limit`` input rows (on top of its ``max_samples``): a quick smoke run over all
-    formats. Bad rows never stop the job; they are counted per source and reason.
+    formats. Bad rows never stop the job; they are counted per source and reason. ``timeline=True`` adds the
+    engine batches' (start, end, pid, generated tokens) to the returned summary (benchmarks). ``flush_metrics``
+    keeps the progress actor alive for one metrics export interval at the end, so Prometheus sees the final
+    counts and ETA 0 (default: when attached to a cluster through RAY_ADDRESS, where someone scrapes it).
     """
     t_start = time.monotonic()
     rc = cfg.regen
@@ -108,9 +112,14 @@ def run_regen(cfg: EaglenestConfig, output: str | Path | None = None, limit: int
         f"{sum(plan.already_done_per_source.values())} already done")
     totals: dict[str, int] = {}
     engine_version = None
+    batches: list = []
     if plan.planned:
         totals = _run_engine_stage(cfg, plan.files, out_dir, identity, tracker, log, progress_interval_s)
         engine_version = (ray.get(tracker.snapshot.remote()).get("engine") or {}).get("engine_version")
+        batches = ray.get(tracker.batch_timeline.remote()) if timeline else []
+    if flush_metrics if flush_metrics is not None else bool(os.environ.get("RAY_ADDRESS")):
+        ray.get(tracker.snapshot.remote())  # final gauges (ETA 0)
+        time.sleep(max(ray._config.metrics_report_interval_ms(), 1000) / 1000 + 1)
     ray.kill(tracker)
     if engine_version is None:
         engine_version = _previous_engine_version(out_dir) or f"{identity['engine']} (not started: nothing to do)"
@@ -131,6 +140,8 @@ def run_regen(cfg: EaglenestConfig, output: str | Path | None = None, limit: int
     manifest = write_final_manifest(out_dir, identity, engine_version, extra)
     summary = manifest.model_dump()
     summary["output"] = str(out_dir)
+    if timeline:
+        summary["timeline"] = batches
     return summary
 
 

@@ -113,11 +113,13 @@ class EngineActor:
                                         "model": info.model, "pid": os.getpid()})
 
     def __call__(self, batch: pa.Table) -> pa.Table:
+        t0 = time.time()
         samples = samples_from_table(batch)
         results = self.regen.run(samples, lambda s: self.sampling[s.source])
+        table = results_table(results)
         if self.tracker is not None:
-            self.tracker.generated.remote(self.regen.stats.generated_tokens)
-        return results_table(results)
+            self.tracker.generated.remote(self.regen.stats.generated_tokens, (t0, time.time(), os.getpid()))
+        return table
 
 
 class ShardDatasink(Datasink):

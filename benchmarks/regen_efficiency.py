@@ -1,0 +1,197 @@
+"""Regen efficiency: generated tokens/s through the Ray Data pipeline vs the same engine in a plain loop, and the
+stored bytes per token vs 8*H.
+
+All measurements come from one run of this script, side by side on the same samples:
+
+- ``loop``: one engine in this process; for each batch: regenerate + capture (``Regenerator.run``), serialize and
+  write the shard file (the same work the pipeline does, without Ray).
+- ``pipeline-N``: ``run_regen`` with an actor pool of N engines (fresh output folder).
+  ``wall`` includes Ray Data start-up, normalization and actor start.
+
+"generated tokens" = tokens the engines generated (greedy decoding, same samples: identical work in every mode).
+``steady`` = the engine batches finished after every actor completed its first batch, over the time from then to the
+last batch (batch timestamps reported by the actors). Per-engine efficiency = steady tokens/s per actor / loop
+tokens/s (the loop is run before and after the pipelines; their mean is the reference).
+
+Example (2-core CPU box, tiny target):
+    OMP_NUM_THREADS=1 python benchmarks/regen_efficiency.py --samples 384 --batch-size 16 --max-new-tokens 48
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+for _k, _v in {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0",
+               "TOKENIZERS_PARALLELISM": "false"}.items():
+    os.environ.setdefault(_k, _v)
+
+
+def write_source(path: Path, n: int) -> int:
+    """The first ``n`` distinct prompts of the tiny target's corpus, as an OpenAI-messages jsonl source."""
+    from eaglenest.engines.tiny import corpus_chats
+    from regen.adapters import normalize_record
+
+    seen, rows = set(), []
+    for chat in corpus_chats():
+        row = normalize_record({"messages": chat["messages"], "tools": chat.get("tools")}, "openai", source="s",
+                               domain="chat")
+        if row["status"] == "ok" and row["id"] not in seen:
+            seen.add(row["id"])
+            rows.append({"messages": chat["messages"], "tools": chat.get("tools")})
+        if len(rows) == n:
+            break
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return len(rows)
+
+
+def make_config(source: Path, args: argparse.Namespace, actors: int):
+    from eaglenest.config import EaglenestConfig
+
+    return EaglenestConfig.model_validate({
+        "target": {"model": "tiny", "engine": "hf", "device": "cpu", "dtype": "float32", "cpu_threads": 1},
+        "regen": {"sources": [{"name": "bench", "domain": "chat", "adapter": "openai", "path": str(source)}],
+                  "sampling": {"temperature": 0.0, "max_new_tokens": args.max_new_tokens},
+                  "batch_size": args.batch_size, "num_actors": actors, "num_cpus_per_actor": args.cpus_per_actor,
+                  "max_tokens": 2048, "rows_per_shard": args.batch_size, "storage_dtype": "bfloat16"},
+    })
+
+
+def loop(cfg, source: Path, out: Path) -> dict:
+    """The same engine driven by a plain Python loop over the same samples (no Ray)."""
+    import pyarrow.compute as pc
+    import torch
+
+    from eaglenest.engines import SamplingParams, load_engine
+    from regen.adapters import normalize_record
+    from regen.output import write_quarantine, write_shard
+    from regen.regenerate import Regenerator, Sample
+    from regen.stage import results_table
+
+    torch.set_num_threads(1)
+    rows = [normalize_record(line, "openai", source="bench", domain="chat")
+            for line in source.read_text().splitlines()]
+    samples = [Sample(r["id"], r["source"], r["domain"], r["messages"], r["tools"], raw=r["raw"]) for r in rows]
+    t_load = time.perf_counter()
+    engine = load_engine(cfg.target)
+    t_load = time.perf_counter() - t_load
+    rc = cfg.regen
+    regen = Regenerator(engine, min_tokens=rc.min_tokens, max_tokens=rc.max_tokens, storage_dtype=rc.storage_dtype)
+    sp = SamplingParams(max_new_tokens=rc.sampling.max_new_tokens)
+    regen.run(samples[: rc.batch_size], lambda s: sp)  # warm-up batch (not timed, not written)
+    tokens = loss = seq_tokens = 0
+    t0 = time.perf_counter()
+    for i in range(0, len(samples), rc.batch_size):
+        table = results_table(regen.run(samples[i:i + rc.batch_size], lambda s: sp))
+        ok = table.filter(pc.equal(table.column("status"), "ok"))
+        bad = table.filter(pc.not_equal(table.column("status"), "ok"))
+        if ok.num_rows:
+            write_shard(ok, out)
+        if bad.num_rows:
+            write_quarantine(bad, out, "regen")
+        loss += sum(sum(m) for m in ok.column("loss_mask").to_pylist())
+        tokens += regen.stats.generated_tokens
+        seq_tokens += sum(ok.column("num_tokens").to_pylist())
+    wall = time.perf_counter() - t0
+    return {"mode": "loop", "engines": 1, "samples": len(samples), "loss_tokens": loss, "generated_tokens": tokens,
+            "sequence_tokens": seq_tokens, "seconds": round(wall, 2), "load_seconds": round(t_load, 2),
+            "tokens_per_s": round(tokens / wall, 1)}
+
+
+def steady_state(batches: list, engines: int) -> tuple[float, int]:
+    """(seconds, tokens) after every engine finished its first batch: start-up and warm-up amortised away."""
+    by_pid: dict[int, list] = {}
+    for b in sorted(batches, key=lambda b: b[1]):
+        by_pid.setdefault(b[2], []).append(b)
+    start = max(bs[0][1] for bs in by_pid.values())  # the last engine to finish its first batch
+    later = [b for b in batches if b[1] > start]
+    return (max(b[1] for b in batches) - start, sum(b[3] for b in later)) if later else (0.0, 0)
+
+
+def pipeline(cfg, out: Path, actors: int) -> dict:
+    import pyarrow.parquet as pq
+
+    from eaglenest.shards import shard_files
+    from regen.pipeline import run_regen
+
+    t0 = time.time()
+    summary = run_regen(cfg, out, log=lambda m: None, timeline=True)
+    wall = time.time() - t0
+    shards = shard_files(out)
+    tokens = summary["last_run"]["generated_tokens"]
+    steady_s, steady_tokens = steady_state(summary["timeline"], actors)
+    busy = sum(b[1] - b[0] for b in summary["timeline"])
+    return {"mode": f"pipeline-{actors}", "engines": actors, "samples": summary["num_samples"],
+            "generated_tokens": tokens, "seconds": round(wall, 2), "tokens_per_s": round(tokens / wall, 1),
+            "steady_seconds": round(steady_s, 2),
+            "steady_tokens_per_s": round(steady_tokens / steady_s, 1) if steady_s else None,
+            "engine_busy_fraction": round(busy / (actors * (max(b[1] for b in summary["timeline"])
+                                                            - min(b[0] for b in summary["timeline"]))), 3),
+            "batches": len(summary["timeline"]), "engine_pids": len({b[2] for b in summary["timeline"]}),
+            "shards": len(shards), "bytes_per_token": summary["bytes_per_token"],
+            "file_bytes_per_token": summary["file_bytes_per_token"],
+            "disk_bytes_per_token": round(sum(f.stat().st_size for f in shards) / summary["num_tokens"], 1),
+            "loss_tokens": sum(sum(m) for f in shards
+                               for m in pq.read_table(f, columns=["loss_mask"]).column("loss_mask").to_pylist()),
+            "hidden_size": summary["hidden_size"]}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--samples", type=int, default=384)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--actors", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--cpus-per-actor", type=float, default=0.5)
+    p.add_argument("--work", type=Path, default=None, help="scratch folder (default: a temp dir, removed)")
+    p.add_argument("--json", type=Path, help="write the results here")
+    args = p.parse_args()
+
+    import ray
+
+    work = args.work or Path(tempfile.mkdtemp(prefix="regen-bench-"))
+    work.mkdir(parents=True, exist_ok=True)
+    try:
+        source = work / "bench.jsonl"
+        n = write_source(source, args.samples)
+        ray.init(include_dashboard=False, log_to_driver=False,
+                 runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}})
+        results = [loop(make_config(source, args, 1), source, work / "loop")]
+        for a in args.actors:
+            results.append(pipeline(make_config(source, args, a), work / f"pipeline-{a}", a))
+        results.append(loop(make_config(source, args, 1), source, work / "loop-again"))  # drift check
+        ray.shutdown()
+    finally:
+        if args.work is None:
+            shutil.rmtree(work, ignore_errors=True)
+
+    base = (results[0]["tokens_per_s"] + results[-1]["tokens_per_s"]) / 2
+    print(f"dataset: {n} conversations (tiny target corpus), batch {args.batch_size}, max_new_tokens "
+          f"{args.max_new_tokens}, {os.cpu_count()} CPUs, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}")
+    print(f"{'mode':<12}{'engines':>8}{'gen tok':>9}{'wall s':>9}{'tok/s':>9}{'steady s':>10}{'steady tok/s':>14}"
+          f"{'per engine vs loop':>20}{'engine busy':>13}")
+    for r in results:
+        steady = r.get("steady_tokens_per_s")
+        eff = f"{steady / r['engines'] / base:.0%}" if steady else "-"
+        busy = f"{r['engine_busy_fraction']:.0%}" if "engine_busy_fraction" in r else "-"
+        print(f"{r['mode']:<12}{r['engines']:>8}{r['generated_tokens']:>9}{r['seconds']:>9}{r['tokens_per_s']:>9}"
+              f"{r.get('steady_seconds', '-'):>10}{steady or '-':>14}{eff:>20}{busy:>13}")
+    pl = next(r for r in results if r["mode"].startswith("pipeline"))
+    h = pl["hidden_size"]
+    print(f"storage: {pl['bytes_per_token']:.0f} bytes/token of hidden states (8*H = {8 * h}), "
+          f"{pl['file_bytes_per_token']} in the parquet blob columns, {pl['disk_bytes_per_token']} on disk in total "
+          "(incl. ids, masks, parquet metadata)")
+    if args.json:
+        args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "samples": n,
+                                         "results": results}, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,219 @@
+"""regen end to end on a real local Ray: the 10 fixture sources -> shards + quarantine + manifest, checked against the
+engine's capture called directly, the chat template, and the inputs."""
+
+from __future__ import annotations
+
+import json
+import re
+import urllib.request
+from collections import Counter
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+import yaml
+
+from eaglenest.config import load_config
+from eaglenest.engines import render_chat_text
+from eaglenest.shards import SHARD_SCHEMA, bytes_to_tensor, read_manifest, shard_files
+from regen.adapters import normalize_record, template_messages
+from regen.output import quarantine_files
+
+REPO = Path(__file__).resolve().parents[1]
+FIX = REPO / "tests" / "fixtures" / "sources"
+EXPECTED = json.loads((FIX / "expected.json").read_text())
+SOURCES = yaml.safe_load((FIX / "sources.yaml").read_text())["sources"]
+
+
+def expected_counts() -> dict[str, Counter]:
+    return {s["name"]: Counter(EXPECTED[s["path"]]) for s in SOURCES}
+
+
+def fixture_rows() -> dict[str, dict]:
+    """id -> normalized row, for every fixture row (the test's own view of the inputs)."""
+    out = {}
+    for s in SOURCES:
+        path = FIX / s["path"]
+        recs = (pq.read_table(path).to_pylist() if path.suffix == ".parquet"
+                else [x for x in path.read_text().splitlines() if x.strip()])
+        for r in recs:
+            row = normalize_record(r, s["adapter"], source=s["name"], domain=s["domain"])
+            out.setdefault(row["id"], row)
+    return out
+
+
+def read_output(out: Path):
+    shards = [pq.read_table(f) for f in shard_files(out)]
+    quarantine = [pq.read_table(f) for f in quarantine_files(out)]
+    return shards, quarantine
+
+
+@pytest.fixture(scope="module")
+def demo_run(ray_session, tmp_path_factory):
+    from regen import run_regen
+
+    cfg = load_config(REPO / "configs" / "demo.yaml")
+    out = tmp_path_factory.mktemp("regen") / "out"
+    lines: list[str] = []
+    summary = run_regen(cfg, out, log=lines.append, flush_metrics=True)
+    # scraped right away: Ray drops a finished worker's gauges 2 export intervals after its last report
+    summary["_metrics_text"] = scrape_metrics(ray_session)
+    return cfg, out, summary, lines
+
+
+def scrape_metrics(ray) -> str:
+    port = ray._private.worker.global_worker.node.metrics_export_port
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        return r.read().decode()
+
+
+def series(text: str, name: str) -> list[tuple[dict[str, str], float]]:
+    out = []
+    for line in text.splitlines():
+        if line.startswith(name + "{"):
+            labels, value = line[len(name) + 1:].rsplit("} ", 1)
+            out.append((dict(re.findall(r'(\w+)="([^"]*)"', labels)), float(value)))
+    return out
+
+
+def test_counts_match_the_inputs(demo_run):
+    _, out, summary, _ = demo_run
+    want = expected_counts()
+    m = read_manifest(out)
+    for s in SOURCES:
+        name, c = s["name"], want[s["name"]]
+        assert m.samples_per_source.get(name, 0) == c["ok"], name
+        assert summary["quarantined_per_source"].get(name, 0) == sum(
+            n for k, n in c.items() if k not in ("ok", "duplicate", "capped")), name
+        assert summary["duplicates_per_source"][name] == c["duplicate"], name
+        assert summary["inputs_per_source"][name] == sum(c.values()) - c["capped"], name
+    reasons = Counter()
+    for c in want.values():
+        reasons.update({k: n for k, n in c.items() if k not in ("ok", "duplicate", "capped")})
+    assert m.quarantined_per_reason == dict(reasons)
+    # every sample exactly once across shards and quarantine, nothing left half-written
+    shards, quarantine = read_output(out)
+    ids = [i for t in shards + quarantine for i in t.column("id").to_pylist()]
+    assert len(ids) == len(set(ids)) == m.num_samples + sum(m.quarantined_per_reason.values())
+    assert not list(out.glob("*/.tmp-*"))
+
+
+def test_shards_hold_the_engines_capture(demo_run, tiny_engine):
+    cfg, out, _, _ = demo_run
+    m = read_manifest(out)
+    h = tiny_engine.info.hidden_size
+    assert (m.target, m.num_layers, m.hidden_size, m.vocab_size) == (
+        tiny_engine.info.model, tiny_engine.info.num_layers, h, tiny_engine.info.vocab_size)
+    assert m.aux_layer_ids == tiny_engine.aux_layer_ids == [2, 4, 5]
+    assert (m.dtype, m.engine, m.engine_version) == ("bfloat16", "hf", tiny_engine.info.engine_version)
+    assert m.bytes_per_token == 8 * h
+    shards, _ = read_output(out)
+    assert all(t.schema == SHARD_SCHEMA for t in shards)
+    rows = [r for t in shards for r in t.to_pylist()]
+    assert m.num_tokens == sum(r["num_tokens"] for r in rows)
+    assert m.num_loss_tokens == sum(sum(r["loss_mask"]) for r in rows)
+    caps = tiny_engine.capture([r["input_ids"] for r in rows])
+    for r, cap in zip(rows, caps, strict=True):
+        t = r["num_tokens"]
+        assert len(r["input_ids"]) == len(r["loss_mask"]) == t
+        assert len(r["aux_hidden_states"]) + len(r["last_hidden_state"]) == 8 * h * t  # 2 bytes x (3H + H)
+        aux = bytes_to_tensor(r["aux_hidden_states"], m.dtype, 3 * h)
+        last = bytes_to_tensor(r["last_hidden_state"], m.dtype, h)
+        # same values for the same ids, within bf16 storage rounding
+        torch.testing.assert_close(aux.float(), cap.aux_hidden_states.float(), rtol=2 ** -7, atol=1e-4)
+        torch.testing.assert_close(last.float(), cap.last_hidden_state.float(), rtol=2 ** -7, atol=1e-4)
+
+
+def test_loss_masks_are_the_regenerated_turns(demo_run, tiny_engine):
+    _, out, summary, _ = demo_run
+    tok = tiny_engine.tokenizer
+    end = tok.convert_tokens_to_ids("<|end|>")
+    inputs = fixture_rows()
+    shards, _ = read_output(out)
+    assert summary["last_run"]["dropped_turns"] == 0
+    for r in (r for t in shards for r in t.to_pylist()):
+        src = inputs[r["id"]]
+        ids, mask = r["input_ids"], r["loss_mask"]
+        if src["native"]:
+            assert ids == src["native_input_ids"] and mask == src["native_loss_mask"]
+            continue
+        # cut the sequence into the target's turns (mask runs) and rebuild the conversation from them
+        turns, start = [], None
+        for i, v in enumerate([*mask, 0]):
+            if v and start is None:
+                start = i
+            elif not v and start is not None:
+                body = ids[start:i - 1] if ids[i - 1] == end else ids[start:i]  # own <|end|> or closed at the limit
+                turns.append(tok.decode(body, skip_special_tokens=False))
+                if ids[i - 1] != end:
+                    assert ids[i] == end and mask[i] == 0
+                start = None
+        msgs, k = [], 0
+        for m in template_messages(src["messages"]):
+            if m["role"] == "assistant":
+                msgs.append({"role": "assistant", "content": turns[k]})
+                k += 1
+            else:
+                msgs.append(m)
+        assert k == len(turns) == sum(m["role"] == "assistant" for m in src["messages"])
+        tools = json.loads(src["tools"]) if src["tools"] else None
+        assert tok.decode(ids, skip_special_tokens=False) == render_chat_text(
+            tok, msgs, tools=tools, add_generation_prompt=False), r["id"]
+
+
+def test_quarantine_keeps_reason_and_raw_row(demo_run):
+    _, out, _, _ = demo_run
+    _, quarantine = read_output(out)
+    rows = [r for t in quarantine for r in t.to_pylist()]
+    inputs = fixture_rows()
+    for r in rows:
+        assert r["reason"] and r["detail"] and r["source"]
+        assert r["raw"] == inputs[r["id"]]["raw"]  # the input row, as it was read
+    engine_stage = {r["reason"] for r in rows if r["id"] in inputs and inputs[r["id"]]["status"] == "ok"}
+    assert engine_stage == {"too_long", "token_out_of_range"}
+
+
+def test_rerun_finds_everything_done(demo_run):
+    from regen import run_regen
+
+    cfg, out, first, _ = demo_run
+    before = sorted(p.name for p in out.rglob("*.parquet") if "plan" not in p.parts)
+    again = run_regen(cfg, out, log=lambda _: None)
+    assert again["last_run"]["planned"] == 0
+    assert again["last_run"]["already_done"] == first["num_samples"] + first["num_quarantined"]
+    assert sorted(p.name for p in out.rglob("*.parquet") if "plan" not in p.parts) == before
+    assert (again["num_samples"], again["quarantined_per_reason"]) == (first["num_samples"],
+                                                                       first["quarantined_per_reason"])
+    assert again["engine_version"] == first["engine_version"]
+
+
+def test_progress_lines_were_logged(demo_run):
+    _, _, summary, lines = demo_run
+    assert any(line.startswith("regen: planned") for line in lines)
+    final = [line for line in lines if line.startswith("regen progress:")][-1]
+    assert f"{summary['last_run']['planned']}/{summary['last_run']['planned']} samples" in final
+
+
+def test_metrics_reach_prometheus_under_the_alerting_names(demo_run):
+    """The progress actor's counters/gauges are exported by Ray's metrics agent with the names the alerts use."""
+    _, _, summary, _ = demo_run
+    text = summary["_metrics_text"]
+    done = series(text, "ray_eaglenest_regen_samples_done_total")
+    quarantined = series(text, "ray_eaglenest_regen_samples_quarantined_total")
+    tokens = series(text, "ray_eaglenest_regen_generated_tokens_total")
+    # one progress actor (one WorkerId) per run: find this run's series
+    workers = {lab["WorkerId"] for lab, _ in done}
+    ours = [w for w in workers if sum(v for lab, v in done if lab["WorkerId"] == w) == summary["num_samples"]]
+    assert ours, done
+    w = ours[0]
+    assert {lab["source"]: v for lab, v in done if lab["WorkerId"] == w} == {
+        k: float(v) for k, v in summary["samples_per_source"].items()}
+    by_reason = Counter()
+    for lab, v in quarantined:
+        if lab["WorkerId"] == w:
+            by_reason[lab["reason"]] += v
+    assert by_reason == Counter({k: float(v) for k, v in summary["quarantined_per_reason"].items()})
+    assert sum(v for lab, v in tokens if lab["WorkerId"] == w) == summary["last_run"]["generated_tokens"] > 0
+    assert [v for lab, v in series(text, "ray_eaglenest_regen_eta_seconds") if lab["WorkerId"] == w] == [0.0]
+    assert [lab for lab, _ in series(text, "ray_eaglenest_regen_tokens_per_second") if lab["WorkerId"] == w]
