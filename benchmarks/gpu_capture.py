@@ -70,32 +70,42 @@ def main() -> int:
     lengths = [37, 64, 129, 200]
     seqs = [torch.randint(2, engine.info.vocab_size, (n,), generator=g).tolist() for n in lengths]
     caps = engine.capture(seqs, layer_ids)
-    worst_aux = worst_logit = worst_batch = 0.0
+    worst_exact = worst_logit = worst_batch = 0.0
+    neighbour = float("inf")
     for seq, cap in zip(seqs, caps, strict=True):
         with torch.no_grad():
             out = model(input_ids=torch.tensor([seq], device=args.device), output_hidden_states=True)
-        want = torch.cat([out.hidden_states[i][0] for i in layer_ids], -1).cpu()
-        worst_aux = max(worst_aux, rel_err(cap.aux_hidden_states, want))
-        with torch.no_grad():
             logits = model.lm_head(cap.last_hidden_state.to(args.device)).cpu()
-        worst_logit = max(worst_logit, rel_err(logits, out.logits[0].cpu()))
+        want = torch.cat([out.hidden_states[i][0] for i in layer_ids], -1).cpu()
+        # one sequence alone runs exactly the kernels of transformers' own forward: the values must be identical
         single = engine.capture([seq], layer_ids)[0]
+        worst_exact = max(worst_exact, rel_err(single.aux_hidden_states, want))
+        worst_logit = max(worst_logit, rel_err(model.lm_head(single.last_hidden_state.to(args.device)).cpu(),
+                                               out.logits[0].cpu()))
+        # inside a padded batch the bf16 kernels differ (masked attention): same values within bf16 rounding
         worst_batch = max(worst_batch, rel_err(cap.aux_hidden_states, single.aux_hidden_states),
-                          rel_err(cap.last_hidden_state, single.last_hidden_state))
+                          rel_err(logits, out.logits[0].cpu()))
+        # control: the neighbouring layer is far away, so the tolerance cannot hide an off-by-one tap
+        wrong = torch.cat([out.hidden_states[i + 1][0] for i in layer_ids], -1).cpu()
+        neighbour = min(neighbour, rel_err(wrong, want))
     refused = False
     try:
         engine.capture(seqs[:1], [2, 8, engine.info.num_layers + 1])
     except LayerIdError:
         refused = True
-    tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
+    exact_tol = 1e-6
+    batch_tol = 3e-2 if dtype == torch.bfloat16 else 1e-5
     result = {
         "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
         "dtype": str(dtype), "params": n_params, "layers": engine.info.num_layers, "aux_layer_ids": layer_ids,
-        "rel_err_aux_vs_hidden_states": worst_aux, "rel_err_logits_from_last_state": worst_logit,
-        "rel_err_batched_vs_single": worst_batch, "out_of_range_refused": refused, "tolerance": tol,
+        "rel_err_single_vs_hidden_states": worst_exact, "rel_err_logits_from_last_state": worst_logit,
+        "exact_tolerance": exact_tol,
+        "rel_err_batched_vs_single": worst_batch, "batched_tolerance": batch_tol,
+        "rel_err_neighbour_layer_control": neighbour, "out_of_range_refused": refused,
         "seconds": round(time.perf_counter() - t0, 1),
     }
-    result["passed"] = bool(worst_aux <= tol and worst_logit <= tol and worst_batch <= tol and refused)
+    result["passed"] = bool(worst_exact <= exact_tol and worst_logit <= exact_tol and worst_batch <= batch_tol
+                            and neighbour > 5 * batch_tol and refused)
     print(json.dumps(result, indent=2))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
