@@ -213,6 +213,9 @@ class ServeConfig(Section):
     max_prompt_tokens: int = Field(1536, ge=1)
     max_tokens_limit: int = Field(512, ge=1)
     max_batch_size: int = Field(16, ge=1, description="concurrent requests the hf backend decodes as one batch")
+    stream_interval_s: float = Field(
+        0.02, ge=0, description="a stream sends what is ready at most this often (first token at once); 0 = per step"
+    )
     num_replicas: int = Field(1, ge=1)
     autoscaling: dict[str, Any] | None = None
     num_cpus_per_replica: float = Field(0.5, ge=0)

@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import time
+from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -242,28 +243,56 @@ class ServerCore:
         self.inflight = max(0, self.inflight - 1)
 
     # ---- generation
-    async def generate(self, prompt_ids: list[int], sampling: SamplingRequest, out: Outcome) -> AsyncIterator[str]:
-        """Yield text pieces as they become final; ``out`` holds the finish reason, counts and stats at the end."""
+    async def generate(self, prompt_ids: list[int], sampling: SamplingRequest, out: Outcome, *,
+                       stream: bool = True) -> AsyncIterator[str]:
+        """Yield text pieces as they become final; ``out`` holds the finish reason, counts and stats at the end.
+
+        The decoder thread only appends to a buffer and wakes the event loop when no wake-up is pending (for a
+        non-streamed request: only at the end), so decoding does not ping-pong the GIL with the loop per token.
+        """
         loop = asyncio.get_running_loop()
-        events: asyncio.Queue[DecodeEvent] = asyncio.Queue()
+        buf: deque[DecodeEvent] = deque()
+        wake = asyncio.Event()
+        signalled = [False]
+
+        def sink(ev: DecodeEvent) -> None:  # decoder thread
+            buf.append(ev)
+            if (stream or ev.final) and not signalled[0]:
+                signalled[0] = True
+                loop.call_soon_threadsafe(wake.set)
+
         sp = SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p,
                             max_new_tokens=sampling.max_tokens, seed=sampling.seed, stop=sampling.stop)
-        job = Job(prompt_ids, sp, lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev))
+        job = Job(prompt_ids, sp, sink)
         text = StreamText(self.backend.decode, sampling.stop)
         try:
             self.backend.submit(job)
         except RuntimeError as e:
             raise APIError(503, str(e), code="unhealthy") from e
         try:
+            interval = self.cfg.serve.stream_interval_s
+            sent_at = 0.0
             while True:
-                ev = await events.get()
-                if ev.token_ids:
-                    t = time.perf_counter()
-                    if out.first_token_at is None:
-                        out.first_token_at = t
-                    out.last_token_at = t
-                    out.completion_tokens += len(ev.token_ids)
-                    piece = text.feed(ev.token_ids)
+                await wake.wait()
+                if out.first_token_at is not None and interval > 0 and not (buf and buf[-1].final):
+                    # after the first token, coalesce: every chunk costs the replica, the proxy and the client
+                    pause = sent_at + interval - time.perf_counter()
+                    if pause > 0:
+                        await asyncio.sleep(pause)
+                wake.clear()
+                signalled[0] = False  # cleared before draining: a later event signals again, none is lost
+                batch = [buf.popleft() for _ in range(len(buf))]
+                if not batch:
+                    continue
+                sent_at = time.perf_counter()
+                ev = batch[-1]
+                timed = [e.at for e in batch if e.token_ids]  # decoder-side times: coalescing does not skew metrics
+                if timed:
+                    out.first_token_at = out.first_token_at or timed[0]
+                    out.last_token_at = timed[-1]
+                    ids = [t for e in batch for t in e.token_ids]
+                    out.completion_tokens += len(ids)
+                    piece = text.feed(ids)
                     if piece:
                         yield piece
                 if ev.error:
@@ -384,7 +413,7 @@ class ServerCore:
         out = Outcome()
         status = 200
         try:
-            async for _ in self.generate(prompt_ids, sampling, out):
+            async for _ in self.generate(prompt_ids, sampling, out, stream=False):
                 pass
             return JSONResponse(build(out))
         except APIError as e:

@@ -1,8 +1,10 @@
 """Serving backends: a decoder running on one worker thread per replica, fed by a small batching scheduler.
 
 The HTTP layer never touches torch: it submits a :class:`Job` and receives :class:`DecodeEvent` s through a callback
-(called from the worker thread). The scheduler takes every queued job (up to the decoder's ``max_batch``) and runs
-them as one batch; jobs that arrive meanwhile wait for the next batch.
+(called from the worker thread). The scheduler turns queued jobs into *groups* (one ragged batch of the decoder each,
+jobs with equal sampling settings together) and advances every active group by one decoding step in turn. A request
+that arrives while others decode joins at the next step boundary in a group of its own instead of waiting for the
+running batch to finish; the rows of all active groups stay within ``max_batch``.
 
 Backends:
 
@@ -18,7 +20,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -57,6 +59,8 @@ class DecodeEvent:
     finish_reason: str | None = None
     stats: SpecStats | None = None
     error: str | None = None
+    at: float = field(default_factory=time.perf_counter)
+    """when the decoder committed these tokens (perf_counter)"""
 
     @property
     def final(self) -> bool:
@@ -88,23 +92,44 @@ class Job:
 
 
 class Decoder(Protocol):
-    """Runs a batch of jobs to completion, emitting each job's tokens and exactly one final event per job."""
+    """Decodes groups of jobs; ``start`` returns an iterator whose every ``next()`` does a bounded amount of work
+    (one emitted chunk) and which ends once every job of the group has had its final event."""
 
     max_batch: int
     speculative: bool
     algorithm: str | None
 
-    def run(self, jobs: list[Job]) -> None: ...
+    def groups(self, jobs: list[Job]) -> list[list[Job]]: ...
+
+    def start(self, jobs: list[Job]) -> Iterator[None]: ...
+
+
+@dataclass
+class _Group:
+    jobs: list[Job]
+    steps: Iterator[None]
+
+    @property
+    def alive(self) -> int:
+        return sum(not j.finished for j in self.jobs)
 
 
 # ----------------------------------------------------------------------------------------------------- backend
 class Backend:
     """A target engine + a decoder + the worker thread that runs it."""
 
-    def __init__(self, engine: TargetEngine, decoder: Decoder, *, name: str) -> None:
+    def __init__(self, engine: TargetEngine, decoder: Decoder, *, name: str, batch_window_s: float = 0.004,
+                 join_window_s: float = 0.02, max_groups: int = 2) -> None:
         self.engine = engine
         self.decoder = decoder
         self.name = name
+        self.batch_window_s = batch_window_s
+        """when idle, gather the requests of a burst (they arrive a few ms apart) for this long before starting"""
+        self.join_window_s = join_window_s
+        """while others decode, let late requests accumulate this long into one group (every group costs a forward
+        per step, so many tiny groups would cut throughput)"""
+        self.max_groups = max_groups
+        """groups decoding at once; more arrivals wait for one to finish (bounded latency, bounded forwards/step)"""
         self._queue: queue.Queue[Job | None] = queue.Queue()
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
@@ -159,43 +184,80 @@ class Backend:
             raise RuntimeError(f"the decoder thread is not running ({self.fatal or 'not started'})")
         self._queue.put(job)
 
-    def _loop(self) -> None:
-        while not self._stopping.is_set():
+    def _drain(self, pending: list[tuple[float, Job]], *, block: bool) -> None:
+        """Move queued jobs to ``pending`` (with their arrival time); ``block`` waits up to 0.2 s for the first."""
+        while True:
             try:
-                job = self._queue.get(timeout=0.2)
+                job = self._queue.get(timeout=0.2) if block else self._queue.get_nowait()
             except queue.Empty:
-                continue
+                return
+            block = False
             if job is None:
-                break
-            batch = [job]
-            while len(batch) < self.decoder.max_batch:
+                self._stopping.set()
+                return
+            pending.append((time.perf_counter(), job))
+
+    def _admit(self, pending: list[tuple[float, Job]], active: list[_Group]) -> list[Job]:
+        """Jobs to start now as new group(s), or [] to keep them waiting."""
+        for item in [p for p in pending if p[1].cancelled.is_set()]:
+            pending.remove(item)
+            item[1].emit(DecodeEvent([], error="cancelled before it started"))
+        capacity = self.decoder.max_batch - sum(g.alive for g in active)
+        if not pending or capacity <= 0 or len(active) >= self.max_groups:
+            return []
+        waited = time.perf_counter() - pending[0][0]
+        window = self.join_window_s if active else self.batch_window_s
+        if waited < window and len(pending) < capacity:
+            return []
+        take, pending[:] = pending[:capacity], pending[capacity:]
+        return [j for _, j in take]
+
+    def _loop(self) -> None:
+        try:
+            self._schedule()
+        except BaseException as e:  # the scheduler itself broke: the replica must say so (check_health restarts it)
+            log.exception("decoder thread died")
+            self.fatal = f"{type(e).__name__}: {e}"
+            raise
+
+    def _schedule(self) -> None:
+        active: list[_Group] = []
+        pending: list[tuple[float, Job]] = []
+        while not self._stopping.is_set():
+            self._drain(pending, block=not active and not pending)
+            new = self._admit(pending, active)
+            if new:
+                now = time.perf_counter()
+                for j in new:
+                    j.started_at = now
+                for jobs in self.decoder.groups(new):
+                    active.append(_Group(jobs, self._guarded(jobs)))
+            elif not active and pending:
+                time.sleep(0.0005)  # idle, gathering a burst
+            for g in list(active):  # one decoding step of every active group, in turn
                 try:
-                    nxt = self._queue.get_nowait()
-                except queue.Empty:
-                    break
-                if nxt is None:
-                    self._stopping.set()
-                    break
-                batch.append(nxt)
-            live = [j for j in batch if not j.cancelled.is_set()]
-            for j in batch:
-                if j.cancelled.is_set():
-                    j.emit(DecodeEvent([], error="cancelled before it started"))
-            if not live:
-                continue
-            now = time.perf_counter()
-            for j in live:
-                j.started_at = now
-            try:
-                self.decoder.run(live)
-            except Exception as e:  # one bad batch fails its requests, not the replica
-                log.exception("decoder failed on a batch of %d", len(live))
-                msg = f"{type(e).__name__}: {e}"
-                for j in live:
-                    j.emit(DecodeEvent([], error=msg))
-            for j in live:  # a decoder that forgot a job must not hang its client
-                if not j.finished:
-                    j.emit(DecodeEvent([], error="the decoder ended without finishing this request"))
+                    for _ in range(max(g.alive, 1)):
+                        next(g.steps)
+                except StopIteration:
+                    active.remove(g)
+        for g in active:
+            self._fail(g.jobs, "the server is shutting down")
+        self._fail([j for _, j in pending], "the server is shutting down")
+
+    def _guarded(self, jobs: list[Job]) -> Iterator[None]:
+        """The decoder's steps for ``jobs``; an exception fails these requests only, never the replica."""
+        try:
+            yield from self.decoder.start(jobs)
+        except Exception as e:
+            log.exception("decoder failed on a group of %d", len(jobs))
+            self._fail(jobs, f"{type(e).__name__}: {e}")
+        self._fail(jobs, "the decoder ended without finishing this request")  # no-op for finished jobs
+
+    @staticmethod
+    def _fail(jobs: list[Job], message: str) -> None:
+        for j in jobs:
+            if not j.finished:
+                j.emit(DecodeEvent([], error=message))
 
     def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams,
                  timeout: float | None = None) -> tuple[list[int], str, SpecStats]:
@@ -256,27 +318,28 @@ class HFSpecDecoder:
             out.setdefault((j.sampling, i) if alone else (j.sampling,), []).append(j)
         return list(out.values())
 
-    def run(self, jobs: list[Job]) -> None:
-        for group in self.groups(jobs):
-            # SpecDecoder._run is the batched streaming loop behind its public generate()/stream()
-            chunks = self.dec._run([j.prompt_ids for j in group], group[0].sampling)
-            try:
-                for row, chunk in chunks:
-                    job = group[row]
-                    stats = None
-                    if chunk.result is not None:
-                        r = chunk.result
-                        stats = SpecStats(verify_steps=r.draft_steps, draft_tokens=r.draft_steps * self.per_step,
-                                          accepted_tokens=sum(r.accepted_per_step))
-                    job.emit(DecodeEvent(list(chunk.token_ids),
-                                         finish_reason=chunk.finish_reason if chunk.finished else None, stats=stats))
-                    if all(j.cancelled.is_set() or j.finished for j in group):
-                        break  # every client of this batch is gone: stop decoding it
-            finally:
-                chunks.close()
-            for j in group:
-                if not j.finished:
-                    j.emit(DecodeEvent([], error="cancelled"))
+    def start(self, jobs: list[Job]) -> Iterator[None]:
+        # SpecDecoder._run is the batched streaming loop behind its public generate()/stream(): one chunk per row
+        # and target forward, so a group advances one step per len(alive rows) chunks
+        chunks = self.dec._run([j.prompt_ids for j in jobs], jobs[0].sampling)
+        try:
+            for row, chunk in chunks:
+                stats = None
+                if chunk.result is not None:
+                    r = chunk.result
+                    stats = SpecStats(verify_steps=r.draft_steps, draft_tokens=r.draft_steps * self.per_step,
+                                      accepted_tokens=sum(r.accepted_per_step))
+                jobs[row].emit(DecodeEvent(list(chunk.token_ids),
+                                           finish_reason=chunk.finish_reason if chunk.finished else None,
+                                           stats=stats))
+                if all(j.cancelled.is_set() or j.finished for j in jobs):
+                    break  # every client of this group is gone: stop decoding it
+                yield
+        finally:
+            chunks.close()
+        for j in jobs:
+            if not j.finished:
+                j.emit(DecodeEvent([], error="cancelled"))
 
 
 # --------------------------------------------------------------------------------------------- sglang adapter
@@ -293,20 +356,23 @@ class SGLangDecoder:
         self.algorithm = getattr(launch, "algorithm", None)
         self.speculative = launch is not None
 
-    def run(self, jobs: list[Job]) -> None:
-        groups: dict[SamplingParams, list[Job]] = {}
+    def groups(self, jobs: list[Job]) -> list[list[Job]]:
+        out: dict[SamplingParams, list[Job]] = {}
         for j in jobs:
-            groups.setdefault(j.sampling, []).append(j)
-        for sampling, group in groups.items():
-            gens = self.engine.generate_ids([j.prompt_ids for j in group], sampling)
-            for j, g in zip(group, gens, strict=True):
-                n = len(g.token_ids)
-                meta = g.meta or {}
-                verify = int(meta.get("spec_verify_ct") or 0)
-                accepted = meta.get("draft_tokens_accepted")
-                stats = SpecStats(verify_steps=verify, draft_tokens=int(meta.get("draft_tokens_proposed") or 0),
-                                  accepted_tokens=int(accepted if accepted is not None else max(n - verify, 0)))
-                j.emit(DecodeEvent(list(g.token_ids), finish_reason=g.finish_reason, stats=stats))
+            out.setdefault(j.sampling, []).append(j)
+        return list(out.values())
+
+    def start(self, jobs: list[Job]) -> Iterator[None]:
+        gens = self.engine.generate_ids([j.prompt_ids for j in jobs], jobs[0].sampling)
+        for j, g in zip(jobs, gens, strict=True):
+            n = len(g.token_ids)
+            meta = g.meta or {}
+            verify = int(meta.get("spec_verify_ct") or 0)
+            accepted = meta.get("draft_tokens_accepted")
+            stats = SpecStats(verify_steps=verify, draft_tokens=int(meta.get("draft_tokens_proposed") or 0),
+                              accepted_tokens=int(accepted if accepted is not None else max(n - verify, 0)))
+            j.emit(DecodeEvent(list(g.token_ids), finish_reason=g.finish_reason, stats=stats))
+            yield
 
 
 # ------------------------------------------------------------------------------------------------- factory

@@ -105,3 +105,65 @@ def test_build_app_refuses_unknown_args_and_a_bad_drafter(tmp_path, tiny_target_
     cfg.write_text(f"target:\n  model: {tiny_target_path}\n  device: cpu\n")
     app = build_app({"config": str(cfg), "drafter": str(d)})
     assert type(app).__name__ == "Application"
+
+
+@pytest.fixture(scope="module")
+def spec_backend(tiny_target_path, tmp_path_factory):
+    from serve_helpers import make_drafter
+
+    from serve.backends import make_backend
+
+    drafter = make_drafter(tmp_path_factory.mktemp("units") / "drafter", tiny_target_path)
+    cfg = EaglenestConfig.model_validate({"target": {"model": str(tiny_target_path), "device": "cpu",
+                                                     "dtype": "float32"}, "serve": {"max_batch_size": 8}})
+    backend = make_backend(cfg, str(drafter))
+    yield backend
+    backend.close()
+
+
+def test_scheduler_lets_late_requests_in_and_keeps_greedy_exact(spec_backend, tiny_engine):
+    """A request that arrives while another decodes starts at the next step, not after that request finishes."""
+    import threading
+    import time
+
+    from eaglenest.engines.base import SamplingParams
+    from serve.backends import Job
+
+    prompts = {"long": ("Count from 1 to 50.", 80), "b": ("List three colors.", 32), "c": ("Hello! Who are you?", 32)}
+    events: dict[str, list] = {k: [] for k in prompts}
+    done = {k: threading.Event() for k in prompts}
+
+    def submit(key: str) -> None:
+        text, n = prompts[key]
+
+        def sink(ev, key=key) -> None:
+            events[key].append((time.perf_counter(), ev))
+            if ev.final:
+                done[key].set()
+
+        ids = spec_backend.render_chat([{"role": "user", "content": text}])
+        spec_backend.submit(Job(ids, SamplingParams(temperature=0.0, max_new_tokens=n), sink))
+
+    submit("long")
+    deadline = time.monotonic() + 60
+    while len(events["long"]) < 3 and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert not done["long"].is_set()
+    submit("b")
+    submit("c")
+    for d in done.values():
+        assert d.wait(120)
+    long_end = events["long"][-1][0]
+    for key in ("b", "c"):
+        first_token = next(t for t, ev in events[key] if ev.token_ids)
+        assert first_token < long_end, f"{key} waited for the running request to finish"
+    for key, (text, n) in prompts.items():
+        ids = [t for _, ev in events[key] for t in ev.token_ids]
+        want = tiny_engine.generate([[{"role": "user", "content": text}]],
+                                    SamplingParams(temperature=0.0, max_new_tokens=n))[0]
+        assert ids == want.token_ids, key
+        final = events[key][-1][1]
+        assert final.error is None and final.finish_reason == want.finish_reason
+        st = final.stats  # every verify step emits 1 + its accepted drafts (the last one may be cut at EOS)
+        assert st.verify_steps + 1 <= len(ids) <= 1 + st.verify_steps + st.accepted_tokens
+        assert st.draft_tokens == 3 * st.verify_steps  # chain of 3 drafts per step (serve.spec default)
