@@ -167,3 +167,38 @@ def test_scheduler_lets_late_requests_in_and_keeps_greedy_exact(spec_backend, ti
         st = final.stats  # every verify step emits 1 + its accepted drafts (the last one may be cut at EOS)
         assert st.verify_steps + 1 <= len(ids) <= 1 + st.verify_steps + st.accepted_tokens
         assert st.draft_tokens == 3 * st.verify_steps  # chain of 3 drafts per step (serve.spec default)
+
+
+def test_sglang_adapter_maps_engine_meta_to_usage_spec():
+    """SGLang itself cannot run here: the adapter is fed what the SGLang backend parses from Engine.generate."""
+    from eaglenest.engines.base import SamplingParams
+    from eaglenest.engines.sglang_args import generation_from_output
+    from serve.backends import Job, SGLangDecoder
+
+    outputs = [  # meta_info as sglang 0.5.14 returns it for a speculative request
+        {"output_ids": [5, 6, 7, 8, 9, 2], "meta_info": {
+            "finish_reason": {"type": "stop", "matched": 2}, "prompt_tokens": 4, "completion_tokens": 6,
+            "spec_verify_ct": 3, "spec_accept_length": 2.0, "spec_num_correct_drafts": 3,
+            "spec_num_proposed_drafts": 9}},
+        {"output_ids": [5, 6], "meta_info": {"finish_reason": {"type": "length"}, "prompt_tokens": 2,
+                                              "completion_tokens": 2}},
+    ]
+
+    class Engine:  # the SGLangEngine surface the adapter uses (generate_ids + launch), on recorded outputs
+        launch = type("Launch", (), {"algorithm": "EAGLE3"})()
+
+        def generate_ids(self, prompts, sampling):
+            return [generation_from_output(o, prompt_len=len(p), decode=lambda t: " ".join(map(str, t)))
+                    for o, p in zip(outputs, prompts, strict=True)]
+
+    dec = SGLangDecoder(Engine(), max_batch=8)
+    assert dec.speculative and dec.algorithm == "EAGLE3"
+    events: list[list] = [[], []]
+    jobs = [Job([1, 2, 3, 4], SamplingParams(), events[0].append), Job([1, 2], SamplingParams(), events[1].append)]
+    assert dec.groups(jobs) == [jobs]
+    list(dec.start(jobs))
+    first, second = events[0][-1], events[1][-1]
+    assert first.token_ids == [5, 6, 7, 8, 9, 2] and first.finish_reason == "stop"
+    assert (first.stats.verify_steps, first.stats.draft_tokens, first.stats.accepted_tokens) == (3, 9, 3)
+    assert first.stats.accept_length == 2.0  # = completion_tokens / verify steps, SGLang's own figure
+    assert second.finish_reason == "length" and second.stats.accept_length == 1.0
