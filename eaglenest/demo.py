@@ -107,10 +107,42 @@ def _train_stage(cfg: Any, data_dir: Path, folder: Path) -> dict[str, Any]:
     return s
 
 
-def _eval_stage(cfg: Any, drafter_dir: str, folder: Path) -> dict[str, Any]:
-    from drafter.evaluate import demo_acceptance
+def _heldout_prompts(cfg: Any) -> list[dict[str, Any]]:
+    from drafter.evaluate import load_prompts
 
-    return demo_acceptance(cfg, drafter_dir, folder)
+    path = cfg.resolve(cfg.bench.prompts)
+    if not path:
+        raise ValueError("configs/demo.yaml needs bench.prompts (a JSONL of held-out prompts)")
+    return load_prompts(path, limit=cfg.bench.num_prompts)
+
+
+def _eval_stage(cfg: Any, drafter_dir: str, folder: Path) -> dict[str, Any]:
+    """Accept length of the trained drafter vs the same drafter freshly initialised, on held-out prompts."""
+    import torch
+
+    from drafter.evaluate import evaluate_acceptance, plot_acceptance
+    from drafter.export import load_drafter
+    from eaglenest.engines import load_engine
+
+    engine = load_engine(cfg.target)
+    prompts = _heldout_prompts(cfg)
+    spec = cfg.serve.spec
+    trained = load_drafter(drafter_dir, device=engine.device, dtype=engine.dtype)
+    untrained = load_drafter(drafter_dir, device=engine.device, dtype=engine.dtype)
+    torch.manual_seed(cfg.train.seed)  # what training started from: random layers, target embedding and head rows
+    untrained.reset_parameters()
+    untrained.init_from_target(engine.embed_weight(), engine.lm_head_weight(), untrained.d2t.clone(),
+                               untrained.t2d.clone())
+    reports = {}
+    for name, drafter in (("untrained", untrained), ("trained", trained)):
+        reports[name] = evaluate_acceptance(engine, drafter, prompts, spec, progress=True)
+        print(f"{name:>9}: accept length {reports[name]['accept_length']:.2f} on {len(prompts)} held-out prompts")
+    (folder / "eval.json").write_text(json.dumps(reports, indent=2, default=str) + "\n")
+    png = plot_acceptance(reports, folder / "acceptance.png")
+    return {"untrained_accept_length": round(reports["untrained"]["accept_length"], 3),
+            "trained_accept_length": round(reports["trained"]["accept_length"], 3),
+            "per_domain_trained": reports["trained"].get("per_domain"),
+            "prompts": len(prompts), "report": str(folder / "eval.json"), "plot": str(png)}
 
 
 def _serve_stage(cfg: Any, drafter_dir: str, folder: Path, port: int | None) -> dict[str, Any]:
@@ -147,9 +179,25 @@ def _serve_stage(cfg: Any, drafter_dir: str, folder: Path, port: int | None) -> 
 
 
 def _bench_stage(cfg: Any, drafter_dir: str, folder: Path) -> dict[str, Any]:
-    from serve.bench import demo_bench
+    """Speculative vs baseline decoding on the same engine and prompts, measured side by side."""
+    from drafter.evaluate import prompt_ids
+    from eaglenest.engines import load_engine
+    from serve.bench import plot_bench, report_markdown, run_bench
 
-    return demo_bench(cfg, drafter_dir, folder)
+    engine = load_engine(cfg.target)
+    prompts = [prompt_ids(engine.tokenizer, p) for p in _heldout_prompts(cfg)]
+    b = cfg.bench
+    report = run_bench(engine, drafter_dir, prompts, b.sweep, max_new_tokens=b.max_new_tokens, repeats=b.repeats,
+                       batch_size=b.batch_size)
+    (folder / "bench.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
+    (folder / "bench.md").write_text(report_markdown(report))
+    png = plot_bench(report, folder / "bench.png")
+    print(report["verdict"])
+    best = report.get("best") or {}
+    return {"speedup": round(best.get("speedup", 0.0), 2), "best_config": best.get("config"),
+            "baseline_tok_per_s": round(report["baseline"]["tok_per_s"], 1),
+            "spec_tok_per_s": round(best.get("tok_per_s", 0.0), 1), "verdict": report["verdict"],
+            "report": str(folder / "bench.md"), "plot": str(png)}
 
 
 # ------------------------------------------------------------------------------------------------ ray + summary
