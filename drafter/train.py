@@ -48,7 +48,7 @@ def resolve_model_config(cfg: EaglenestConfig, facts, aux_layer_ids: list[int], 
     d = cfg.train.drafter
     heads = d.num_heads or facts.num_attention_heads
     kv = d.num_kv_heads or (facts.num_key_value_heads if heads == facts.num_attention_heads else heads)
-    head_dim = facts.head_dim if heads == facts.num_attention_heads else facts.hidden_size // heads
+    head_dim = d.head_dim or (facts.head_dim if heads == facts.num_attention_heads else facts.hidden_size // heads)
     return DrafterModelConfig(
         hidden_size=facts.hidden_size,
         num_attention_heads=heads,
@@ -179,7 +179,7 @@ def train_drafter(cfg: EaglenestConfig, data_dir: str | Path, output_dir: str | 
     import ray
     import ray.data
     from ray.train import CheckpointConfig, DataConfig, FailureConfig, RunConfig, ScalingConfig
-    ensure_ray(tc.num_workers * tc.cpus_per_worker + 1)
+    ensure_ray(tc.num_workers * tc.cpus_per_worker + 2)  # + headroom for the Ray Data list/read tasks
     data_ctx = ray.data.DataContext.get_current()
     bars = data_ctx.enable_progress_bars
     data_ctx.enable_progress_bars = False  # per-operator bars of the streaming split drown the training progress lines
