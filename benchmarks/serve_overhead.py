@@ -6,7 +6,7 @@ concurrent streams. Reported per level: wall time, throughput (completion tokens
 and TTFT, and the HTTP overhead in % of the in-process figure. Target: <= 5 % throughput loss at 16 streams.
 
     OMP_NUM_THREADS=1 python benchmarks/serve_overhead.py [--config configs/demo.yaml] [--drafter DIR]
-        [--requests 32] [--max-tokens 64] [--levels 1 16] [--out results.json]
+        [--requests 32] [--max-tokens 64] [--levels 1 16] [--set target.tiny.hidden_size=512 ...] [--out F.json]
 """
 
 from __future__ import annotations
@@ -163,19 +163,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--levels", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--repeats", type=int, default=1, help="alternate in-process/HTTP this many times per level")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="config override (YAML value), e.g. target.tiny.hidden_size=512 target.tiny.train_steps=0")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args(argv)
     for k, v in {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled",
                  "RAY_USAGE_STATS_ENABLED": "0", "TOKENIZERS_PARALLELISM": "false"}.items():
         os.environ.setdefault(k, v)
 
+    import yaml
+
     from eaglenest.config import load_config
     from serve.app import resolve_drafter
     from serve.backends import make_backend
     from serve.cli import start_serve, stop_serve
 
-    cfg = load_config(args.config, {"serve.max_tokens_limit": max(args.max_tokens, 16),
-                                    "serve.max_batch_size": max(args.levels)})
+    overrides = {"serve.max_tokens_limit": max(args.max_tokens, 16), "serve.max_batch_size": max(args.levels)}
+    for item in args.set:
+        key, _, value = item.partition("=")
+        overrides[key] = yaml.safe_load(value)
+    cfg = load_config(args.config, overrides)
     drafter = resolve_drafter(cfg, args.drafter)
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(args.requests)]
 

@@ -146,10 +146,9 @@ class ServerCore:
         t0 = time.perf_counter()
         tokens, pooled = 0, SpecStats()
         try:
-            for conv in SELF_TEST_PROMPTS:
-                ids = self.backend.render_chat(list(conv))
-                out, _, stats = self.backend.generate(
-                    ids, SamplingParams(temperature=0.0, max_new_tokens=SELF_TEST_MAX_TOKENS), timeout=600)
+            prompts = [self.backend.render_chat(list(conv)) for conv in SELF_TEST_PROMPTS]
+            for out, _, stats in self.backend.generate_many(
+                    prompts, SamplingParams(temperature=0.0, max_new_tokens=SELF_TEST_MAX_TOKENS), timeout=600):
                 tokens += len(out)
                 pooled = pooled + stats
         except Exception as e:  # the replica stays up and says why

@@ -262,22 +262,34 @@ class Backend:
     def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams,
                  timeout: float | None = None) -> tuple[list[int], str, SpecStats]:
         """Blocking generation through the worker (self-test, benchmarks): (token ids, finish reason, stats)."""
-        done = threading.Event()
-        events: list[DecodeEvent] = []
+        return self.generate_many([prompt_ids], sampling, timeout)[0]
 
-        def sink(ev: DecodeEvent) -> None:
-            events.append(ev)
-            if ev.final:
-                done.set()
+    def generate_many(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams,
+                      timeout: float | None = None) -> list[tuple[list[int], str, SpecStats]]:
+        """Submit every prompt at once (they decode together) and wait for all of them."""
+        collected: list[list[DecodeEvent]] = [[] for _ in prompts]
+        done = [threading.Event() for _ in prompts]
 
-        self.submit(Job(list(prompt_ids), sampling, sink))
-        if not done.wait(timeout):
-            raise TimeoutError(f"generation did not finish within {timeout} s")
-        last = events[-1]
-        if last.error:
-            raise RuntimeError(last.error)
-        ids = [t for ev in events for t in ev.token_ids]
-        return ids, str(last.finish_reason), last.stats or SpecStats(verify_steps=max(len(ids) - 1, 0))
+        def sink(i: int) -> Callable[[DecodeEvent], None]:
+            def put(ev: DecodeEvent) -> None:
+                collected[i].append(ev)
+                if ev.final:
+                    done[i].set()
+            return put
+
+        for i, p in enumerate(prompts):
+            self.submit(Job(list(p), sampling, sink(i)))
+        deadline = None if timeout is None else time.monotonic() + timeout
+        out = []
+        for i, d in enumerate(done):
+            if not d.wait(None if deadline is None else max(deadline - time.monotonic(), 0.0)):
+                raise TimeoutError(f"generation did not finish within {timeout} s")
+            last = collected[i][-1]
+            if last.error:
+                raise RuntimeError(last.error)
+            ids = [t for ev in collected[i] for t in ev.token_ids]
+            out.append((ids, str(last.finish_reason), last.stats or SpecStats(verify_steps=max(len(ids) - 1, 0))))
+        return out
 
     def close(self, timeout: float = 10.0) -> None:
         """Stop after the running batch; queued jobs that never started get an error event."""
