@@ -13,17 +13,20 @@ Layout of ``DIR``::
 Every file is written under a dot-name and renamed into place, so a killed job leaves either a complete file or a
 temporary one that the next run deletes. File names are hashes of the ids they hold: a retried write of the same
 rows replaces its own file instead of adding a second copy. A rerun reads the ids of every completed file first and
-schedules only the rest, so each input sample ends up in exactly one shard or quarantine file.
+schedules only the rest, so each input sample ends up in exactly one shard or quarantine file. A quarantined sample
+counts as done; delete its quarantine file to have a rerun try it again (e.g. after fixing an engine problem).
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,6 +45,22 @@ _SMALL_COLUMNS = {"id", "source", "domain", "input_ids", "loss_mask", "num_token
 
 class OutputFolderError(ValueError):
     """An output folder that this run must not write into (another target's shards, duplicated samples)."""
+
+
+@contextlib.contextmanager
+def output_lock(out_dir: Path) -> Iterator[None]:
+    """One job per output folder at a time (the OS releases the lock when a killed driver's process ends)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with open(out_dir / ".lock", "w") as fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise OutputFolderError(f"another regen job is writing to {out_dir}; wait for it or pick another "
+                                    "--output") from None
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
 
 
 def ids_hash(ids: Iterable[str]) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import sys
 import threading
 import time
@@ -20,8 +21,10 @@ from typing import Any
 
 from eaglenest.config import EaglenestConfig, SamplingConfig
 from regen.output import (
+    PLAN,
     OutputFolderError,
     check_identity,
+    output_lock,
     remove_stale_temporaries,
     scan_completed,
     write_final_manifest,
@@ -88,6 +91,15 @@ def run_regen(cfg: EaglenestConfig, output: str | Path | None = None, limit: int
     sources = _resolved_sources(cfg)
     check_sources(sources)
     out_dir = Path(output if output is not None else cfg.resolve(rc.output) or rc.output).resolve()
+    with output_lock(out_dir):
+        return _run_locked(cfg, sources, out_dir, limit, log=log, interval=progress_interval_s, timeline=timeline,
+                           flush_metrics=flush_metrics, t_start=t_start)
+
+
+def _run_locked(cfg: EaglenestConfig, sources: list, out_dir: Path, limit: int | None, *,
+                log: Callable[[str], None], interval: float, timeline: bool, flush_metrics: bool | None,
+                t_start: float) -> dict[str, Any]:
+    rc = cfg.regen
     identity = target_identity(cfg)
     check_identity(out_dir, identity)
     stale = remove_stale_temporaries(out_dir)
@@ -103,24 +115,27 @@ def run_regen(cfg: EaglenestConfig, output: str | Path | None = None, limit: int
     log(f"regen: {len(sources)} sources -> {out_dir} ({len(completed)} samples already recorded"
         f"{f', {stale} partial files removed' if stale else ''})")
     tracker = ProgressTracker.remote()
-    plan = build_plan(sources, out_dir, limit=limit, completed=completed, rows_per_file=rc.batch_size)
-    q_now = sorted(plan.quarantined_now.items())
-    if q_now:
-        tracker.written.remote({}, [(s, r, n) for (s, r), n in q_now], planned=False)
-    log(f"regen: planned {plan.planned} samples for the engines; {sum(n for _, n in q_now)} rows quarantined while "
-        f"normalizing, {sum(plan.duplicates_per_source.values())} duplicates, "
-        f"{sum(plan.already_done_per_source.values())} already done")
-    totals: dict[str, int] = {}
-    engine_version = None
-    batches: list = []
-    if plan.planned:
-        totals = _run_engine_stage(cfg, plan.files, out_dir, identity, tracker, log, progress_interval_s)
-        engine_version = (ray.get(tracker.snapshot.remote()).get("engine") or {}).get("engine_version")
-        batches = ray.get(tracker.batch_timeline.remote()) if timeline else []
-    if flush_metrics if flush_metrics is not None else bool(os.environ.get("RAY_ADDRESS")):
-        ray.get(tracker.snapshot.remote())  # final gauges (ETA 0)
-        time.sleep(max(ray._config.metrics_report_interval_ms(), 1000) / 1000 + 1)
-    ray.kill(tracker)
+    try:
+        plan = build_plan(sources, out_dir, limit=limit, completed=completed, rows_per_file=rc.batch_size)
+        q_now = sorted(plan.quarantined_now.items())
+        if q_now:
+            tracker.written.remote({}, [(s, r, n) for (s, r), n in q_now], planned=False)
+        log(f"regen: planned {plan.planned} samples for the engines; {sum(n for _, n in q_now)} rows quarantined while "
+            f"normalizing, {sum(plan.duplicates_per_source.values())} duplicates, "
+            f"{sum(plan.already_done_per_source.values())} already done")
+        totals: dict[str, int] = {}
+        engine_version = None
+        batches: list = []
+        if plan.planned:
+            totals = _run_engine_stage(cfg, plan.files, out_dir, identity, tracker, log, interval)
+            engine_version = (ray.get(tracker.snapshot.remote()).get("engine") or {}).get("engine_version")
+            batches = ray.get(tracker.batch_timeline.remote()) if timeline else []
+        if flush_metrics if flush_metrics is not None else bool(os.environ.get("RAY_ADDRESS")):
+            ray.get(tracker.snapshot.remote())  # final gauges (ETA 0)
+            time.sleep(max(ray._config.metrics_report_interval_ms(), 1000) / 1000 + 1)
+    finally:
+        with contextlib.suppress(Exception):
+            ray.kill(tracker)
     if engine_version is None:
         engine_version = _previous_engine_version(out_dir) or f"{identity['engine']} (not started: nothing to do)"
     wall = time.monotonic() - t_start
@@ -138,6 +153,7 @@ def run_regen(cfg: EaglenestConfig, output: str | Path | None = None, limit: int
                      "limit": limit, "wall_seconds": round(wall, 1)},
     }
     manifest = write_final_manifest(out_dir, identity, engine_version, extra)
+    shutil.rmtree(out_dir / PLAN, ignore_errors=True)  # the work list of a finished run (rebuilt by every run)
     summary = manifest.model_dump()
     summary["output"] = str(out_dir)
     if timeline:

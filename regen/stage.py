@@ -138,6 +138,12 @@ class ShardDatasink(Datasink):
     def min_rows_per_write(self) -> int:
         return self.rows_per_shard
 
+    @property
+    def supports_distributed_writes(self) -> bool:
+        # the output folder is a path on the driver's node (scanned there to resume and for the manifest): write
+        # tasks run there too, whatever node the engines are on
+        return False
+
     def get_name(self) -> str:
         return "WriteShards"
 

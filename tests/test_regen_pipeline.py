@@ -217,3 +217,65 @@ def test_metrics_reach_prometheus_under_the_alerting_names(demo_run):
     assert sum(v for lab, v in tokens if lab["WorkerId"] == w) == summary["last_run"]["generated_tokens"] > 0
     assert [v for lab, v in series(text, "ray_eaglenest_regen_eta_seconds") if lab["WorkerId"] == w] == [0.0]
     assert [lab for lab, _ in series(text, "ray_eaglenest_regen_tokens_per_second") if lab["WorkerId"] == w]
+
+
+def test_limit_caps_every_source(ray_session, tmp_path):
+    """--limit N reads at most N rows of every source (on top of max_samples); planning is where it applies."""
+    from regen.output import Completed
+    from regen.pipeline import _resolved_sources
+    from regen.sources import build_plan
+
+    cfg = load_config(REPO / "configs" / "demo.yaml")
+    plan = build_plan(_resolved_sources(cfg), tmp_path, limit=2, completed=Completed(), rows_per_file=4)
+    for src in SOURCES:
+        assert plan.inputs_per_source[src["name"]] == 2, src["name"]
+        first_two = EXPECTED[src["path"]][:2]
+        assert plan.planned_per_source[src["name"]] == sum(x in ("ok", "too_long", "token_out_of_range")
+                                                           for x in first_two), src["name"]
+    assert sum(len(pq.read_table(f)) for f in plan.files) == plan.planned
+    assert sum(plan.quarantined_now.values()) + plan.planned + sum(plan.duplicates_per_source.values()) == 20
+
+
+def test_refusals_name_the_problem_and_the_fix(tmp_path):
+    from eaglenest.config import ConfigError
+    from regen import run_regen
+    from regen.output import OutputFolderError, check_identity, output_lock
+
+    cfg = load_config(REPO / "configs" / "demo.yaml")
+    with output_lock(tmp_path), pytest.raises(OutputFolderError, match="another regen job"):
+        run_regen(cfg, tmp_path)
+    check_identity(tmp_path / "x", {"target": "a", "num_layers": 8, "hidden_size": 128, "vocab_size": 10,
+                                    "aux_layer_ids": [2, 4, 5], "dtype": "bfloat16"})
+    with pytest.raises(OutputFolderError, match="another target.*aux_layer_ids.*new --output"):
+        check_identity(tmp_path / "x", {"target": "a", "num_layers": 8, "hidden_size": 128, "vocab_size": 10,
+                                        "aux_layer_ids": [1, 4, 5], "dtype": "bfloat16"})
+    hub = cfg.model_copy(deep=True)
+    hub.regen.sources = [hub.regen.sources[0].model_copy(update={"path": None, "hub_id": "org/some-dataset"})]
+    try:
+        import datasets  # noqa: F401
+    except ImportError:
+        with pytest.raises(ConfigError, match=r"pip install datasets.*`path:` instead of `hub_id:`"):
+            run_regen(hub, tmp_path / "y")
+    missing = cfg.model_copy(deep=True)
+    missing.regen.sources = [missing.regen.sources[0].model_copy(update={"path": str(tmp_path / "nope.jsonl")})]
+    with pytest.raises(ConfigError, match="does not exist"):
+        run_regen(missing, tmp_path / "z")
+
+
+def test_json_array_dumps_are_read_per_element(ray_session, tmp_path):
+    """ShareGPT ships JSON-array dumps (.json): each element is a row, a bad element is one quarantined row."""
+    from eaglenest.config import SourceConfig
+    from regen.sources import data_context, source_dataset
+
+    rows = [{"id": "a", "conversations": [{"from": "human", "value": "What is 2 plus 3?"},
+                                          {"from": "gpt", "value": "5"}]},
+            {"id": "b", "conversations": "not a list"},
+            {"id": "c", "conversations": [{"from": "human", "value": "What is 4 plus 4?"}]}]
+    path = tmp_path / "dump.json"
+    path.write_text(json.dumps(rows, indent=2))
+    src = SourceConfig(name="dump", domain="chat", adapter="sharegpt", path=str(path))
+    with data_context(preserve_order=True, use_datasource_v2=False):
+        got = [r for b in source_dataset(src, None).iter_batches(batch_size=None, batch_format="pyarrow")
+               for r in b.to_pylist()]
+    assert [r["status"] for r in got] == ["ok", "wrong_type", "ok"]
+    assert json.loads(got[1]["raw"]) == rows[1]
