@@ -14,6 +14,8 @@ Per step: ``loss_k`` (soft cross-entropy, masked mean), ``acc_k`` (draft argmax 
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from drafter.model import Eagle3Drafter
+from drafter.ttt_flex import flex_available, flex_ttt_attention
 from drafter.vocab import VocabMapping
 
 
@@ -66,18 +69,57 @@ def shift_left(x: torch.Tensor, s: int, fill: int | float = 0) -> torch.Tensor:
     return torch.cat([x[:, s:], pad], dim=1)
 
 
+ATTENTION_ENV = "EAGLENEST_TTT_ATTENTION"
+ATTENTION_CHOICES = ("auto", "manual", "flex")
+LOSS_ENV = "EAGLENEST_TTT_LOSS"
+LOSS_CHOICES = ("auto", "eager", "compiled")
+
+
+def _choice(value: str | None, env: str, choices: tuple[str, ...]) -> str:
+    value = value or os.environ.get(env) or "auto"
+    if value not in choices:
+        raise ValueError(f"TTT kernel choice {value!r} (argument or ${env}) is not one of {list(choices)}")
+    return value
+
+
+def resolve_attention(impl: str | None, device: torch.device) -> str:
+    """``"manual"`` or ``"flex"``: ``impl``, else ``$EAGLENEST_TTT_ATTENTION``, else auto (flex on CUDA)."""
+    impl = _choice(impl, ATTENTION_ENV, ATTENTION_CHOICES)
+    if impl == "auto":
+        return "flex" if device.type == "cuda" and flex_available() else "manual"
+    return impl
+
+
+def resolve_loss(impl: str | None, device: torch.device) -> str:
+    """``"eager"`` or ``"compiled"``: ``impl``, else ``$EAGLENEST_TTT_LOSS``, else auto (compiled on CUDA)."""
+    impl = _choice(impl, LOSS_ENV, LOSS_CHOICES)
+    if impl == "auto":
+        return "compiled" if device.type == "cuda" else "eager"
+    return impl
+
+
 def ttt_attention(
-    q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, k_diag: list[torch.Tensor], v_diag: list[torch.Tensor]
+    q: torch.Tensor,
+    k0: torch.Tensor,
+    v0: torch.Tensor,
+    k_diag: list[torch.Tensor],
+    v_diag: list[torch.Tensor],
+    impl: str | None = None,
+    kv_blocks: int | None = None,
 ) -> torch.Tensor:
     """Attention of one TTT step: causal over step 0, plus the same-row key of each later step.
 
     ``q [B, h, T, d]``; ``k0/v0 [B, hk, T, d]``; ``k_diag/v_diag``: steps 1..k, each ``[B, hk, T, d]``.
-    Step 0 (no diagonal keys) uses SDPA; later steps materialise ``[T, T + k]`` scores per head (no loop).
+    Step 0 (no diagonal keys) uses SDPA. Later steps: ``impl="flex"`` runs one compiled FlexAttention kernel
+    (drafter.ttt_flex; ``kv_blocks`` = the number of TTT steps lets all steps share it), ``"manual"`` materialises
+    ``[T, T + k]`` scores per head (no loop); default :func:`resolve_attention`.
     """
     b, h, t, d = q.shape
     hk = k0.shape[1]
     if not k_diag:
         return F.scaled_dot_product_attention(q, k0, v0, is_causal=True, enable_gqa=h != hk)
+    if resolve_attention(impl, q.device) == "flex":
+        return flex_ttt_attention(q, k0, v0, k_diag, v_diag, kv_blocks=kv_blocks)
     g = h // hk
     scale = d ** -0.5
     with torch.autocast(device_type=q.device.type, enabled=False):
@@ -96,6 +138,35 @@ def ttt_attention(
     return o.reshape(b, h, t, d)
 
 
+def soft_cross_entropy(logits: torch.Tensor, probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row: the soft cross-entropy ``-sum(probs * log_softmax(logits))`` in fp32, and the argmax of ``logits``.
+
+    The fp32 cast is inside so that the compiled variant (:func:`soft_cross_entropy_fn`) reads the bf16 logits
+    and never writes an fp32 copy, its log-softmax or their gradients to memory (``[rows, Vd]`` each).
+    """
+    logits = logits.float()
+    return -(probs * logits.log_softmax(-1)).sum(-1), logits.argmax(-1)
+
+
+_SOFT_CE_COMPILED: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
+
+
+def soft_cross_entropy_fn(
+    impl: str | None, device: torch.device
+) -> Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    """:func:`soft_cross_entropy`, eager or ``torch.compile``'d (default :func:`resolve_loss`: compiled on CUDA).
+
+    Compiled with automatic dynamic shapes: the row count shrinks by one per TTT step, so after the second shape
+    one kernel serves every step and every sequence length.
+    """
+    global _SOFT_CE_COMPILED
+    if resolve_loss(impl, device) == "eager":
+        return soft_cross_entropy
+    if _SOFT_CE_COMPILED is None:
+        _SOFT_CE_COMPILED = torch.compile(soft_cross_entropy)
+    return _SOFT_CE_COMPILED
+
+
 @dataclass
 class TTTOutput:
     loss: torch.Tensor
@@ -111,13 +182,25 @@ class TTTOutput:
 class TTTObjective(nn.Module):
     """The drafter plus its TTT loss in one ``forward`` (so DDP sees a single forward/backward per step)."""
 
-    def __init__(self, drafter: Eagle3Drafter, ttt_steps: int = 7, decay: float = 0.8) -> None:
+    def __init__(
+        self,
+        drafter: Eagle3Drafter,
+        ttt_steps: int = 7,
+        decay: float = 0.8,
+        attention: str | None = None,
+        loss_kernel: str | None = None,
+    ) -> None:
         super().__init__()
         if ttt_steps < 1:
             raise ValueError(f"ttt_steps must be >= 1, got {ttt_steps}")
         self.drafter = drafter
         self.ttt_steps = ttt_steps
         self.decay = decay
+        # kernel choices (None: $EAGLENEST_TTT_ATTENTION / $EAGLENEST_TTT_LOSS, else auto); same maths either way
+        _choice(attention, ATTENTION_ENV, ATTENTION_CHOICES)
+        _choice(loss_kernel, LOSS_ENV, LOSS_CHOICES)
+        self.attention = attention
+        self.loss_kernel = loss_kernel
 
     def forward(self, input_ids: torch.Tensor, aux: torch.Tensor, targets: TeacherTargets) -> TTTOutput:
         """``input_ids [B, T]`` target ids (right-padded), ``aux [B, T, 3Ht]``, teacher targets per position."""
@@ -131,6 +214,7 @@ class TTTObjective(nn.Module):
         v_diag: list[torch.Tensor] = []
         loss = hidden.new_zeros((), dtype=torch.float32)
         ce_sums, corrects, counts = [], [], []
+        soft_ce = soft_cross_entropy_fn(self.loss_kernel, input_ids.device)
         for k in range(self.ttt_steps):
             tok = shift_left(input_ids, 1 + k)
             q, kk, vv = layer.self_attn.qkv(layer.attn_input(m.embed(tok), hidden), pos + k)
@@ -139,7 +223,7 @@ class TTTObjective(nn.Module):
             else:
                 k_diag.append(kk)
                 v_diag.append(vv)
-            o = ttt_attention(q, k0, v0, k_diag, v_diag)
+            o = ttt_attention(q, k0, v0, k_diag, v_diag, impl=self.attention, kv_blocks=self.ttt_steps)
             hidden = layer.finish(hidden, o)
             n = t - 1 - k  # rows with a teacher position t+1+k inside the sequence
             if n <= 0:
@@ -148,16 +232,15 @@ class TTTObjective(nn.Module):
                 corrects.append(zero)
                 counts.append(zero)
                 continue
-            logits = m.head(hidden[:, :n]).float()
             p = targets.probs[:, 1 + k:]
             valid = targets.valid[:, 1 + k:]
-            ce = -(p * logits.log_softmax(-1)).sum(-1)
+            ce, top = soft_ce(m.head(hidden[:, :n]), p)
             ce = torch.where(valid, ce, torch.zeros_like(ce))
             cnt = valid.sum()
             ce_sum = ce.sum()
             loss = loss + (self.decay ** k) * ce_sum / cnt.clamp(min=1)
             with torch.no_grad():
-                hit = (logits.argmax(-1) == targets.argmax[:, 1 + k:]) & valid
+                hit = (top == targets.argmax[:, 1 + k:]) & valid
             ce_sums.append(ce_sum.detach())
             corrects.append(hit.sum().float())
             counts.append(cnt.float())
