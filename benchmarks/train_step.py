@@ -7,8 +7,18 @@ under bf16 autocast on GPU. Inputs are synthetic (random hidden states); through
 
     # the GPU acceptance run (Kimi-K2.5 drafter dimensions, reference/training.md §3.5)
     python benchmarks/train_step.py --device cuda --preset kimi --json train_step.json
+    # the same, measuring both attention kernels and both loss-head kernels side by side in one process
+    python benchmarks/train_step.py --device cuda --preset kimi --attention both --loss both --json train_step.json
     # the same code at small dimensions on a CPU
     python benchmarks/train_step.py --device cpu --preset small
+
+Kernel choices (drafter.ttt): ``--attention`` manual (materialised scores) or flex (compiled FlexAttention), ``--loss``
+eager or compiled soft cross-entropy; ``auto`` is what training uses (flex + compiled on CUDA, manual + eager on CPU),
+``both`` measures each. Every configuration first runs one forward/backward on the same initial weights and batch
+(this is also where torch.compile compiles; its time is reported as ``first_step_s``), compared with the first
+configuration's loss and gradients; then ``--warmup`` untimed steps, then the timed steps. A recompilation during the
+timed steps is reported (``recompiled_while_timed``). The top-level results describe the ``auto`` configuration when
+it was measured (else the last one); ``runs`` holds every configuration.
 
 Model FLOPs counted: every matmul of the drafter over the K steps (fwd x1 + bwd x2), the attention score/value
 matmuls over the causal step-0 keys plus the diagonal keys (fwd x1 + bwd x2), and the teacher head (fwd only).
@@ -19,6 +29,7 @@ The reference is a square GEMM in the same dtype (bf16 on GPU, fp32 on CPU); the
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import sys
@@ -26,11 +37,12 @@ import time
 from pathlib import Path
 
 import torch
+from torch._dynamo.utils import counters
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from drafter.model import DrafterModelConfig, Eagle3Drafter  # noqa: E402
-from drafter.ttt import TeacherHead, TTTObjective  # noqa: E402
+from drafter.ttt import TeacherHead, TTTObjective, resolve_attention, resolve_loss  # noqa: E402
 from drafter.vocab import VocabMapping  # noqa: E402
 
 PRESETS = {
@@ -94,6 +106,10 @@ def build(p: dict, k_steps: int, device: torch.device, seed: int):
     return cfg, drafter, teacher, compute
 
 
+def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-30))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -101,8 +117,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seq-len", type=int, default=None)
     ap.add_argument("--batch", type=int, default=None)
     ap.add_argument("--ttt-steps", type=int, default=7)
+    ap.add_argument("--attention", choices=["auto", "manual", "flex", "both"], default="auto",
+                    help="TTT attention kernel; both = manual and flex, each measured")
+    ap.add_argument("--loss", choices=["auto", "eager", "compiled", "both"], default="auto",
+                    help="loss-head kernel; both = eager and compiled, each measured")
     ap.add_argument("--steps", type=int, default=None, help="timed steps (default 6 on cuda, 3 on cpu)")
-    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--warmup", type=int, default=2, help="untimed steps after the first (compiling) step")
     ap.add_argument("--threads", type=int, default=None, help="CPU threads")
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args(argv)
@@ -115,10 +135,15 @@ def main(argv: list[str] | None = None) -> int:
     p["batch"] = args.batch or p["batch"]
     k_steps, t, b = args.ttt_steps, p["seq_len"], p["batch"]
     steps = args.steps or (6 if device.type == "cuda" else 3)
+    attentions = ["manual", "flex"] if args.attention == "both" else [resolve_attention(args.attention, device)]
+    losses = ["eager", "compiled"] if args.loss == "both" else [resolve_loss(args.loss, device)]
+    configs = list(itertools.product(attentions, losses))
+    default_config = (resolve_attention("auto", device), resolve_loss("auto", device))
 
     cfg, drafter, teacher, compute = build(p, k_steps, device, seed=0)
     objective = TTTObjective(drafter, k_steps, 0.8)
-    params = [q for q in drafter.parameters() if q.requires_grad]
+    named = [(n, q) for n, q in drafter.named_parameters() if q.requires_grad]
+    params = [q for _, q in named]
     fused = {"fused": True} if device.type == "cuda" else {"foreach": True}
     opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), **fused)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else \
@@ -131,13 +156,11 @@ def main(argv: list[str] | None = None) -> int:
     mask = torch.ones(b, t, dtype=torch.bool, device=device)
     lengths = torch.full((b,), t, device=device)
 
-    timing = {"teacher": 0.0, "forward": 0.0, "backward": 0.0, "optimizer": 0.0}
-
-    def one_step(record: bool) -> torch.Tensor:
+    def one_step(timing: dict[str, float] | None, update: bool = True) -> torch.Tensor:
         marks = [time.perf_counter()]
 
         def mark() -> None:
-            if record:
+            if timing is not None:
                 sync(device)
                 marks.append(time.perf_counter())
 
@@ -148,64 +171,138 @@ def main(argv: list[str] | None = None) -> int:
             mark()
         out.loss.backward()
         mark()
-        torch.nn.utils.clip_grad_norm_(params, 0.5)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        if update:
+            torch.nn.utils.clip_grad_norm_(params, 0.5)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
         mark()
-        if record:
+        if timing is not None:
             for key, a, z in zip(timing, marks[:-1], marks[1:], strict=True):
                 timing[key] += z - a
         return out.loss.detach()
 
-    for _ in range(args.warmup):
-        one_step(False)
-    sync(device)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        loss = one_step(False)
-    sync(device)
-    step_s = (time.perf_counter() - t0) / steps
-    one_step(True)  # one synchronised step for the phase breakdown (not in the throughput)
+    # 1. per configuration, one forward/backward on the initial weights (compiles; checks the kernels agree)
+    first: dict[tuple[str, str], dict] = {}
+    ref_loss: torch.Tensor | None = None
+    ref_grads: list[torch.Tensor] | None = None
+    for attention, loss_kernel in configs:
+        objective.attention, objective.loss_kernel = attention, loss_kernel
+        opt.zero_grad(set_to_none=True)
+        sync(device)
+        t0 = time.perf_counter()
+        try:
+            loss0 = one_step(None, update=False)
+        except NotImplementedError as e:  # e.g. FlexAttention has no backward on CPU
+            first[(attention, loss_kernel)] = {"skipped": str(e)}
+            print(f"  {attention} attention + {loss_kernel} loss: skipped ({e})")
+            opt.zero_grad(set_to_none=True)
+            continue
+        sync(device)
+        info: dict = {"first_step_s": time.perf_counter() - t0, "first_loss": float(loss0)}
+        grads = [q.grad.detach().clone() for q in params]
+        if ref_grads is None:
+            ref_loss, ref_grads = loss0, grads
+        else:
+            diffs = [rel_diff(a, r) for a, r in zip(grads, ref_grads, strict=True)]
+            worst = max(range(len(diffs)), key=diffs.__getitem__)
+            info["vs_first_config"] = {"loss_rel_diff": rel_diff(loss0, ref_loss), "max_grad_rel_diff": diffs[worst],
+                                       "max_grad_rel_diff_param": named[worst][0]}
+            del grads
+        first[(attention, loss_kernel)] = info
+    opt.zero_grad(set_to_none=True)
+    del ref_grads
+    ok_configs = [c for c in configs if "skipped" not in first[c]]
+    if not ok_configs:
+        print("error: no configuration could run", file=sys.stderr)
+        return 1
 
+    # 2. per configuration: warm-up, timed steps, one synchronised step for the phase breakdown
     flops = step_flops(cfg, b, t, k_steps)
-    achieved = flops["total"] / step_s / 1e12
+    runs = []
+    for attention, loss_kernel in ok_configs:
+        objective.attention, objective.loss_kernel = attention, loss_kernel
+        for _ in range(args.warmup):
+            one_step(None)
+        sync(device)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        graphs = counters["stats"]["unique_graphs"]
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            loss = one_step(None)
+        sync(device)
+        step_s = (time.perf_counter() - t0) / steps
+        timing = {"teacher": 0.0, "forward": 0.0, "backward": 0.0, "optimizer": 0.0}
+        one_step(timing)  # not in the throughput
+        runs.append({
+            "attention": attention,
+            "loss_kernel": loss_kernel,
+            **first[(attention, loss_kernel)],
+            "step_s": step_s,
+            "tokens_per_s": b * t / step_s,
+            "achieved_tflops": flops["total"] / step_s / 1e12,
+            "phase_s": timing,
+            "loss": float(loss),
+            "peak_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
+            "recompiled_while_timed": counters["stats"]["unique_graphs"] != graphs,
+        })
+
     ref_iters = 20 if device.type == "cuda" else 5
     ref_n = 8192 if device.type == "cuda" else 1024
     ref = matmul_tflops(device, compute, ref_n, ref_n, ref_n, ref_iters)
     qkv_out = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim
     shaped = matmul_tflops(device, compute, b * t, 2 * cfg.hidden_size, qkv_out, ref_iters)
+    for run in runs:
+        run["fraction_of_matmul"] = run["achieved_tflops"] / ref
+    main_run = next((r for r in runs if (r["attention"], r["loss_kernel"]) == default_config), runs[-1])
     res = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda"
         else f"cpu ({torch.get_num_threads()} threads)",
         "torch": torch.__version__,
         "dtype": str(compute).removeprefix("torch."),
         "dims": {**p, "ttt_steps": k_steps, "trainable_params": drafter.num_trainable_parameters()},
-        "step_s": step_s,
-        "tokens_per_s": b * t / step_s,
+        "attention": main_run["attention"],
+        "loss_kernel": main_run["loss_kernel"],
+        "step_s": main_run["step_s"],
+        "tokens_per_s": main_run["tokens_per_s"],
         "model_tflop_per_step": flops["total"] / 1e12,
         "flop_split": {k: v / flops["total"] for k, v in flops.items() if k != "total"},
-        "achieved_tflops": achieved,
+        "achieved_tflops": main_run["achieved_tflops"],
         "matmul_reference": {"shape": [ref_n, ref_n, ref_n], "tflops": ref},
         "matmul_model_shaped": {"shape": [b * t, 2 * cfg.hidden_size, qkv_out], "tflops": shaped},
-        "fraction_of_matmul": achieved / ref,
-        "phase_s": timing,
-        "loss": float(loss),
-        "peak_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
+        "fraction_of_matmul": main_run["fraction_of_matmul"],
+        "phase_s": main_run["phase_s"],
+        "loss": main_run["loss"],
+        "peak_memory_gib": main_run["peak_memory_gib"],
+        "runs": runs,
+        "skipped": {f"{a}+{lk}": first[(a, lk)]["skipped"] for a, lk in configs if "skipped" in first[(a, lk)]},
     }
-    if not math.isfinite(res["loss"]):
-        print("warning: the loss is not finite", file=sys.stderr)
     print(f"TTT train step on {res['device']}, {res['dtype']}: H {p['hidden']}, {p['heads']}x{p['head_dim']} heads "
           f"(kv {p['kv_heads']}), I {p['intermediate']}, Vd {p['draft_vocab']}, V {p['vocab']}, B {b} x T {t}, "
-          f"K {k_steps}, {res['dims']['trainable_params'] / 1e6:.1f}M trainable params")
-    print(f"  step {step_s * 1e3:.1f} ms   {res['tokens_per_s']:.0f} tokens/s   {achieved:.2f} TFLOP/s achieved "
-          f"({res['model_tflop_per_step']:.2f} TFLOP/step)")
-    print(f"  matmul {ref_n}^3: {ref:.2f} TFLOP/s   -> fraction {res['fraction_of_matmul']:.1%}   "
-          f"(model-shaped GEMM {shaped:.2f} TFLOP/s)")
-    print("  phases (one synced step): " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in timing.items()))
-    if res["peak_memory_gib"] is not None:
-        print(f"  peak memory {res['peak_memory_gib']:.1f} GiB")
+          f"K {k_steps}, {res['dims']['trainable_params'] / 1e6:.1f}M trainable params, "
+          f"{res['model_tflop_per_step']:.2f} TFLOP/step")
+    print(f"  matmul {ref_n}^3: {ref:.2f} TFLOP/s   (model-shaped GEMM {shaped:.2f} TFLOP/s)")
+    for run in runs:
+        star = "*" if run is main_run else " "
+        print(f" {star}{run['attention']:>6} attention + {run['loss_kernel']:>8} loss: "
+              f"step {run['step_s'] * 1e3:.1f} ms   {run['tokens_per_s']:.0f} tokens/s"
+              f"   {run['achieved_tflops']:.2f} TFLOP/s   fraction {run['fraction_of_matmul']:.1%}"
+              f"   first step {run['first_step_s']:.1f} s")
+        print("      phases (one synced step): " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in run["phase_s"].items())
+              + (f"   peak memory {run['peak_memory_gib']:.1f} GiB" if run["peak_memory_gib"] is not None else ""))
+        if "vs_first_config" in run:
+            v = run["vs_first_config"]
+            print(f"      vs first config on the initial weights: loss rel diff {v['loss_rel_diff']:.2e}, "
+                  f"max grad rel diff {v['max_grad_rel_diff']:.2e} ({v['max_grad_rel_diff_param']})")
+            tol = 5e-2 if compute == torch.bfloat16 else 1e-4
+            if v["loss_rel_diff"] > tol or v["max_grad_rel_diff"] > tol:
+                print(f"warning: {run['attention']}+{run['loss_kernel']} disagrees with the first configuration "
+                      f"beyond {tol:g}", file=sys.stderr)
+        if run["recompiled_while_timed"]:
+            print(f"warning: torch.compile recompiled during the timed steps of {run['attention']}+"
+                  f"{run['loss_kernel']}; its time includes compilation", file=sys.stderr)
+        if not math.isfinite(run["loss"]):
+            print("warning: the loss is not finite", file=sys.stderr)
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=2) + "\n")
     return 0
