@@ -18,10 +18,10 @@ from drafter.vocab import build_vocab_mapping
 H, HEADS, KV, D, V, VD = 32, 4, 2, 8, 64, 24
 
 
-def make_setup(seed: int):
+def make_setup(seed: int, kv: int = KV):
     torch.manual_seed(seed)
     cfg = DrafterModelConfig(
-        hidden_size=H, num_attention_heads=HEADS, num_key_value_heads=KV, head_dim=D, intermediate_size=48,
+        hidden_size=H, num_attention_heads=HEADS, num_key_value_heads=kv, head_dim=D, intermediate_size=48,
         vocab_size=V, draft_vocab_size=VD, aux_layer_ids=[2, 4, 5], target_hidden_size=H, target_num_layers=8,
         rope_theta=100.0, rms_norm_eps=1e-6,
     )
@@ -70,7 +70,8 @@ def rope(x: torch.Tensor, pos: int, theta: float) -> torch.Tensor:
 def reference_loss(drafter: Eagle3Drafter, lm_head, mapping, ids, aux, last, mask, lengths, steps, decay):
     layer, attn = drafter.midlayer, drafter.midlayer.self_attn
     theta = drafter.config.rope_theta
-    group = HEADS // KV
+    kv_heads = drafter.config.num_key_value_heads
+    group = HEADS // kv_heads
     draft_ids = mapping.draft_ids.tolist()
     ce_terms = [[] for _ in range(steps)]
     correct = [0] * steps
@@ -88,10 +89,10 @@ def reference_loss(drafter: Eagle3Drafter, lm_head, mapping, ids, aux, last, mas
                 e = drafter.embed_tokens.weight[x[t + 1 + k]]
                 u = torch.cat([layer.input_layernorm(e), layer.hidden_norm(prev[t])])
                 q = attn.q_proj(u).view(HEADS, D)
-                kk = attn.k_proj(u).view(KV, D)
-                vv = attn.v_proj(u).view(KV, D)
-                keys[(k, t)] = [rope(kk[j], t + k, theta) for j in range(KV)]
-                vals[(k, t)] = [vv[j] for j in range(KV)]
+                kk = attn.k_proj(u).view(kv_heads, D)
+                vv = attn.v_proj(u).view(kv_heads, D)
+                keys[(k, t)] = [rope(kk[j], t + k, theta) for j in range(kv_heads)]
+                vals[(k, t)] = [vv[j] for j in range(kv_heads)]
                 heads = []
                 for hd in range(HEADS):
                     kvh = hd // group
@@ -126,20 +127,20 @@ def reference_loss(drafter: Eagle3Drafter, lm_head, mapping, ids, aux, last, mas
     return loss, counts, correct
 
 
-CASES = [
-    (1, [10]),
-    (2, [9, 4]),
-    (3, [12, 7, 3]),
-    (7, [11, 11]),
-    (7, [12, 2, 9]),
-    (4, [6, 12, 12, 5]),
+CASES = [  # (K, sequence lengths of the batch, kv heads: 2 = grouped-query, 4 = one kv head per head, 1 = MQA)
+    (1, [10], 2),
+    (2, [9, 4], 4),
+    (3, [12, 7, 3], 2),
+    (7, [11, 11], 2),
+    (7, [12, 2, 9], 4),
+    (4, [6, 12, 12, 5], 1),
 ]
 
 
-@pytest.mark.parametrize(("steps", "lengths"), CASES)
-def test_fast_ttt_matches_reference(steps: int, lengths: list[int]) -> None:
+@pytest.mark.parametrize(("steps", "lengths", "kv"), CASES)
+def test_fast_ttt_matches_reference(steps: int, lengths: list[int], kv: int) -> None:
     seed = steps * 100 + len(lengths)
-    _, drafter, mapping, lm_head = make_setup(seed)
+    _, drafter, mapping, lm_head = make_setup(seed, kv)
     ids, aux, last, mask, lens = make_batch(lengths, seed)
     decay = 0.8
 
@@ -162,7 +163,9 @@ def test_fast_ttt_matches_reference(steps: int, lengths: list[int]) -> None:
     for name, p in drafter.named_parameters():
         if not p.requires_grad:
             continue
-        torch.testing.assert_close(fast_grads[name], p.grad, rtol=1e-4, atol=1e-5, msg=f"gradient of {name}")
+        scale = float(p.grad.abs().max())  # fp32 rounding grows with the tensor's gradient magnitude
+        torch.testing.assert_close(fast_grads[name], p.grad, rtol=1e-4, atol=1e-6 + 4e-6 * scale,
+                                   msg=f"gradient of {name}")
 
 
 def test_padding_does_not_change_a_sample() -> None:
