@@ -26,7 +26,10 @@ class PromptFileError(ValueError):
 
 
 def load_prompts(path: str | Path, limit: int | None = None) -> list[dict[str, Any]]:
-    """Read a JSONL prompt file; every record needs ``messages``, ``prompt`` or ``input_ids``."""
+    """Read a JSONL prompt file; every record needs ``messages``, ``prompt`` or ``input_ids``.
+
+    ``limit`` keeps that many records spread evenly over the file (files are often grouped by domain).
+    """
     p = Path(path)
     if not p.is_file():
         raise PromptFileError(f"prompt file {p} does not exist (JSONL with 'messages' and 'domain' per line)")
@@ -41,10 +44,10 @@ def load_prompts(path: str | Path, limit: int | None = None) -> list[dict[str, A
         if not isinstance(rec, dict) or not any(k in rec for k in ("messages", "prompt", "input_ids")):
             raise PromptFileError(f"{p}:{n}: each line needs 'messages', 'prompt' or 'input_ids'")
         out.append(rec)
-        if limit is not None and len(out) >= limit:
-            break
     if not out:
         raise PromptFileError(f"prompt file {p} holds no prompts")
+    if limit is not None and limit < len(out):
+        out = [out[(i * len(out)) // limit] for i in range(limit)]
     return out
 
 
@@ -161,10 +164,12 @@ def plot_acceptance(reports: dict[str, dict[str, Any]], path: str | Path) -> Pat
         r = reports[m]
         vals = [r["per_domain"].get(d, {}).get("accept_length", 0.0) for d in domains[:-1]] + [r["accept_length"]]
         xs = [i + k * width for i in range(len(domains))]
-        axes[0].bar(xs, vals, width=width, label=m)
+        color = f"C{k}"
+        axes[0].bar(xs, vals, width=width, label=m, color=color)
         pp = r["per_position"]
-        axes[1].plot(pp["depth"], pp["accepted_at_least"], marker="o", label=f"{m}: accepted >= depth")
-        axes[1].plot(pp["depth"], pp["conditional"], marker="x", ls="--", label=f"{m}: conditional")
+        axes[1].plot(pp["depth"], pp["accepted_at_least"], marker="o", color=color, label=f"{m}: accepted >= depth")
+        axes[1].plot(pp["depth"], pp["conditional"], marker="x", ls="--", color=color, label=f"{m}: conditional")
+        axes[1].set_xticks(pp["depth"])
     axes[0].set_xticks([i + 0.4 - width / 2 for i in range(len(domains))], domains, rotation=20)
     axes[0].axhline(1.0, color="grey", lw=0.8)
     axes[0].set_ylabel("accept length (tokens / verify forward)")

@@ -38,6 +38,8 @@ class FitConfig:
     max_seq_len: int = 512
     aux_layer_ids: list[int] | None = None
     """physical ids; None: the engine's (default [2, N//2, N-3])"""
+    intermediate_size: int | None = None
+    """the drafter's MLP width; None: the target's"""
     seed: int = 0
     max_grad_norm: float = 0.5
 
@@ -58,18 +60,25 @@ class _Captured:
     last: torch.Tensor
 
 
-def drafter_config_for(engine: Any, aux_layer_ids: Sequence[int], draft_vocab_size: int) -> DrafterModelConfig:
+def drafter_config_for(engine: Any, aux_layer_ids: Sequence[int], draft_vocab_size: int,
+                       intermediate_size: int | None = None) -> DrafterModelConfig:
     """A drafter shaped like one decoder layer of the target (EAGLE-3's default)."""
     from eaglenest.engines.hf import text_config
 
-    tc = text_config(engine.model.config)
+    model = getattr(engine, "model", None)  # the hf backend holds the model; SGLang's engine only its folder
+    if model is not None:
+        tc = text_config(model.config)
+    else:
+        from transformers import AutoConfig
+
+        tc = text_config(AutoConfig.from_pretrained(str(engine.info.model)))
     heads = int(tc.num_attention_heads)
     return DrafterModelConfig(
         hidden_size=int(tc.hidden_size),
         num_attention_heads=heads,
         num_key_value_heads=int(getattr(tc, "num_key_value_heads", None) or heads),
         head_dim=int(getattr(tc, "head_dim", None) or tc.hidden_size // heads),
-        intermediate_size=int(tc.intermediate_size),
+        intermediate_size=int(intermediate_size or tc.intermediate_size),
         vocab_size=int(tc.vocab_size),
         draft_vocab_size=min(int(draft_vocab_size), int(tc.vocab_size)),
         aux_layer_ids=list(aux_layer_ids),
@@ -130,7 +139,7 @@ def fit_drafter(
     counts = count_tokens(samples, engine.info.vocab_size)
     if int(counts.sum()) == 0:
         raise ValueError("no loss-masked tokens in the samples: the drafter would learn nothing")
-    model_cfg = drafter_config_for(engine, layers, cfg.draft_vocab_size)
+    model_cfg = drafter_config_for(engine, layers, cfg.draft_vocab_size, cfg.intermediate_size)
     mapping = build_vocab_mapping(counts, model_cfg.draft_vocab_size)
     device = engine.device
     on_gpu = device.type == "cuda"

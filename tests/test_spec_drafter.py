@@ -1,0 +1,113 @@
+"""A trained EAGLE-3 drafter on the tiny target: real acceptance, the layer-bug class, and the eval / bench CLIs.
+
+The drafter is trained once per session (``drafter.spec_fit``: eaglenest's model, draft vocab and TTT loss, no
+Ray) on answers the tiny target regenerated for corpus prompts, then evaluated on the held-out prompts of
+``tests/fixtures/prompts/heldout.jsonl``. The same trained drafter fed the target's hidden states from the wrong
+layers (every aux id + 1) or only the final layer (SGLang's ``EAGLE`` algorithm: no ``fc``, the target's
+``lm_head``, no ``d2t``) must show a clearly lower accept length, while every output stays the target's own.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import FIXTURES
+
+from drafter.evaluate import evaluate_acceptance, load_prompts
+from eaglenest.cli import main as cli_main
+from eaglenest.config import SpecConfig
+from eaglenest.engines.base import SamplingParams
+
+HELDOUT = FIXTURES / "prompts" / "heldout.jsonl"
+SPEC = SpecConfig(num_steps=4, topk=1, num_draft_tokens=5)
+
+
+@pytest.fixture(scope="session")
+def trained_drafter(tiny_engine):
+    """~1 minute on one core: 240 regenerated corpus chats, 150 TTT steps."""
+    from drafter.spec_fit import FitConfig, chat_prompt_answer, fit_drafter
+    from eaglenest.engines.tiny import corpus_chats
+
+    samples = chat_prompt_answer(tiny_engine, corpus_chats()[:240], regenerate=True, max_new_tokens=64,
+                                 batch_size=48)
+    res = fit_drafter(tiny_engine, samples, FitConfig(steps=150, batch_size=16, ttt_steps=4, learning_rate=3e-3))
+    assert res.history[-1]["acc_0"] > 0.5, res.history[-1]
+    return res.drafter
+
+
+@pytest.fixture(scope="module")
+def heldout():
+    return load_prompts(HELDOUT, limit=25)
+
+
+@pytest.fixture(scope="module")
+def mode_reports(tiny_engine, trained_drafter, heldout):
+    sampling = SamplingParams(max_new_tokens=40)
+    return {m: evaluate_acceptance(tiny_engine, trained_drafter, heldout, SPEC, sampling=sampling, mode=m)
+            for m in ("eagle3", "off_by_one", "eagle")}
+
+
+def test_trained_drafter_is_accepted(mode_reports):
+    r = mode_reports["eagle3"]
+    assert r["accept_length"] > 2.5, f"a trained drafter should get well above 1 on the tiny target: {r}"
+    assert set(r["per_domain"]) == {"math", "counting", "coding", "chat", "tool_use"}
+    pp = r["per_position"]["accepted_at_least"]
+    assert pp == sorted(pp, reverse=True) and pp[0] > 0.6
+
+
+@pytest.mark.parametrize("mode", ["off_by_one", "eagle"])
+def test_wrong_layers_lower_accept_length(mode_reports, mode):
+    """The seed's bug class: same drafter, wrong hidden states -> clearly lower accept length (<= 80%)."""
+    right = mode_reports["eagle3"]["accept_length"]
+    wrong = mode_reports[mode]["accept_length"]
+    assert wrong <= 0.8 * right, f"{mode}: accept length {wrong:.2f} vs {right:.2f} with the right layers"
+
+
+def test_outputs_stay_the_targets_in_every_mode(tiny_engine, trained_drafter, heldout):
+    from drafter.spec import SpecDecoder
+
+    prompts = [tiny_engine.render_prompt(r["messages"], r.get("tools")) for r in heldout[::4]]
+    sp = SamplingParams(max_new_tokens=24)
+    ref = [g.token_ids for g in tiny_engine.generate_ids(prompts, sp)]
+    for mode in ("eagle3", "off_by_one", "eagle"):
+        for spec in (SPEC, SpecConfig(num_steps=3, topk=3, num_draft_tokens=7)):
+            got = SpecDecoder.from_engine(tiny_engine, trained_drafter, spec, mode=mode).generate(prompts, sp)
+            assert [g.token_ids for g in got] == ref, (mode, spec)
+
+
+def test_eval_and_bench_cli(tmp_path, tiny_target_path, trained_drafter):
+    from drafter.export import export_drafter
+
+    export = export_drafter(trained_drafter, tmp_path / "drafter", dtype="float32")
+    out = tmp_path / "eval"
+    rc = cli_main(["eval", "--target", str(tiny_target_path), "--drafter", str(export), "--prompts", str(HELDOUT),
+                   "--num-prompts", "5", "--max-new-tokens", "16", "--num-steps", "3", "--mode", "eagle3,eagle",
+                   "--device", "cpu", "--output", str(out)])
+    assert rc == 0
+    doc = json.loads((out / "eval.json").read_text())
+    assert set(doc["reports"]) == {"eagle3", "eagle"} and doc["num_prompts"] == 5
+    assert doc["reports"]["eagle3"]["accept_length"] > doc["reports"]["eagle"]["accept_length"]
+    assert (out / "acceptance.png").stat().st_size > 1000
+
+    bench = tmp_path / "bench"
+    rc = cli_main(["bench", "--target", str(tiny_target_path), "--drafter", str(export), "--prompts", str(HELDOUT),
+                   "--num-prompts", "3", "--max-new-tokens", "16", "--repeats", "1", "--sweep", "2-1-3,2-2-4",
+                   "--device", "cpu", "--output", str(bench)])
+    assert rc == 0
+    rep = json.loads((bench / "bench.json").read_text())
+    assert [c["config"] for c in rep["configs"]] == ["2-1-3", "2-2-4"]
+    assert all(c["outputs_match_baseline"] for c in rep["configs"])
+    assert rep["best"]["config"] in {"2-1-3", "2-2-4"} and rep["verdict"]
+    md = (bench / "bench.md").read_text()
+    assert "Verdict" in md and "baseline" in md.lower()
+    assert (bench / "bench.png").stat().st_size > 1000
+
+
+def test_cli_errors_name_the_fix(tmp_path, tiny_target_path, capsys):
+    rc = cli_main(["eval", "--target", str(tiny_target_path), "--drafter", str(tmp_path / "missing"),
+                   "--prompts", str(HELDOUT)])
+    assert rc == 2 and "does not exist" in capsys.readouterr().err
+    rc = cli_main(["bench", "--target", str(tiny_target_path), "--drafter", str(tmp_path), "--prompts",
+                   str(HELDOUT), "--sweep", "3-1-9"])
+    assert rc == 2 and "num_draft_tokens" in capsys.readouterr().err
