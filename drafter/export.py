@@ -222,7 +222,8 @@ def export_drafter(
     extra_sidecar: dict[str, Any] | None = None,
 ) -> Path:
     """Export an in-memory drafter."""
-    tensors = {k: v for k, v in drafter.state_dict().items() if include_embedding or k != "embed_tokens.weight"}
+    tensors = {k: v.detach().cpu() for k, v in drafter.state_dict().items()
+               if include_embedding or k != "embed_tokens.weight"}
     return export_tensors(tensors, drafter.config, output_dir, fmt=fmt, dtype=dtype, extra_sidecar=extra_sidecar)
 
 

@@ -30,6 +30,9 @@ METRIC_NAMES = {
 }
 MAX_CONSECUTIVE_NONFINITE = 20
 EVAL_CACHE_BYTES = 512 << 20
+TRAIN_CACHE_BYTES = 512 << 20
+"""A worker's train split up to this size is kept in memory after its first pass: restarting a Ray Data stream
+costs seconds per epoch, which dominates many-epoch runs over small data (the demo)."""
 
 
 def _log(msg: str) -> None:
@@ -477,10 +480,41 @@ def _train_loop(config: dict[str, Any]) -> None:  # noqa: C901 - one linear trai
     window = torch.zeros(3, tc.ttt_steps, dtype=torch.float64, device=device)  # ce sum, correct, count per step
     win_tokens, win_t0, consecutive_bad = 0, time.time(), 0
     drafter.train()
+    train_cache: Any = None  # None: not built yet; False: too large to keep; else the worker's rows, sorted by id
+
+    def epoch_tables(epoch: int):
+        """One epoch of batches: streamed from Ray Data, or from memory once the split is known to be small.
+
+        Cached epochs visit the rows in a permutation seeded by (seed, epoch) over rows sorted by sample id, so the
+        order is a function of the data and the seed alone and a resumed run sees the same batches.
+        """
+        nonlocal train_cache
+        if train_cache is not None and train_cache is not False:
+            import numpy as np
+
+            order = np.random.default_rng(tc.seed + 1000 * epoch).permutation(train_cache.num_rows)
+            shuffled = train_cache.take(order)
+            for start in range(0, shuffled.num_rows, tc.batch_size):
+                yield shuffled.slice(start, tc.batch_size)
+            return
+        kept, size = [], 0
+        for table in batches(train_it, local_shuffle_buffer_size=4 * tc.batch_size,
+                             local_shuffle_seed=tc.seed + 1000 * epoch):
+            if kept is not None:
+                size += table.nbytes
+                kept = kept + [table] if size <= TRAIN_CACHE_BYTES else None
+            yield table
+        if kept and train_cache is None:
+            import pyarrow as pa
+
+            table = pa.concat_tables(kept)
+            train_cache = table.sort_by("id") if "id" in table.column_names else table
+        elif kept is None:
+            train_cache = False
+
     while state["step"] < total_steps:
         skip = state["epoch_batches"]
-        it = batches(train_it, local_shuffle_buffer_size=4 * tc.batch_size,
-                     local_shuffle_seed=tc.seed + 1000 * state["epoch"])
+        it = epoch_tables(state["epoch"])
         for i, table in enumerate(it):
             if i < skip:
                 continue  # data position: the batches this epoch already trained on before the checkpoint

@@ -206,7 +206,7 @@ def _start_ray() -> dict[str, Any]:
 
     if ray.is_initialized():
         return {"owned": False}
-    kwargs: dict[str, Any] = {"log_to_driver": False,
+    kwargs: dict[str, Any] = {"log_to_driver": True,  # training workers report their progress through it
                               "runtime_env": {"env_vars": {"TOKENIZERS_PARALLELISM": "false"}}}
     owned = not os.environ.get("RAY_ADDRESS")  # inside `ray job submit` (or with RAY_ADDRESS) attach instead
     if owned:
@@ -232,7 +232,7 @@ def _summary(r: dict[str, dict[str, Any]], work: Path, ray_info: dict[str, Any],
         "samples / tokens": f"{regen.get('num_samples')} / {regen.get('num_tokens')}",
         "bytes per token": f"{regen.get('bytes_per_token')} (8*H = {8 * (regen.get('hidden_size') or 0)})",
         "train steps": train.get("steps") or train.get("step"),
-        "held-out acc_0": train.get("eval_acc0") or train.get("acc0"),
+        "held-out acc_0 / simulated accept length": _eval_pair(train),
         "accept length untrained": ev.get("untrained_accept_length"),
         "accept length trained": ev.get("trained_accept_length"),
         "speedup (spec / baseline)": bench.get("speedup"),
@@ -245,6 +245,15 @@ def _summary(r: dict[str, dict[str, Any]], work: Path, ray_info: dict[str, Any],
         "workdir": str(work),
         "elapsed s": round(elapsed, 1),
     }
+
+
+def _eval_pair(train: dict[str, Any]) -> str | None:
+    """Held-out acc_0 and simulated accept length, before -> after training."""
+    first, final = train.get("first_eval") or {}, train.get("final_eval") or {}
+    if not final:
+        return None
+    return (f"{first.get('acc_0', 0):.3f} / {first.get('sim_accept_length', 0):.2f} -> "
+            f"{final.get('acc_0', 0):.3f} / {final.get('sim_accept_length', 0):.2f}")
 
 
 def _default_config() -> str:
