@@ -1,10 +1,10 @@
 """Serving backends: a decoder running on one worker thread per replica, fed by a small batching scheduler.
 
 The HTTP layer never touches torch: it submits a :class:`Job` and receives :class:`DecodeEvent` s through a callback
-(called from the worker thread). The scheduler turns queued jobs into *groups* (one ragged batch of the decoder each,
-jobs with equal sampling settings together) and advances every active group by one decoding step in turn. A request
-that arrives while others decode joins at the next step boundary in a group of its own instead of waiting for the
-running batch to finish; the rows of all active groups stay within ``max_batch``.
+(called from the worker thread). Jobs with equal sampling settings share one *group*, a running batch that new
+requests join at the next step boundary (continuous batching, :mod:`serve.continuous`); the worker advances every
+group by one decoding step in turn, keeping the rows of all groups within ``max_batch``. When idle it waits a few
+milliseconds after the last arrival so that the requests of a burst are prefilled together.
 
 Backends:
 
@@ -20,7 +20,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -75,6 +75,7 @@ class Job:
     sampling: SamplingParams
     emit_fn: Callable[[DecodeEvent], None]
     cancelled: threading.Event = field(default_factory=threading.Event)
+    submitted_at: float = field(default_factory=time.perf_counter)
     started_at: float | None = None
     finished: bool = False
     tokens: int = 0
@@ -91,45 +92,44 @@ class Job:
             log.debug("dropping an event for a consumer that is gone", exc_info=True)
 
 
-class Decoder(Protocol):
-    """Decodes groups of jobs; ``start`` returns an iterator whose every ``next()`` does a bounded amount of work
-    (one emitted chunk) and which ends once every job of the group has had its final event."""
+class Group(Protocol):
+    """A running batch: ``add`` jobs at any time, ``step`` decodes one step (emitting chunks); empty when alive 0."""
 
+    @property
+    def alive(self) -> int: ...
+
+    def add(self, job: Job) -> None: ...
+
+    def step(self) -> None: ...
+
+    def fail(self, message: str) -> None: ...
+
+
+class Decoder(Protocol):
     max_batch: int
     speculative: bool
     algorithm: str | None
 
-    def groups(self, jobs: list[Job]) -> list[list[Job]]: ...
+    def key(self, job: Job) -> Hashable:
+        """Jobs with equal keys may share a group."""
+        ...
 
-    def start(self, jobs: list[Job]) -> Iterator[None]: ...
-
-
-@dataclass
-class _Group:
-    jobs: list[Job]
-    steps: Iterator[None]
-
-    @property
-    def alive(self) -> int:
-        return sum(not j.finished for j in self.jobs)
+    def new_group(self, sampling: SamplingParams) -> Group: ...
 
 
 # ----------------------------------------------------------------------------------------------------- backend
 class Backend:
     """A target engine + a decoder + the worker thread that runs it."""
 
-    def __init__(self, engine: TargetEngine, decoder: Decoder, *, name: str, batch_window_s: float = 0.004,
-                 join_window_s: float = 0.02, max_groups: int = 2) -> None:
+    def __init__(self, engine: TargetEngine, decoder: Decoder, *, name: str, batch_window_s: float = 0.01,
+                 max_wait_s: float = 0.05) -> None:
         self.engine = engine
         self.decoder = decoder
         self.name = name
         self.batch_window_s = batch_window_s
-        """when idle, gather the requests of a burst (they arrive a few ms apart) for this long before starting"""
-        self.join_window_s = join_window_s
-        """while others decode, let late requests accumulate this long into one group (every group costs a forward
-        per step, so many tiny groups would cut throughput)"""
-        self.max_groups = max_groups
-        """groups decoding at once; more arrivals wait for one to finish (bounded latency, bounded forwards/step)"""
+        """when idle, start once no request arrived for this long (the requests of a burst arrive ms apart)"""
+        self.max_wait_s = max_wait_s
+        """when idle, a burst that keeps arriving is gathered for at most this long"""
         self._queue: queue.Queue[Job | None] = queue.Queue()
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
@@ -197,18 +197,19 @@ class Backend:
                 return
             pending.append((time.perf_counter(), job))
 
-    def _admit(self, pending: list[tuple[float, Job]], active: list[_Group]) -> list[Job]:
-        """Jobs to start now as new group(s), or [] to keep them waiting."""
+    def _admit(self, pending: list[tuple[float, Job]], rows: int, idle: bool) -> list[Job]:
+        """Jobs to add now (up to the free rows), or [] to keep them waiting."""
         for item in [p for p in pending if p[1].cancelled.is_set()]:
             pending.remove(item)
             item[1].emit(DecodeEvent([], error="cancelled before it started"))
-        capacity = self.decoder.max_batch - sum(g.alive for g in active)
-        if not pending or capacity <= 0 or len(active) >= self.max_groups:
+        capacity = self.decoder.max_batch - rows
+        if not pending or capacity <= 0:
             return []
-        waited = time.perf_counter() - pending[0][0]
-        window = self.join_window_s if active else self.batch_window_s
-        if waited < window and len(pending) < capacity:
-            return []
+        if idle and len(pending) < capacity:
+            # debounce: a burst keeps extending the window while requests keep arriving, up to a bound
+            now = time.perf_counter()
+            if now - pending[-1][0] < self.batch_window_s and now - pending[0][0] < self.max_wait_s:
+                return []
         take, pending[:] = pending[:capacity], pending[capacity:]
         return [j for _, j in take]
 
@@ -221,43 +222,37 @@ class Backend:
             raise
 
     def _schedule(self) -> None:
-        active: list[_Group] = []
+        groups: dict[Hashable, Group] = {}
         pending: list[tuple[float, Job]] = []
         while not self._stopping.is_set():
-            self._drain(pending, block=not active and not pending)
-            new = self._admit(pending, active)
+            self._drain(pending, block=not groups and not pending)
+            new = self._admit(pending, sum(g.alive for g in groups.values()), idle=not groups)
+            now = time.perf_counter()
+            for job in new:
+                job.started_at = now
+                key = self.decoder.key(job)
+                if key not in groups:
+                    groups[key] = self.decoder.new_group(job.sampling)
+                groups[key].add(job)
             if new:
-                now = time.perf_counter()
-                for j in new:
-                    j.started_at = now
-                for jobs in self.decoder.groups(new):
-                    active.append(_Group(jobs, self._guarded(jobs)))
-            elif not active and pending:
+                log.debug("admitted %d request(s) after %.1f ms; %d group(s), %d waiting", len(new),
+                          1000 * (now - min(j.submitted_at for j in new)), len(groups), len(pending))
+            elif not groups and pending:
                 time.sleep(0.0005)  # idle, gathering a burst
-            for g in list(active):  # one decoding step of every active group, in turn
+            for key, g in list(groups.items()):  # one decoding step of every group, in turn
                 try:
-                    for _ in range(max(g.alive, 1)):
-                        next(g.steps)
-                except StopIteration:
-                    active.remove(g)
-        for g in active:
-            self._fail(g.jobs, "the server is shutting down")
-        self._fail([j for _, j in pending], "the server is shutting down")
-
-    def _guarded(self, jobs: list[Job]) -> Iterator[None]:
-        """The decoder's steps for ``jobs``; an exception fails these requests only, never the replica."""
-        try:
-            yield from self.decoder.start(jobs)
-        except Exception as e:
-            log.exception("decoder failed on a group of %d", len(jobs))
-            self._fail(jobs, f"{type(e).__name__}: {e}")
-        self._fail(jobs, "the decoder ended without finishing this request")  # no-op for finished jobs
-
-    @staticmethod
-    def _fail(jobs: list[Job], message: str) -> None:
-        for j in jobs:
-            if not j.finished:
-                j.emit(DecodeEvent([], error=message))
+                    g.step()
+                except Exception as e:  # one broken batch fails its requests, not the replica
+                    log.exception("decoding step failed")
+                    g.fail(f"{type(e).__name__}: {e}")
+                    del groups[key]
+                    continue
+                if g.alive == 0:
+                    del groups[key]
+        for g in groups.values():
+            g.fail("the server is shutting down")
+        for _, j in pending:
+            j.emit(DecodeEvent([], error="the server is shutting down"))
 
     def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams,
                  timeout: float | None = None) -> tuple[list[int], str, SpecStats]:
@@ -309,10 +304,11 @@ class Backend:
 
 # ------------------------------------------------------------------------------------------------ hf decoder
 class HFSpecDecoder:
-    """``drafter.spec``'s reference decoder (SpecDecoder with a drafter, BaselineDecoder without) on the hf target.
+    """``drafter.spec``'s reference decoder (SpecDecoder with a drafter, BaselineDecoder without) on the hf target,
+    with continuous batching (:class:`serve.continuous.ContinuousBatch`).
 
-    Jobs with the same sampling settings decode as one ragged batch and stream per target forward. A seeded sampled
-    request decodes alone: its RNG is derived from its row, and row 0 keeps the answer independent of the traffic.
+    A seeded sampled request decodes in a group of its own: its RNG is derived from its row in the prefill, and
+    being alone keeps the answer independent of the traffic.
     """
 
     def __init__(self, dec: Any, *, speculative: bool, algorithm: str | None, max_batch: int,
@@ -323,35 +319,53 @@ class HFSpecDecoder:
         self.max_batch = max_batch
         self.per_step = draft_tokens_per_step if speculative else 0
 
-    def groups(self, jobs: list[Job]) -> list[list[Job]]:
-        out: dict[Any, list[Job]] = {}
-        for i, j in enumerate(jobs):
-            alone = j.sampling.seed is not None and not j.sampling.greedy
-            out.setdefault((j.sampling, i) if alone else (j.sampling,), []).append(j)
-        return list(out.values())
+    def key(self, job: Job) -> Hashable:
+        if job.sampling.seed is not None and not job.sampling.greedy:
+            return (job.sampling, id(job))
+        return job.sampling
 
-    def start(self, jobs: list[Job]) -> Iterator[None]:
-        # SpecDecoder._run is the batched streaming loop behind its public generate()/stream(): one chunk per row
-        # and target forward, so a group advances one step per len(alive rows) chunks
-        chunks = self.dec._run([j.prompt_ids for j in jobs], jobs[0].sampling)
-        try:
-            for row, chunk in chunks:
-                stats = None
-                if chunk.result is not None:
-                    r = chunk.result
-                    stats = SpecStats(verify_steps=r.draft_steps, draft_tokens=r.draft_steps * self.per_step,
-                                      accepted_tokens=sum(r.accepted_per_step))
-                jobs[row].emit(DecodeEvent(list(chunk.token_ids),
-                                           finish_reason=chunk.finish_reason if chunk.finished else None,
-                                           stats=stats))
-                if all(j.cancelled.is_set() or j.finished for j in jobs):
-                    break  # every client of this group is gone: stop decoding it
-                yield
-        finally:
-            chunks.close()
-        for j in jobs:
-            if not j.finished:
-                j.emit(DecodeEvent([], error="cancelled"))
+    def new_group(self, sampling: SamplingParams) -> Group:
+        return _HFGroup(self, sampling)
+
+
+class _HFGroup:
+    def __init__(self, decoder: HFSpecDecoder, sampling: SamplingParams) -> None:
+        from serve.continuous import ContinuousBatch
+
+        self.per_step = decoder.per_step
+        self.batch = ContinuousBatch(decoder.dec, sampling, self._chunk)
+        self.jobs: dict[int, Job] = {}
+
+    @property
+    def alive(self) -> int:
+        return self.batch.alive
+
+    def add(self, job: Job) -> None:
+        self.jobs[self.batch.add(job.prompt_ids)] = job
+
+    def step(self) -> None:
+        for rid, job in list(self.jobs.items()):
+            if job.cancelled.is_set():  # the client went away: the row leaves the batch
+                self.batch.cancel(rid)
+                job.emit(DecodeEvent([], error="cancelled"))
+                del self.jobs[rid]
+        self.batch.step()
+        for rid in [rid for rid, j in self.jobs.items() if j.finished]:
+            del self.jobs[rid]
+
+    def _chunk(self, rid: int, chunk: Any) -> None:
+        stats = None
+        if chunk.result is not None:
+            r = chunk.result
+            stats = SpecStats(verify_steps=r.draft_steps, draft_tokens=r.draft_steps * self.per_step,
+                              accepted_tokens=sum(r.accepted_per_step))
+        self.jobs[rid].emit(DecodeEvent(list(chunk.token_ids),
+                                        finish_reason=chunk.finish_reason if chunk.finished else None, stats=stats))
+
+    def fail(self, message: str) -> None:
+        for job in self.jobs.values():
+            if not job.finished:
+                job.emit(DecodeEvent([], error=message))
 
 
 # --------------------------------------------------------------------------------------------- sglang adapter
@@ -368,14 +382,34 @@ class SGLangDecoder:
         self.algorithm = getattr(launch, "algorithm", None)
         self.speculative = launch is not None
 
-    def groups(self, jobs: list[Job]) -> list[list[Job]]:
-        out: dict[SamplingParams, list[Job]] = {}
-        for j in jobs:
-            out.setdefault(j.sampling, []).append(j)
-        return list(out.values())
+    def key(self, job: Job) -> Hashable:
+        return job.sampling
 
-    def start(self, jobs: list[Job]) -> Iterator[None]:
-        gens = self.engine.generate_ids([j.prompt_ids for j in jobs], jobs[0].sampling)
+    def new_group(self, sampling: SamplingParams) -> Group:
+        return _SGLangGroup(self.engine, sampling)
+
+
+class _SGLangGroup:
+    """Everything collected since the last step goes to ``Engine.generate`` at once (SGLang batches inside)."""
+
+    def __init__(self, engine: Any, sampling: SamplingParams) -> None:
+        self.engine = engine
+        self.sampling = sampling
+        self.jobs: list[Job] = []
+
+    @property
+    def alive(self) -> int:
+        return sum(not j.finished for j in self.jobs)
+
+    def add(self, job: Job) -> None:
+        self.jobs.append(job)
+
+    def step(self) -> None:
+        jobs, self.jobs = [j for j in self.jobs if not j.finished], []
+        if not jobs:
+            return
+        self.jobs = jobs
+        gens = self.engine.generate_ids([j.prompt_ids for j in jobs], self.sampling)
         for j, g in zip(jobs, gens, strict=True):
             n = len(g.token_ids)
             meta = g.meta or {}
@@ -384,7 +418,11 @@ class SGLangDecoder:
             stats = SpecStats(verify_steps=verify, draft_tokens=int(meta.get("draft_tokens_proposed") or 0),
                               accepted_tokens=int(accepted if accepted is not None else max(n - verify, 0)))
             j.emit(DecodeEvent(list(g.token_ids), finish_reason=g.finish_reason, stats=stats))
-            yield
+
+    def fail(self, message: str) -> None:
+        for j in self.jobs:
+            if not j.finished:
+                j.emit(DecodeEvent([], error=message))
 
 
 # ------------------------------------------------------------------------------------------------- factory

@@ -195,8 +195,12 @@ def test_sglang_adapter_maps_engine_meta_to_usage_spec():
     assert dec.speculative and dec.algorithm == "EAGLE3"
     events: list[list] = [[], []]
     jobs = [Job([1, 2, 3, 4], SamplingParams(), events[0].append), Job([1, 2], SamplingParams(), events[1].append)]
-    assert dec.groups(jobs) == [jobs]
-    list(dec.start(jobs))
+    assert dec.key(jobs[0]) == dec.key(jobs[1])
+    group = dec.new_group(SamplingParams())
+    for j in jobs:
+        group.add(j)
+    group.step()
+    assert group.alive == 0
     first, second = events[0][-1], events[1][-1]
     assert first.token_ids == [5, 6, 7, 8, 9, 2] and first.finish_reason == "stop"
     assert (first.stats.verify_steps, first.stats.draft_tokens, first.stats.accepted_tokens) == (3, 9, 3)
