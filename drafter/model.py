@@ -87,7 +87,11 @@ class DrafterModelConfig:
 
 
 class RMSNorm(nn.Module):
-    """Llama RMSNorm, computed in fp32 and cast back (matches SGLang/transformers numerics)."""
+    """Llama RMSNorm computed in fp32 and rounded once to the input dtype (as SGLang's fused kernel does).
+
+    Returning the input dtype matters under bf16 autocast with fp32 master weights: an fp32 result would be
+    re-cast to bf16 by every linear that reads it (q, k and v each), costing memory traffic for the same values.
+    """
 
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
@@ -98,7 +102,7 @@ class RMSNorm(nn.Module):
         dtype = x.dtype
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype)
+        return (self.weight.float() * h).to(dtype)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -178,7 +182,8 @@ class Eagle3DecoderLayer(nn.Module):
         self.mlp = Eagle3MLP(cfg)
 
     def attn_input(self, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        return torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
+        """``[input_layernorm(embeds); hidden_norm(hidden)]`` in the hidden state's dtype (bf16 under autocast)."""
+        return torch.cat([self.input_layernorm(embeds).to(hidden.dtype), self.hidden_norm(hidden)], dim=-1)
 
     def finish(self, residual: torch.Tensor, attn_o: torch.Tensor) -> torch.Tensor:
         """o_proj + residual, then the MLP block; returns the pre-norm hidden state."""
