@@ -206,3 +206,33 @@ def test_sglang_adapter_maps_engine_meta_to_usage_spec():
     assert (first.stats.verify_steps, first.stats.draft_tokens, first.stats.accepted_tokens) == (3, 9, 3)
     assert first.stats.accept_length == 2.0  # = completion_tokens / verify steps, SGLang's own figure
     assert second.finish_reason == "length" and second.stats.accept_length == 1.0
+
+
+def test_a_cancelled_request_leaves_the_batch_and_the_others_stay_exact(spec_backend, tiny_engine):
+    import threading
+
+    from eaglenest.engines.base import SamplingParams
+    from serve.backends import Job
+
+    sp = SamplingParams(temperature=0.0, max_new_tokens=80)
+    prompts = ["Count from 1 to 50.", "Write a short poem about the sea."]
+    events: list[list] = [[], []]
+    done = [threading.Event(), threading.Event()]
+    jobs = []
+    for i, p in enumerate(prompts):
+        def sink(ev, i=i) -> None:
+            events[i].append(ev)
+            if len(events[i]) == 3 and i == 0:
+                jobs[0].cancelled.set()  # the client of the long request goes away mid-stream
+            if ev.final:
+                done[i].set()
+        jobs.append(Job(spec_backend.render_chat([{"role": "user", "content": p}]), sp, sink))
+    for j in jobs:
+        spec_backend.submit(j)
+    assert done[0].wait(120) and done[1].wait(120)
+    assert events[0][-1].error == "cancelled"
+    long_tokens = sum(len(ev.token_ids) for ev in events[0])
+    want_long = tiny_engine.generate([[{"role": "user", "content": prompts[0]}]], sp)[0]
+    assert long_tokens < len(want_long.token_ids)  # it stopped early
+    want = tiny_engine.generate([[{"role": "user", "content": prompts[1]}]], sp)[0]
+    assert [t for ev in events[1] for t in ev.token_ids] == want.token_ids
