@@ -87,13 +87,19 @@ def test_ids_and_masks_follow_the_template(tiny_engine, regenerated):
         want = render_chat_text(tok, final_conversation(s, r.assistant_turns), tools=json.loads(s.tools)
                                 if s.tools else None, add_generation_prompt=False)
         assert tok.decode(r.input_ids, skip_special_tokens=False) == want
-        # loss mask = exactly the generated tokens of every turn, ending with the target's own <|end|>
+        # loss mask = exactly the generated tokens of every turn, including the target's own <|end|>; a turn
+        # stopped by max_new_tokens is closed by an <|end|> outside the loss
         runs = spans(r.loss_mask)
         assert len(runs) == n_assistant
         for (a, b), turn in zip(runs, r.assistant_turns, strict=True):
-            assert turn["ended"] and r.input_ids[b - 1] == end
-            assert tok.decode(r.input_ids[a:b], skip_special_tokens=False) == turn["text"] + "<|end|>"
+            text = tok.decode(r.input_ids[a:b], skip_special_tokens=False)
+            if turn["ended"]:
+                assert r.input_ids[b - 1] == end and text == turn["text"] + "<|end|>"
+            else:
+                assert b - a == GREEDY.max_new_tokens and text == turn["text"]
+                assert r.input_ids[b] == end and r.loss_mask[b] == 0
         assert sum(r.loss_mask) == r.generated_tokens
+        assert r.truncated_turns == sum(not t["ended"] for t in r.assistant_turns)
         # dataset tool results stay in the context (not in the loss)
         for m in s.messages:
             if m["role"] == "tool":
@@ -127,11 +133,11 @@ def test_capture_is_the_teacher_forced_prefill(tiny_engine, regenerated):
 def test_turn_at_max_new_tokens_is_kept_and_closed_outside_the_loss(tiny_engine):
     samples = fixture_samples("ultrachat")[:1]  # two assistant turns
     r = Regenerator(tiny_engine, min_tokens=4, max_tokens=1024, storage_dtype="bfloat16").run(
-        samples, lambda s: SamplingParams(max_new_tokens=3))[0]
-    assert isinstance(r, Regenerated) and r.truncated_turns == 2
+        samples, lambda s: SamplingParams(max_new_tokens=2))[0]
+    assert isinstance(r, Regenerated) and r.truncated_turns == 2  # no real answer fits in 2 tokens
     end = tiny_engine.tokenizer.convert_tokens_to_ids("<|end|>")
     runs = spans(r.loss_mask)
-    assert [b - a for a, b in runs] == [3, 3]
+    assert [b - a for a, b in runs] == [2, 2] and r.generated_tokens == 4
     for _, b in runs:  # the forced end-of-turn token follows, with loss 0
         assert r.input_ids[b] == end and r.loss_mask[b] == 0
     assert r.input_ids[-1] == end
