@@ -10,8 +10,10 @@ All measurements come from one run of this script, side by side on the same samp
 
 "generated tokens" = tokens the engines generated (greedy decoding, same samples: identical work in every mode).
 ``steady`` = the engine batches finished after every actor completed its first batch, over the time from then to the
-last batch (batch timestamps reported by the actors). Per-engine efficiency = steady tokens/s per actor / loop
-tokens/s (the loop is run before and after the pipelines; their mean is the reference).
+last batch (batch timestamps reported by the actors); ``engine busy`` = the share of that window the engines spent
+inside batches (1.0 = the pipeline never makes an engine wait). Per-engine efficiency = steady tokens/s per actor /
+loop tokens/s (the loop runs before and after the pipelines; their mean is the reference, their spread shows how
+much other load on the machine moved the numbers).
 
 Example (2-core CPU box, tiny target):
     OMP_NUM_THREADS=1 python benchmarks/regen_efficiency.py --samples 384 --batch-size 16 --max-new-tokens 48
@@ -104,14 +106,19 @@ def loop(cfg, source: Path, out: Path) -> dict:
             "tokens_per_s": round(tokens / wall, 1)}
 
 
-def steady_state(batches: list, engines: int) -> tuple[float, int]:
-    """(seconds, tokens) after every engine finished its first batch: start-up and warm-up amortised away."""
+def steady_state(batches: list, engines: int) -> tuple[float, int, float]:
+    """After every engine finished its first batch (start-up and warm-up amortised away): (seconds, generated
+    tokens, fraction of the engines' time spent inside batches)."""
     by_pid: dict[int, list] = {}
     for b in sorted(batches, key=lambda b: b[1]):
         by_pid.setdefault(b[2], []).append(b)
     start = max(bs[0][1] for bs in by_pid.values())  # the last engine to finish its first batch
+    end = max(b[1] for b in batches)
     later = [b for b in batches if b[1] > start]
-    return (max(b[1] for b in batches) - start, sum(b[3] for b in later)) if later else (0.0, 0)
+    if not later or end <= start:
+        return 0.0, 0, float("nan")
+    busy = sum(min(b[1], end) - max(b[0], start) for b in later)
+    return end - start, sum(b[3] for b in later), busy / (engines * (end - start))
 
 
 def pipeline(cfg, out: Path, actors: int) -> dict:
@@ -125,14 +132,12 @@ def pipeline(cfg, out: Path, actors: int) -> dict:
     wall = time.time() - t0
     shards = shard_files(out)
     tokens = summary["last_run"]["generated_tokens"]
-    steady_s, steady_tokens = steady_state(summary["timeline"], actors)
-    busy = sum(b[1] - b[0] for b in summary["timeline"])
+    steady_s, steady_tokens, busy = steady_state(summary["timeline"], actors)
     return {"mode": f"pipeline-{actors}", "engines": actors, "samples": summary["num_samples"],
             "generated_tokens": tokens, "seconds": round(wall, 2), "tokens_per_s": round(tokens / wall, 1),
             "steady_seconds": round(steady_s, 2),
             "steady_tokens_per_s": round(steady_tokens / steady_s, 1) if steady_s else None,
-            "engine_busy_fraction": round(busy / (actors * (max(b[1] for b in summary["timeline"])
-                                                            - min(b[0] for b in summary["timeline"]))), 3),
+            "engine_busy_fraction": round(busy, 3),
             "batches": len(summary["timeline"]), "engine_pids": len({b[2] for b in summary["timeline"]}),
             "shards": len(shards), "bytes_per_token": summary["bytes_per_token"],
             "file_bytes_per_token": summary["file_bytes_per_token"],
