@@ -489,6 +489,11 @@ def _train_loop(config: dict[str, Any]) -> None:  # noqa: C901 - one linear trai
         order is a function of the data and the seed alone and a resumed run sees the same batches.
         """
         nonlocal train_cache
+        if train_cache is None and epoch > 0:
+            # resumed past epoch 0: rebuild the cache first, so this epoch sees the same permutation as before
+            for _ in _streamed(epoch):
+                if train_cache is False:
+                    break  # too large to keep: stop the extra pass at once and stream as usual
         if train_cache is not None and train_cache is not False:
             import numpy as np
 
@@ -497,20 +502,25 @@ def _train_loop(config: dict[str, Any]) -> None:  # noqa: C901 - one linear trai
             for start in range(0, shuffled.num_rows, tc.batch_size):
                 yield shuffled.slice(start, tc.batch_size)
             return
+        yield from _streamed(epoch)
+
+    def _streamed(epoch: int):
+        """Stream one epoch from Ray Data, keeping the rows in memory when they fit (TRAIN_CACHE_BYTES)."""
+        nonlocal train_cache
         kept, size = [], 0
         for table in batches(train_it, local_shuffle_buffer_size=4 * tc.batch_size,
                              local_shuffle_seed=tc.seed + 1000 * epoch):
             if kept is not None:
                 size += table.nbytes
                 kept = kept + [table] if size <= TRAIN_CACHE_BYTES else None
+                if kept is None:
+                    train_cache = False
             yield table
         if kept and train_cache is None:
             import pyarrow as pa
 
             table = pa.concat_tables(kept)
             train_cache = table.sort_by("id") if "id" in table.column_names else table
-        elif kept is None:
-            train_cache = False
 
     while state["step"] < total_steps:
         skip = state["epoch_batches"]
