@@ -243,6 +243,8 @@ def run_preflight(
     _check_hidden(report, cfg, tensors, t)
     _check_vocab(report, cfg, tensors, t)
     _check_context(report, cfg, t, engine)
+    if tensors and not isinstance(target, TargetSummary):
+        _check_embedding(report, tensors, Path(target), sidecar)
     return report
 
 
@@ -456,6 +458,77 @@ def _check_context(report: PreflightReport, cfg: dict[str, Any], t: TargetSummar
                else f"drafter max_position_embeddings {draft_ctx} < target context {t.context_length}{extra}",
                "re-export the drafter with max_position_embeddings >= the target context (train.drafter."
                "max_position_embeddings), or serve with a smaller context (target.sglang.context_length)")
+
+
+EMBED_SAMPLE_ROWS = 16
+
+
+def _target_embedding_rows(folder: Path, rows: list[int]) -> Any | None:
+    """A few rows of the target's input embedding, read by slice from its safetensors (never the whole tensor)."""
+    from safetensors import safe_open
+
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        wmap = dict(json.loads(index.read_text())["weight_map"])
+    else:
+        wmap = {}
+        for f in sorted(folder.glob("*.safetensors")):
+            with safe_open(str(f), framework="pt") as fh:
+                wmap.update({k: f.name for k in fh.keys()})  # noqa: SIM118 - safe_open has no __iter__
+    hits = [n for n in wmap if n.endswith("embed_tokens.weight") and "vision" not in n and "mtp" not in n]
+    if not hits:
+        return None
+    name = min(hits, key=len)
+    import torch
+
+    with safe_open(str(folder / wmap[name]), framework="pt") as fh:
+        sl = fh.get_slice(name)
+        return torch.stack([sl[r:r + 1][0] for r in rows])
+
+
+def _check_embedding(report: PreflightReport, tensors: dict[str, Any], folder: Path,
+                     sidecar: dict[str, Any] | None) -> None:
+    """Same shapes do not mean the same target (Kimi-K2 vs K2.5, a rebuilt model): the drafter's copy of the
+    target's embedding must match the target's own, sampled on a few rows."""
+    if "embed_tokens.weight" not in tensors:
+        report.add("target_embedding", True, "not checked: the export carries no embedding (the engine shares the "
+                                             "target's)")
+        return
+    import torch
+
+    vocab = tensors["embed_tokens.weight"][0][0]
+    rows = sorted({int(i) for i in torch.linspace(0, vocab - 1, EMBED_SAMPLE_ROWS).tolist()})
+    try:
+        theirs = _target_embedding_rows(folder, rows)
+    except (OSError, ValueError, KeyError) as e:
+        report.add("target_embedding", True, f"not checked: cannot read the target's embedding ({e})")
+        return
+    if theirs is None:
+        report.add("target_embedding", True, "not checked: no target weights in the folder (config only)")
+        return
+    from safetensors import safe_open
+
+    _, _, f = tensors["embed_tokens.weight"]
+    with safe_open(str(f), framework="pt") as fh:
+        names = set(fh.keys())
+        name = "embed_tokens.weight" if "embed_tokens.weight" in names else "model.embed_tokens.weight"
+        sl = fh.get_slice(name)
+        ours = torch.stack([sl[r:r + 1][0] for r in rows])
+    a, b = ours.float(), theirs.float()
+    if a.shape != b.shape:
+        report.add("target_embedding", True, f"not checked: embedding widths differ ({a.shape[-1]} vs {b.shape[-1]}; "
+                                             f"see hidden_size)")
+        return
+    err = float((a - b).norm() / b.norm().clamp_min(1e-12))
+    recorded = (sidecar or {}).get("target") or "?"
+    report.add("target_embedding", err < 2e-2,
+               f"the drafter's embedding matches the target's on {len(rows)} sampled rows (rel. error {err:.1e})"
+               if err < 2e-2 else
+               f"the drafter's copy of the target embedding differs from this target's (rel. error {err:.2f} on "
+               f"{len(rows)} sampled rows): it was trained on another target of the same shape (recorded: "
+               f"{recorded})",
+               "serve the drafter with the target it was trained on, or train a drafter on this target's hidden "
+               "states")
 
 
 def preflight_or_raise(target: str | Path | TargetSummary, drafter: str | Path, *, algorithm: str | None = None,

@@ -29,6 +29,12 @@ def make_drafter(out: Path, target: Path, *, aux_layer_ids: tuple[int, int, int]
     )
     torch.manual_seed(seed)
     model = Eagle3Drafter(cfg)
+    if h == int(t["hidden_size"]):  # the drafter's frozen embedding is the target's (preflight samples it)
+        from drafter.target import load_target_embed_and_head
+
+        embed, _ = load_target_embed_and_head(target)
+        with torch.no_grad():
+            model.embed_tokens.weight.copy_(embed)
     # a non-trivial vocab mapping (a random sorted subset of the target vocab), so d2t is not all zeros
     ids = torch.randperm(cfg.vocab_size, generator=torch.Generator().manual_seed(seed))[:draft_vocab].sort().values
     t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)

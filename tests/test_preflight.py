@@ -162,3 +162,15 @@ def test_cli_exit_codes(good_drafter, tiny_target_path, capsys):
     assert "FAIL  algorithm" in captured.out and "fix: use --algorithm EAGLE3" in captured.err
     assert main(["preflight", "--target", str(tiny_target_path), "--drafter", str(good_drafter), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["algorithm"] == "EAGLE3"
+
+
+def test_same_shape_but_another_target(tmp_path, good_drafter, tiny_target_path):
+    """A drafter of another target with identical shapes (Kimi-K2 vs K2.5): its copy of the embedding gives it away."""
+    d = _copy(good_drafter, tmp_path)
+    assert {c.name: c.ok for c in run_preflight(tiny_target_path, d).checks}["target_embedding"]
+    rewrite_tensors(d, lambda t: {**t, "embed_tokens.weight": t["embed_tokens.weight"].roll(1, dims=0)})
+    failed = _failed(run_preflight(tiny_target_path, d))
+    assert list(failed) == ["target_embedding"] and "another target of the same shape" in failed["target_embedding"]
+    rewrite_tensors(d, lambda t: {k: v for k, v in t.items() if k != "embed_tokens.weight"})
+    report = run_preflight(tiny_target_path, d)
+    assert report.ok and "not checked" in {c.name: c.message for c in report.checks}["target_embedding"]
