@@ -41,7 +41,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seeds", default="0", help="comma-separated training seeds (each trains both drafters)")
     p.add_argument("--num-prompts", type=int, default=50)
     p.add_argument("--max-new-tokens", type=int, default=48)
-    p.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "data_value"))
+    p.add_argument("--out", default=str(REPO / "out" / "bench" / "data_value"))
     return p.parse_args(argv)
 
 

@@ -216,9 +216,12 @@ def _report(variants: list[VariantStats], **meta: Any) -> dict[str, Any]:
     for v in variants[1:]:
         tps = v.median_tok_per_s()
         ratios = [s / b for s, b in zip(v.tok_per_s(), base.tok_per_s(), strict=False) if b > 0]
-        greedy_match = None
+        greedy_match, identical = None, None
         if meta["sampling"].greedy:
-            greedy_match = all(r.tokens == b.tokens for r, b in zip(v.rounds, base.rounds, strict=False))
+            pairs = [(x, y) for r, b in zip(v.rounds, base.rounds, strict=False)
+                     for x, y in zip(r.tokens, b.tokens, strict=False)]
+            identical = sum(x == y for x, y in pairs) / len(pairs) if pairs else None
+            greedy_match = identical == 1.0
         draft_s = sum(r.draft_s for r in v.rounds)
         verify_s = sum(r.verify_s for r in v.rounds)
         rows.append({
@@ -231,6 +234,7 @@ def _report(variants: list[VariantStats], **meta: Any) -> dict[str, Any]:
             "speedup_median_of_round_ratios": statistics.median(ratios) if ratios else 0.0,
             "draft_share": draft_s / (draft_s + verify_s) if draft_s + verify_s > 0 else None,
             "outputs_match_baseline": greedy_match,
+            "identical_outputs_fraction": identical,
         })
     best = max(rows, key=lambda r: r["speedup"]) if rows else None
     end = getattr(base, "rounds_end", None)
@@ -277,7 +281,8 @@ def report_markdown(report: dict[str, Any], title: str = "Speculative decoding b
               "|---|---|---|---|---|---|"]
     for r in report["configs"]:
         share = "" if r["draft_share"] is None else f"{100 * r['draft_share']:.0f}%"
-        match = {None: "n/a", True: "yes", False: "**NO**"}[r["outputs_match_baseline"]]
+        match = {None: "n/a", True: "yes"}.get(r["outputs_match_baseline"],
+                                              f"**{100 * (r['identical_outputs_fraction'] or 0):.0f}% of prompts**")
         mark = " **(best)**" if report["best"] and r["config"] == report["best"]["config"] else ""
         lines.append(f"| {r['config']}{mark} | {r['tok_per_s']:.1f} | {r['accept_length']:.2f} | "
                      f"{r['speedup']:.2f}x | {share} | {match} |")
