@@ -3,7 +3,8 @@
 Both sides use the same decoder, the same batching scheduler and the same greedy requests (streamed, so time to
 first token is measured the same way); they run side by side in one process, one after the other, at 1 and 16
 concurrent streams. Reported per level: wall time, throughput (completion tokens/s), mean/p50/p95 request latency
-and TTFT, and the HTTP overhead in % of the in-process figure. Target: <= 5 % throughput loss at 16 streams.
+and TTFT, and the HTTP overhead in % of the in-process figure, paired run by run (median of ``--repeats`` pairs).
+Target: <= 5 % throughput loss at 16 streams.
 
     OMP_NUM_THREADS=1 python benchmarks/serve_overhead.py [--config configs/demo.yaml] [--drafter DIR]
         [--requests 32] [--max-tokens 64] [--levels 1 16] [--set target.tiny.hidden_size=512 ...] [--out F.json]
@@ -162,7 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=32, help="requests per level and side")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--levels", type=int, nargs="+", default=[1, 16])
-    ap.add_argument("--repeats", type=int, default=1, help="alternate in-process/HTTP this many times per level")
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="in-process/HTTP pairs per level (the median pair is reported: the machine may be shared)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="config override (YAML value), e.g. target.tiny.hidden_size=512 target.tiny.train_steps=0")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
@@ -204,8 +206,10 @@ def main(argv: list[str] | None = None) -> int:
         stop_serve()
         backend.close()
 
+    load = os.getloadavg()
     print(f"\nserve overhead: {cfg.target.model} ({cfg.target.engine}), drafter {drafter or 'none (baseline)'}, "
-          f"{args.requests} requests x {args.max_tokens} max tokens per level, greedy, streamed")
+          f"{args.requests} requests x {args.max_tokens} max tokens per level, greedy, streamed; "
+          f"{os.cpu_count()} CPUs, load average {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f}")
     head = f"{'side':<11} {'conc':>4} {'wall s':>7} {'tok/s':>8} {'lat mean':>9} {'lat p50':>8} {'lat p95':>8} " \
            f"{'ttft mean':>9} {'ttft p50':>8}"
     print(head)
@@ -216,17 +220,21 @@ def main(argv: list[str] | None = None) -> int:
     for c in args.levels:
         inp = [r for r in results if r.concurrency == c and r.side == "in-process"]
         htp = [r for r in results if r.concurrency == c and r.side == "http"]
-        tput = statistics.fmean(r.tokens_per_s for r in inp), statistics.fmean(r.tokens_per_s for r in htp)
-        lat = statistics.fmean(r.latency_mean_s for r in inp), statistics.fmean(r.latency_mean_s for r in htp)
-        row = {"concurrency": c, "throughput_loss_pct": 100 * (1 - tput[1] / tput[0]),
-               "latency_added_pct": 100 * (lat[1] / lat[0] - 1), "latency_added_ms": 1000 * (lat[1] - lat[0])}
+        # paired: each HTTP run against the in-process run just before it (the machine's load drifts between pairs)
+        loss = sorted(100 * (1 - h.tokens_per_s / i.tokens_per_s) for i, h in zip(inp, htp, strict=True))
+        added = sorted(100 * (h.latency_mean_s / i.latency_mean_s - 1) for i, h in zip(inp, htp, strict=True))
+        row = {"concurrency": c, "throughput_loss_pct_median": statistics.median(loss),
+               "throughput_loss_pct_pairs": loss, "latency_added_pct_median": statistics.median(added),
+               "latency_added_pct_pairs": added}
         summary.append(row)
-        print(f"concurrency {c:>2}: HTTP + Ray Serve cost {row['throughput_loss_pct']:+.1f}% throughput, "
-              f"{row['latency_added_pct']:+.1f}% mean latency ({row['latency_added_ms']:+.1f} ms)"
-              + ("  [target <= 5%: " + ("met" if row["throughput_loss_pct"] <= 5 else "MISSED") + "]"
+        print(f"concurrency {c:>2}: HTTP + Ray Serve cost {row['throughput_loss_pct_median']:+.1f}% throughput "
+              f"(median of {len(loss)} pairs: {', '.join(f'{x:+.1f}' for x in loss)}), "
+              f"{row['latency_added_pct_median']:+.1f}% mean latency"
+              + ("  [target <= 5%: " + ("met" if row["throughput_loss_pct_median"] <= 5 else "MISSED") + "]"
                  if c == max(args.levels) else ""))
     if args.out:
-        Path(args.out).write_text(json.dumps({"args": vars(args), "levels": [asdict(r) for r in results],
+        Path(args.out).write_text(json.dumps({"args": vars(args), "loadavg": load,
+                                              "levels": [asdict(r) for r in results],
                                               "summary": summary}, indent=2))
     return 0
 
