@@ -82,3 +82,12 @@ def test_cli_reports_config_error(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "target.engine" in proc.stderr and str(p) in proc.stderr
+
+
+def test_gpu_example_configs_load_and_tap_the_default_layers():
+    from eaglenest.layers import default_aux_layer_ids, validate_aux_layer_ids
+
+    cfg = load_config(REPO / "configs" / "gpu-small.yaml")
+    assert cfg.target.engine == "sglang" and cfg.regen.num_gpus_per_actor == cfg.target.sglang.tp_size
+    assert validate_aux_layer_ids(cfg.target.aux_layer_ids, 28) == default_aux_layer_ids(28)
+    assert len(cfg.regen.sources) == 10
