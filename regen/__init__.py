@@ -3,10 +3,13 @@
 ``run_regen(cfg, output, limit)`` runs or resumes a job and returns its summary (also ``DIR/manifest.json``);
 ``Regenerator`` is the per-batch core (any ``TargetEngine``); ``normalize_record`` maps one source row to the
 conversation schema or to a quarantine reason.
+
+Importing the package is light (no torch, no Ray): Ray Data's normalize workers import it for every fresh process.
 """
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 from regen.adapters import (
@@ -20,7 +23,23 @@ from regen.adapters import (
     normalize_record,
     normalize_records,
 )
-from regen.regenerate import Quarantined, Regenerated, Regenerator, Sample, TemplateFacts
+
+METRIC_NAMES = (
+    "eaglenest_regen_samples_done",
+    "eaglenest_regen_samples_quarantined",
+    "eaglenest_regen_generated_tokens",
+    "eaglenest_regen_tokens_per_second",
+    "eaglenest_regen_eta_seconds",
+)
+
+_LAZY = {
+    "Regenerator": "regen.regenerate",
+    "Sample": "regen.regenerate",
+    "Regenerated": "regen.regenerate",
+    "Quarantined": "regen.regenerate",
+    "TemplateFacts": "regen.regenerate",
+    "run_regen": "regen.pipeline",
+}
 
 __all__ = [
     "ADAPTERS",
@@ -41,17 +60,8 @@ __all__ = [
     "run_regen",
 ]
 
-METRIC_NAMES = (
-    "eaglenest_regen_samples_done",
-    "eaglenest_regen_samples_quarantined",
-    "eaglenest_regen_generated_tokens",
-    "eaglenest_regen_tokens_per_second",
-    "eaglenest_regen_eta_seconds",
-)
 
-
-def run_regen(cfg: Any, output: Any = None, limit: int | None = None, **kwargs: Any) -> dict[str, Any]:
-    """Run or resume a regen job (imports Ray only when called); see :func:`regen.pipeline.run_regen`."""
-    from regen.pipeline import run_regen as _run
-
-    return _run(cfg, output, limit, **kwargs)
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'regen' has no attribute {name!r}")

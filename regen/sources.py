@@ -18,13 +18,15 @@ import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
 from eaglenest.config import ConfigError, SourceConfig
 from regen.adapters import NORMALIZED_SCHEMA, OK, Deduplicator, normalize_records
-from regen.output import PLAN, Completed, write_quarantine
+
+if TYPE_CHECKING:
+    from regen.output import Completed
 
 READ_CPUS = 0.25  # fractional: on a 2-core box whole-CPU read tasks starve the engine actors (and vice versa)
 PARQUET_SUFFIXES = (".parquet", ".pq")
@@ -184,6 +186,8 @@ def iter_normalized(sources: list[SourceConfig], limit: int | None) -> Iterator[
 def build_plan(sources: list[SourceConfig], out_dir: Path, *, limit: int | None, completed: Completed,
                rows_per_file: int) -> Plan:
     """Dedup, skip completed ids, quarantine bad rows now, write the plan files for the engine stage."""
+    from regen.output import PLAN, write_quarantine  # driver only: keeps torch out of the normalize workers
+
     plan_dir = out_dir / PLAN
     shutil.rmtree(plan_dir, ignore_errors=True)
     plan_dir.mkdir(parents=True)
