@@ -186,7 +186,10 @@ def main(argv=None) -> int:
     print(md)
     (out / "bench.json").write_text(json.dumps(report, indent=2) + "\n")
     (out / "bench.md").write_text(md)
-    plot_bench(report, out / "bench.png")
+    try:
+        plot_bench(report, out / "bench.png")
+    except ImportError as e:  # a bare GPU image may lack matplotlib; the JSON and Markdown reports still exist
+        print(f"note: no bench.png ({e})")
     setup = {"target_shape": shape, "target_steps": target_steps, "train_chats": train_chats,
              "fit": fit.__dict__, "target_build_s": t_target, "drafter_build_s": t_drafter}
     (out / "setup.json").write_text(json.dumps(setup, indent=2) + "\n")

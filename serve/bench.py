@@ -203,9 +203,19 @@ def _bench_sglang(factory, prompts, variants, sampling, repeats, batch_size, war
     variants[0].rounds_end = end.rounds  # type: ignore[attr-defined]
 
 
-def _bar(total: int, enabled: bool, desc: str):
-    from tqdm import tqdm
+class _NoBar:
+    def update(self, n: int = 1) -> None:
+        pass
 
+    def close(self) -> None:
+        pass
+
+
+def _bar(total: int, enabled: bool, desc: str):
+    try:
+        from tqdm import tqdm
+    except ImportError:  # minimal GPU images: no progress bar, same results
+        return _NoBar()
     return tqdm(total=total, desc=desc, unit="run", disable=not enabled)
 
 
