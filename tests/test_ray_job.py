@@ -32,7 +32,8 @@ def _ray(*args: str, env: dict, timeout: int = 180) -> subprocess.CompletedProce
 @pytest.mark.slow
 def test_ray_job_submit_regen_and_read_logs(tmp_path):
     env = dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_AUTH_MODE="disabled",
-               RAY_USAGE_STATS_ENABLED="0", OMP_NUM_THREADS="1")
+               RAY_USAGE_STATS_ENABLED="0", OMP_NUM_THREADS="1",
+               PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}")  # the job's shell finds `eaglenest` (venv)
     env.pop("RAY_ADDRESS", None)
     # A head of its own, in its own process group: stopping it cannot touch the suite's shared Ray session
     # (`ray stop` would kill every Ray process on the machine). Short temp path: Ray's socket paths are limited.
