@@ -236,3 +236,20 @@ def test_a_cancelled_request_leaves_the_batch_and_the_others_stay_exact(spec_bac
     assert long_tokens < len(want_long.token_ids)  # it stopped early
     want = tiny_engine.generate([[{"role": "user", "content": prompts[1]}]], sp)[0]
     assert [t for ev in events[1] for t in ev.token_ids] == want.token_ids
+
+
+def test_every_serve_metric_the_monitoring_uses_is_emitted():
+    """alerts.yml and the dashboard query ray_<name>[_total|_bucket|_sum|_count]; each name must be one we emit."""
+    import re
+    from pathlib import Path
+
+    from serve.metrics import METRIC_NAMES
+
+    root = Path(__file__).resolve().parents[1] / "monitoring"
+    used = set()
+    for f in list(root.glob("*.yml")) + list(root.glob("*.json")):
+        used |= set(re.findall(r"ray_(eaglenest_serve_[a-z_]+)", f.read_text()))
+    assert used, "monitoring/ queries no serve metric"
+    for name in used:
+        base = re.sub(r"_(total|bucket|sum|count)$", "", name)
+        assert base in METRIC_NAMES or name in METRIC_NAMES, f"monitoring queries {name}, serve emits {METRIC_NAMES}"
