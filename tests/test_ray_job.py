@@ -39,10 +39,15 @@ def test_ray_job_submit_regen_and_read_logs(tmp_path):
     # (`ray stop` would kill every Ray process on the machine). Short temp path: Ray's socket paths are limited.
     temp_dir = Path(tempfile.mkdtemp(prefix="rj", dir="/tmp"))
     gcs, dash = _free_port(), _free_port()
+    # every port of its own: the suite's Ray session already holds the default agent/metrics ports, and a job
+    # head whose dashboard agent cannot bind answers "No available agent to submit job"
+    agent, agent_grpc, metrics, env_agent, client = (_free_port() for _ in range(5))
     head = subprocess.Popen(
         [str(BIN / "ray"), "start", "--head", "--block", f"--port={gcs}", "--node-ip-address=127.0.0.1",
          "--num-cpus=2", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", f"--temp-dir={temp_dir}",
-         "--disable-usage-stats"],
+         f"--dashboard-agent-listen-port={agent}", f"--dashboard-agent-grpc-port={agent_grpc}",
+         f"--metrics-export-port={metrics}", f"--runtime-env-agent-port={env_agent}",
+         f"--ray-client-server-port={client}", "--disable-usage-stats"],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
     )
     address = f"http://127.0.0.1:{dash}"
