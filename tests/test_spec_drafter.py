@@ -111,3 +111,13 @@ def test_cli_errors_name_the_fix(tmp_path, tiny_target_path, capsys):
     rc = cli_main(["bench", "--target", str(tiny_target_path), "--drafter", str(tmp_path), "--prompts",
                    str(HELDOUT), "--sweep", "3-1-9"])
     assert rc == 2 and "num_draft_tokens" in capsys.readouterr().err
+
+
+def test_untrained_like_accepts_about_nothing(tiny_engine, trained_drafter, heldout):
+    """The demo's 'before training' drafter: same shape and vocab, fresh layers -> accept length ~1."""
+    from drafter.spec_fit import untrained_like
+
+    fresh = untrained_like(trained_drafter, tiny_engine.lm_head_weight())
+    assert fresh.config == trained_drafter.config
+    r = evaluate_acceptance(tiny_engine, fresh, heldout[::5], SPEC, sampling=SamplingParams(max_new_tokens=24))
+    assert r["accept_length"] < 1.2, r["accept_length"]
