@@ -234,7 +234,8 @@ class SpecDecoder:
         for tok in new:
             row.tokens.append(tok)
             took.append(tok)
-            if tok in self.eos or (sampling.stop and _hits_stop(self.tokenizer, row.tokens, sampling.stop)):
+            at_eos = tok in self.eos and not sampling.ignore_eos
+            if at_eos or (sampling.stop and _hits_stop(self.tokenizer, row.tokens, sampling.stop)):
                 row.finish = "stop"
             elif len(row.tokens) >= sampling.max_new_tokens:
                 row.finish = "length"

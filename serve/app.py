@@ -261,7 +261,8 @@ class ServerCore:
                 loop.call_soon_threadsafe(wake.set)
 
         sp = SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p,
-                            max_new_tokens=sampling.max_tokens, seed=sampling.seed, stop=sampling.stop)
+                            max_new_tokens=sampling.max_tokens, seed=sampling.seed, stop=sampling.stop,
+                            ignore_eos=sampling.ignore_eos)
         job = Job(prompt_ids, sp, sink)
         text = StreamText(self.backend.decode, sampling.stop)
         try:

@@ -62,6 +62,8 @@ class _Request(BaseModel):
     logit_bias: dict[str, float] | None = None
     logprobs: bool | int | None = None
     user: str | None = None
+    ignore_eos: bool | None = None
+    """extension shared with vLLM and SGLang: decode exactly ``max_tokens`` tokens (benchmarks)"""
 
     @property
     def unknown_args(self) -> list[str]:
@@ -178,6 +180,7 @@ class SamplingRequest(BaseModel):
     top_p: float
     stop: tuple[str, ...] = ()
     seed: int | None = None
+    ignore_eos: bool = False
 
 
 def check_sampling(req: _Request, *, max_tokens: int | None, max_tokens_limit: int,
@@ -219,7 +222,8 @@ def check_sampling(req: _Request, *, max_tokens: int | None, max_tokens_limit: i
             raise APIError(400, f"at most 4 stop sequences, got {len(stops)}", param="stop")
         if any(not s for s in stops):
             raise APIError(400, "stop sequences must be non-empty strings", param="stop")
-    return SamplingRequest(max_tokens=max_tokens, temperature=temperature, top_p=top_p, stop=stops, seed=req.seed)
+    return SamplingRequest(max_tokens=max_tokens, temperature=temperature, top_p=top_p, stop=stops, seed=req.seed,
+                           ignore_eos=bool(req.ignore_eos))
 
 
 def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:

@@ -100,6 +100,15 @@ def test_generation_is_sensible_and_ends_with_eos(tiny_engine):
     assert len(g.token_ids) >= 8 and top / len(g.token_ids) < 0.3, g.text
 
 
+def test_ignore_eos_decodes_exactly_max_new_tokens(tiny_engine):
+    conv = [[{"role": "user", "content": "Tell me about bob in oslo."}]]
+    short = tiny_engine.generate(conv, SamplingParams(max_new_tokens=64))[0]
+    assert short.finish_reason == "stop" and len(short.token_ids) < 64
+    full = tiny_engine.generate(conv, SamplingParams(max_new_tokens=64, ignore_eos=True))[0]
+    assert full.finish_reason == "length" and len(full.token_ids) == 64
+    assert full.token_ids[:len(short.token_ids)] == short.token_ids  # same greedy path, only the stop is gone
+
+
 def test_sampling_is_seeded_per_request_and_respects_max_tokens(tiny_engine):
     s = SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=8, seed=7)
     a = tiny_engine.generate(_convs()[:2], s)

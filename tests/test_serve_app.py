@@ -122,6 +122,19 @@ def test_completions_greedy_matches_the_engine(served, tiny_engine, stream):
     assert text == want.text
 
 
+def test_ignore_eos_extension(served, tiny_engine):
+    """``ignore_eos`` (as in vLLM and SGLang): exactly max_tokens tokens, the engine's greedy path past its EOS."""
+    messages = [{"role": "user", "content": PROMPTS[0]}]
+    short = _greedy(tiny_engine, messages, max_tokens=64)
+    assert short.finish_reason == "stop"
+    sp = SamplingParams(temperature=0.0, max_new_tokens=64, ignore_eos=True)
+    want = tiny_engine.generate_ids([tiny_engine.render_prompt(messages)], sp)[0]
+    r = _client(served["main"]).chat.completions.create(model="eaglenest", messages=messages, temperature=0,
+                                                        max_tokens=64, extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 64 and r.choices[0].finish_reason == "length"
+    assert r.choices[0].message.content == want.text
+
+
 def test_stop_sequences(served, tiny_engine):
     messages = [{"role": "user", "content": PROMPTS[2]}]
     want = _greedy(tiny_engine, messages, stop=(".",))

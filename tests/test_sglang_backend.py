@@ -81,6 +81,8 @@ def test_sampling_params() -> None:
     seeds = [s["sampling_seed"] for s in sampled]
     assert len(set(seeds)) == 3 and "top_k" not in sampled[0]
     assert "sampling_seed" not in per_request_sampling(SamplingParams(temperature=0.7), 1)[0]
+    fixed = per_request_sampling(SamplingParams(max_new_tokens=9, ignore_eos=True), 1, stop_token_ids=(2,))[0]
+    assert fixed["ignore_eos"] is True and "stop_token_ids" not in fixed
 
 
 # ------------------------------------------------------------------------------------------------- output parsing

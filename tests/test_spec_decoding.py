@@ -114,6 +114,18 @@ def test_baseline_decoder_matches_engine_and_reports_steps(tiny_engine, prompts,
         assert x.accept_length == 1.0 and x.draft_steps == len(x.token_ids) - 1  # prefill emits the first token
 
 
+def test_ignore_eos_matches_the_engine(tiny_engine, prompts):
+    sp = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    want = tiny_engine.generate_ids(prompts[:3], sp)
+    eos = set(tiny_engine.info.eos_token_ids)
+    assert any(eos & set(w.token_ids[:-1]) for w in want)  # the decoding really ran past an end-of-sequence token
+    for dec in (SpecDecoder.from_engine(tiny_engine, TargetSelfDraft(tiny_engine.model), CHAIN),
+                BaselineDecoder.from_engine(tiny_engine)):
+        got = dec.generate(prompts[:3], sp)
+        assert [g.token_ids for g in got] == [w.token_ids for w in want]
+        assert all(g.finish_reason == "length" and len(g.token_ids) == 40 for g in got)
+
+
 def test_accept_length_definition(tiny_engine, prompts):
     """accept length = emitted tokens per verify forward (bonus included) when no stop cuts a block."""
     dec = SpecDecoder.from_engine(tiny_engine, TargetSelfDraft(tiny_engine.model), CHAIN)

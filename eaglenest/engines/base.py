@@ -24,6 +24,9 @@ class SamplingParams:
     max_new_tokens: int = 128
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    """keep decoding past end-of-sequence tokens up to ``max_new_tokens`` (fixed-length benchmark requests); stop
+    strings still apply"""
 
     def __post_init__(self) -> None:
         if self.temperature < 0:

@@ -134,7 +134,8 @@ class HFEngine(TargetEngine):
                 if finish[i] is not None:
                     continue
                 out_tokens[i].append(tok)
-                if tok in eos or sampling.stop and self._hits_stop(out_tokens[i], sampling.stop):
+                at_eos = tok in eos and not sampling.ignore_eos
+                if at_eos or sampling.stop and self._hits_stop(out_tokens[i], sampling.stop):
                     finish[i] = "stop"
             if all(f is not None for f in finish):
                 break

@@ -146,10 +146,12 @@ def sampling_params_dict(sampling: SamplingParams, *, stop_token_ids: Sequence[i
         sp["top_k"] = 1
     if sampling.stop:
         sp["stop"] = list(sampling.stop)
-    if stop_token_ids:
+    if stop_token_ids and not sampling.ignore_eos:
         sp["stop_token_ids"] = sorted({int(t) for t in stop_token_ids})
     if sampling.seed is not None and not sampling.greedy:
         sp["sampling_seed"] = int(sampling.seed)
+    if sampling.ignore_eos:
+        sp["ignore_eos"] = True
     return sp
 
 
