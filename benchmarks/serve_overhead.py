@@ -7,7 +7,8 @@ and TTFT, and the HTTP overhead in % of the in-process figure, paired run by run
 Target: <= 5 % throughput loss at 16 streams.
 
     OMP_NUM_THREADS=1 python benchmarks/serve_overhead.py [--config configs/demo.yaml] [--drafter DIR]
-        [--requests 32] [--max-tokens 64] [--levels 1 16] [--set target.tiny.hidden_size=512 ...] [--out F.json]
+        [--requests 32] [--max-tokens 64] [--levels 1 16] [--stop-at-eos] [--out F.json]
+        [--set target.tiny.hidden_size=512 ...]
 """
 
 from __future__ import annotations
@@ -69,12 +70,13 @@ def summarize(side: str, concurrency: int, wall: float, samples: list[Sample]) -
                  statistics.median(ttft))
 
 
-def in_process(backend, prompt_ids: list[list[int]], max_tokens: int, concurrency: int) -> tuple[float, list[Sample]]:
+def in_process(backend, prompt_ids: list[list[int]], max_tokens: int, concurrency: int,
+               ignore_eos: bool) -> tuple[float, list[Sample]]:
     """``concurrency`` client threads submitting streamed jobs to the backend (no HTTP, no Ray)."""
     from eaglenest.engines.base import SamplingParams
     from serve.backends import Job
 
-    sp = SamplingParams(temperature=0.0, max_new_tokens=max_tokens)
+    sp = SamplingParams(temperature=0.0, max_new_tokens=max_tokens, ignore_eos=ignore_eos)
     samples: list[Sample] = []
     lock = threading.Lock()
     todo = list(range(len(prompt_ids)))
@@ -113,8 +115,8 @@ def in_process(backend, prompt_ids: list[list[int]], max_tokens: int, concurrenc
     return time.perf_counter() - t0, samples
 
 
-def over_http(url: str, model: str, prompts: list[str], max_tokens: int,
-              concurrency: int) -> tuple[float, list[Sample]]:
+def over_http(url: str, model: str, prompts: list[str], max_tokens: int, concurrency: int,
+              ignore_eos: bool) -> tuple[float, list[Sample]]:
     """``concurrency`` concurrent streaming chat requests with the official openai client."""
     import openai
 
@@ -132,7 +134,8 @@ def over_http(url: str, model: str, prompts: list[str], max_tokens: int,
                 first, tokens = None, 0
                 stream = await client.chat.completions.create(
                     model=model, messages=[{"role": "user", "content": p}], max_tokens=max_tokens, temperature=0,
-                    stream=True, stream_options={"include_usage": True})
+                    stream=True, stream_options={"include_usage": True},
+                    extra_body={"ignore_eos": True} if ignore_eos else None)
                 async for c in stream:
                     if c.choices and c.choices[0].delta.content and first is None:
                         first = time.perf_counter()
@@ -163,6 +166,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=32, help="requests per level and side")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--levels", type=int, nargs="+", default=[1, 16])
+    ap.add_argument("--stop-at-eos", action="store_true",
+                    help="let requests end at EOS (default: ignore_eos, every request decodes exactly --max-tokens, "
+                         "as serving benchmarks do, so both sides do the same work)")
     ap.add_argument("--repeats", type=int, default=3,
                     help="in-process/HTTP pairs per level (the median pair is reported: the machine may be shared)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -190,17 +196,18 @@ def main(argv: list[str] | None = None) -> int:
 
     backend = make_backend(cfg, drafter)
     prompt_ids = [backend.render_chat([{"role": "user", "content": p}]) for p in prompts]
-    in_process(backend, prompt_ids[:4], args.max_tokens, 4)  # warm-up
+    fixed = not args.stop_at_eos
+    in_process(backend, prompt_ids[:4], args.max_tokens, 4, fixed)  # warm-up
     url = start_serve(cfg, drafter, port=free_port(), num_cpus=4)
-    over_http(url, cfg.serve.model_name, prompts[:4], args.max_tokens, 4)  # warm-up
+    over_http(url, cfg.serve.model_name, prompts[:4], args.max_tokens, 4, fixed)  # warm-up
 
     results: list[Level] = []
     try:
         for c in args.levels:
             for _ in range(args.repeats):
-                wall, s = in_process(backend, prompt_ids, args.max_tokens, c)
+                wall, s = in_process(backend, prompt_ids, args.max_tokens, c, fixed)
                 results.append(summarize("in-process", c, wall, s))
-                wall, s = over_http(url, cfg.serve.model_name, prompts, args.max_tokens, c)
+                wall, s = over_http(url, cfg.serve.model_name, prompts, args.max_tokens, c, fixed)
                 results.append(summarize("http", c, wall, s))
     finally:
         stop_serve()
@@ -208,7 +215,8 @@ def main(argv: list[str] | None = None) -> int:
 
     load = os.getloadavg()
     print(f"\nserve overhead: {cfg.target.model} ({cfg.target.engine}), drafter {drafter or 'none (baseline)'}, "
-          f"{args.requests} requests x {args.max_tokens} max tokens per level, greedy, streamed; "
+          f"{args.requests} requests x {args.max_tokens} {'max ' if args.stop_at_eos else ''}tokens per level, greedy, "
+          f"streamed; "
           f"{os.cpu_count()} CPUs, load average {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f}")
     head = f"{'side':<11} {'conc':>4} {'wall s':>7} {'tok/s':>8} {'lat mean':>9} {'lat p50':>8} {'lat p95':>8} " \
            f"{'ttft mean':>9} {'ttft p50':>8}"

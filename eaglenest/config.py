@@ -213,6 +213,10 @@ class ServeConfig(Section):
     max_prompt_tokens: int = Field(1536, ge=1)
     max_tokens_limit: int = Field(512, ge=1)
     max_batch_size: int = Field(16, ge=1, description="concurrent requests the hf backend decodes as one batch")
+    decoder_process: bool = Field(
+        True, description="hf backend: decode in a child process of the replica, so that HTTP and streaming work do "
+                          "not share one interpreter lock with decoding (SGLang runs its own scheduler processes)"
+    )
     stream_interval_s: float = Field(
         0.02, ge=0, description="a stream sends what is ready at most this often (first token at once); 0 = per step"
     )

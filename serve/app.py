@@ -35,7 +35,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from eaglenest.config import EaglenestConfig, load_config
 from eaglenest.engines.base import SamplingParams
-from serve.backends import Backend, DecodeEvent, Job, SpecStats, make_backend
+from serve.backends import BackendBase, DecodeEvent, Job, SpecStats, make_backend
 from serve.metrics import NullMetrics, RequestStats, ServeMetrics
 from serve.openai_protocol import (
     APIError,
@@ -130,7 +130,7 @@ class ServerCore:
 
             if local_target_folder(cfg) is not None:
                 self.preflight = preflight_for_config(cfg, drafter).raise_for_failures()
-        self.backend: Backend = make_backend(cfg, drafter)
+        self.backend: BackendBase = make_backend(cfg, drafter)
         if drafter is not None and self.preflight is None:
             try:
                 self.preflight = preflight_for_config(cfg, drafter, target_info=self.backend.info).raise_for_failures()
@@ -307,7 +307,7 @@ class ServerCore:
             out.text = text.text
         finally:
             if not job.finished:
-                job.cancelled.set()
+                job.cancel()
 
     def usage(self, prompt_tokens: int, out: Outcome) -> Usage:
         return Usage(prompt_tokens=prompt_tokens, completion_tokens=out.completion_tokens,

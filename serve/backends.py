@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from eaglenest.config import EaglenestConfig
-from eaglenest.engines.base import Message, SamplingParams, TargetEngine, TargetInfo
+from eaglenest.engines.base import Message, SamplingParams, TargetEngine, TargetInfo, render_chat_ids
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +79,14 @@ class Job:
     started_at: float | None = None
     finished: bool = False
     tokens: int = 0
+    on_cancel: Callable[[], None] | None = None
+    """set by a backend that must pass the cancellation on (the decoder process)"""
+
+    def cancel(self) -> None:
+        """The client went away: the decoder drops the row at its next step."""
+        self.cancelled.set()
+        if self.on_cancel is not None:
+            self.on_cancel()
 
     def emit(self, ev: DecodeEvent) -> None:
         if self.finished:
@@ -118,14 +126,94 @@ class Decoder(Protocol):
 
 
 # ----------------------------------------------------------------------------------------------------- backend
-class Backend:
-    """A target engine + a decoder + the worker thread that runs it."""
+class BackendBase:
+    """What the HTTP layer uses: ``submit`` plus text helpers and blocking generation built on it."""
+
+    name: str
+    fatal: str | None
+
+    @property
+    def info(self) -> TargetInfo:
+        raise NotImplementedError
+
+    @property
+    def tokenizer(self) -> Any:
+        raise NotImplementedError
+
+    @property
+    def speculative(self) -> bool:
+        raise NotImplementedError
+
+    @property
+    def algorithm(self) -> str | None:
+        raise NotImplementedError
+
+    @property
+    def alive(self) -> bool:
+        raise NotImplementedError
+
+    def submit(self, job: Job) -> None:
+        raise NotImplementedError
+
+    def close(self, timeout: float = 10.0) -> None:
+        raise NotImplementedError
+
+    # ---- text
+    def render_chat(self, messages: Sequence[Message], tools: Sequence[dict] | None = None) -> list[int]:
+        """The target's chat template, rendered exactly as every engine renders it."""
+        return render_chat_ids(self.tokenizer, messages, tools=tools, add_generation_prompt=True)
+
+    def encode(self, text: str) -> list[int]:
+        """A raw completion prompt, tokenized as the tokenizer does by default (BOS where the model adds one)."""
+        return list(self.tokenizer.encode(text))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    # ---- blocking use (self-test, benchmarks)
+    def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams,
+                 timeout: float | None = None) -> tuple[list[int], str, SpecStats]:
+        """Blocking generation through the worker: (token ids, finish reason, stats)."""
+        return self.generate_many([prompt_ids], sampling, timeout)[0]
+
+    def generate_many(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams,
+                      timeout: float | None = None) -> list[tuple[list[int], str, SpecStats]]:
+        """Submit every prompt at once (they decode together) and wait for all of them."""
+        collected: list[list[DecodeEvent]] = [[] for _ in prompts]
+        done = [threading.Event() for _ in prompts]
+
+        def sink(i: int) -> Callable[[DecodeEvent], None]:
+            def put(ev: DecodeEvent) -> None:
+                collected[i].append(ev)
+                if ev.final:
+                    done[i].set()
+            return put
+
+        for i, p in enumerate(prompts):
+            self.submit(Job(list(p), sampling, sink(i)))
+        deadline = None if timeout is None else time.monotonic() + timeout
+        out = []
+        for i, d in enumerate(done):
+            if not d.wait(None if deadline is None else max(deadline - time.monotonic(), 0.0)):
+                raise TimeoutError(f"generation did not finish within {timeout} s")
+            last = collected[i][-1]
+            if last.error:
+                raise RuntimeError(last.error)
+            ids = [t for ev in collected[i] for t in ev.token_ids]
+            out.append((ids, str(last.finish_reason), last.stats or SpecStats(verify_steps=max(len(ids) - 1, 0))))
+        return out
+
+
+class Backend(BackendBase):
+    """A target engine + a decoder + the worker thread that runs it, all in this process."""
 
     def __init__(self, engine: TargetEngine, decoder: Decoder, *, name: str, batch_window_s: float = 0.01,
-                 max_wait_s: float = 0.05) -> None:
+                 max_wait_s: float = 0.05, after_step: Callable[[], None] | None = None) -> None:
         self.engine = engine
         self.decoder = decoder
         self.name = name
+        self.after_step = after_step
+        """called by the worker after every scheduler round (the decoder process sends a round's events at once)"""
         self.batch_window_s = batch_window_s
         """when idle, start once no request arrived for this long (the requests of a burst arrive ms apart)"""
         self.max_wait_s = max_wait_s
@@ -151,17 +239,6 @@ class Backend:
     @property
     def algorithm(self) -> str | None:
         return self.decoder.algorithm
-
-    # ---- text
-    def render_chat(self, messages: Sequence[Message], tools: Sequence[dict] | None = None) -> list[int]:
-        return self.engine.render_prompt(messages, tools)
-
-    def encode(self, text: str) -> list[int]:
-        """A raw completion prompt, tokenized as the tokenizer does by default (BOS where the model adds one)."""
-        return list(self.tokenizer.encode(text))
-
-    def decode(self, ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
 
     # ---- worker
     def start(self) -> None:
@@ -249,42 +326,14 @@ class Backend:
                     continue
                 if g.alive == 0:
                     del groups[key]
+            if self.after_step is not None:
+                self.after_step()
         for g in groups.values():
             g.fail("the server is shutting down")
         for _, j in pending:
             j.emit(DecodeEvent([], error="the server is shutting down"))
-
-    def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams,
-                 timeout: float | None = None) -> tuple[list[int], str, SpecStats]:
-        """Blocking generation through the worker (self-test, benchmarks): (token ids, finish reason, stats)."""
-        return self.generate_many([prompt_ids], sampling, timeout)[0]
-
-    def generate_many(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams,
-                      timeout: float | None = None) -> list[tuple[list[int], str, SpecStats]]:
-        """Submit every prompt at once (they decode together) and wait for all of them."""
-        collected: list[list[DecodeEvent]] = [[] for _ in prompts]
-        done = [threading.Event() for _ in prompts]
-
-        def sink(i: int) -> Callable[[DecodeEvent], None]:
-            def put(ev: DecodeEvent) -> None:
-                collected[i].append(ev)
-                if ev.final:
-                    done[i].set()
-            return put
-
-        for i, p in enumerate(prompts):
-            self.submit(Job(list(p), sampling, sink(i)))
-        deadline = None if timeout is None else time.monotonic() + timeout
-        out = []
-        for i, d in enumerate(done):
-            if not d.wait(None if deadline is None else max(deadline - time.monotonic(), 0.0)):
-                raise TimeoutError(f"generation did not finish within {timeout} s")
-            last = collected[i][-1]
-            if last.error:
-                raise RuntimeError(last.error)
-            ids = [t for ev in collected[i] for t in ev.token_ids]
-            out.append((ids, str(last.finish_reason), last.stats or SpecStats(verify_steps=max(len(ids) - 1, 0))))
-        return out
+        if self.after_step is not None:
+            self.after_step()
 
     def close(self, timeout: float = 10.0) -> None:
         """Stop after the running batch; queued jobs that never started get an error event."""
@@ -426,8 +475,26 @@ class _SGLangGroup:
 
 
 # ------------------------------------------------------------------------------------------------- factory
-def make_backend(cfg: EaglenestConfig, drafter: str | None) -> Backend:
-    """The configured backend, started; ``drafter`` None serves the plain target (baseline decoding)."""
+def make_backend(cfg: EaglenestConfig, drafter: str | None, *,
+                 decoder_process: bool | None = None) -> BackendBase:
+    """The configured backend, started; ``drafter`` None serves the plain target (baseline decoding).
+
+    ``decoder_process`` (default ``serve.decoder_process``) puts the hf decoder in a child process
+    (:class:`serve.engine_process.ProcessBackend`); False keeps it on a thread of this process.
+    """
+    engine_kind = cfg.target.engine
+    if decoder_process is None:
+        decoder_process = cfg.serve.decoder_process
+    if engine_kind == "hf" and decoder_process:
+        from serve.engine_process import ProcessBackend
+
+        return ProcessBackend(cfg, drafter)
+    return make_local_backend(cfg, drafter)
+
+
+def make_local_backend(cfg: EaglenestConfig, drafter: str | None, *,
+                       after_step: Callable[[], None] | None = None) -> Backend:
+    """The configured engine and decoder on a worker thread of this process, started."""
     engine_kind = cfg.target.engine
     if engine_kind == "hf":
         import torch
@@ -447,7 +514,7 @@ def make_backend(cfg: EaglenestConfig, drafter: str | None) -> Backend:
         decoder = SGLangDecoder(engine, max_batch=cfg.serve.max_concurrent_requests)
     else:
         raise ValueError(f"unknown target.engine {engine_kind!r}; allowed: hf, sglang")
-    backend = Backend(engine, decoder, name=engine_kind)
+    backend = Backend(engine, decoder, name=engine_kind, after_step=after_step)
     backend.start()
     return backend
 

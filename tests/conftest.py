@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+from serve.cli import RAY_ENV_DEFAULTS  # light: Ray is imported later, after the environment is set
+
+for _k, _v in RAY_ENV_DEFAULTS.items():  # loopback Ray, no auth or usage stats, Serve's throughput settings
+    os.environ.setdefault(_k, _v)
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
