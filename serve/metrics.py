@@ -124,8 +124,9 @@ class ServeMetrics:
         if s.completion_tokens <= 0:
             return
         self.generated.inc(s.completion_tokens, tags=t)
-        self.accept.observe(s.accept_length, tags=t)
-        self._set(self.accept_current, s.accept_length)
+        if s.speculative:  # a baseline server has no accept length: its 1.0 would read as a bypassed drafter
+            self.accept.observe(s.accept_length, tags=t)
+            self._set(self.accept_current, s.accept_length)
         if s.draft_tokens:
             self.proposed.inc(s.draft_tokens, tags=t)
         if s.accepted_tokens:

@@ -304,6 +304,9 @@ def test_metrics_endpoint_has_accept_length_and_ttft(served, ray_session):
     # some traffic (ok and failing), then scrape Ray's metrics agent on this node
     _client(served["main"]).chat.completions.create(model="eaglenest", messages=[{"role": "user", "content": "hi"}],
                                                     max_tokens=8, temperature=0)
+    # the baseline app (no drafter) generates too, but must not report an accept length (1.0 = "bypassed" alert)
+    _client(served["strict"], API_KEY).chat.completions.create(
+        model="strict", messages=[{"role": "user", "content": "hi"}], max_tokens=8, temperature=0)
     for body in ({"model": "nope", "messages": [{"role": "user", "content": "hi"}]}, {"model": "eaglenest"},
                  {"model": "eaglenest", "messages": [{"role": "user", "content": "hi"}], "n": 2}):
         assert httpx.post(f"{served['main']}/v1/chat/completions", json=body, timeout=30).status_code >= 400
@@ -327,8 +330,10 @@ def test_metrics_endpoint_has_accept_length_and_ttft(served, ray_session):
         requests = [ln for ln in lines if ln.startswith("ray_eaglenest_serve_requests_total{")]
         statuses = {s for ln in requests for s in ("200", "400", "401", "404", "413", "422", "429", "503")
                     if f'status="{s}"' in ln}
+        baseline = [ln for ln in lines if ln.startswith("ray_eaglenest_serve_generated_tokens_total{")
+                    and 'model="strict"' in ln]
         # each status series is exported on its own schedule: wait for all of them, not only the first
-        if have and sick and main and {"200", "400", "404", "422"} <= statuses:
+        if have and sick and main and baseline and {"200", "400", "404", "422"} <= statuses:
             break
         time.sleep(2)
     else:
@@ -337,4 +342,5 @@ def test_metrics_endpoint_has_accept_length_and_ttft(served, ray_session):
         pytest.fail(f"metrics missing after 90 s: {missing}, healthy gauges sick={sick} main={main}, "
                     f"request statuses {sorted(statuses)}; eaglenest families seen: {families}")
     assert float(sick[-1].rsplit(" ", 1)[1]) == 0.0 and float(main[-1].rsplit(" ", 1)[1]) == 1.0
+    assert not [ln for ln in lines if ln.startswith("ray_eaglenest_serve_accept_length") and 'model="strict"' in ln]
     assert any('route="/v1/chat/completions"' in ln for ln in requests)
