@@ -5,6 +5,10 @@ All measurements come from one run of this script, side by side on the same samp
 
 - ``loop``: one engine in this process; for each batch: regenerate + capture (``Regenerator.run``), serialize and
   write the shard file (the same work the pipeline does, without Ray).
+- ``loop-xN`` (N > 1): N such loops at once, each in its own process over 1/N of the samples, started together:
+  what N engines get from this machine with no pipeline at all. The per-engine reference for ``pipeline-N``: on a
+  2-core box two engines already slow each other down (shared cores, caches, memory bandwidth), and that is not
+  pipeline overhead.
 - ``pipeline-N``: ``run_regen`` with an actor pool of N engines (fresh output folder).
   ``wall`` includes Ray Data start-up, normalization and actor start.
 
@@ -13,7 +17,7 @@ All measurements come from one run of this script, side by side on the same samp
 last batch (batch timestamps reported by the actors); ``engine busy`` = the share of that window the engines spent
 inside batches (1.0 = the pipeline never makes an engine wait). Per-engine efficiency = steady tokens/s per actor /
 loop tokens/s (the loop runs before and after the pipelines; their mean is the reference, their spread shows how
-much other load on the machine moved the numbers).
+much other load on the machine moved the numbers), and for N > 1 also / the per-engine tokens/s of ``loop-xN``.
 
 Example (2-core CPU box, tiny target):
     OMP_NUM_THREADS=1 python benchmarks/regen_efficiency.py --samples 384 --batch-size 16 --max-new-tokens 48
@@ -65,8 +69,9 @@ def make_config(source: Path, args: argparse.Namespace, actors: int):
     })
 
 
-def loop(cfg, source: Path, out: Path) -> dict:
-    """The same engine driven by a plain Python loop over the same samples (no Ray)."""
+def loop(cfg, source: Path, out: Path, start_at: float | None = None) -> dict:
+    """The same engine driven by a plain Python loop over the same samples (no Ray); with ``start_at`` (a
+    ``time.time()``), the timed part waits for that moment so that concurrent loops overlap."""
     import pyarrow.compute as pc
     import torch
 
@@ -87,6 +92,8 @@ def loop(cfg, source: Path, out: Path) -> dict:
     regen = Regenerator(engine, min_tokens=rc.min_tokens, max_tokens=rc.max_tokens, storage_dtype=rc.storage_dtype)
     sp = SamplingParams(max_new_tokens=rc.sampling.max_new_tokens)
     regen.run(samples[: rc.batch_size], lambda s: sp)  # warm-up batch (not timed, not written)
+    if start_at is not None:
+        time.sleep(max(start_at - time.time(), 0.0))
     tokens = loss = seq_tokens = 0
     t0 = time.perf_counter()
     for i in range(0, len(samples), rc.batch_size):
@@ -104,6 +111,31 @@ def loop(cfg, source: Path, out: Path) -> dict:
     return {"mode": "loop", "engines": 1, "samples": len(samples), "loss_tokens": loss, "generated_tokens": tokens,
             "sequence_tokens": seq_tokens, "seconds": round(wall, 2), "load_seconds": round(t_load, 2),
             "tokens_per_s": round(tokens / wall, 1)}
+
+
+def concurrent_loops(cfg, source: Path, out: Path, engines: int) -> dict:
+    """``engines`` plain loops at once, one process each, over 1/engines of the samples, timed together."""
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
+
+    lines = source.read_text().splitlines(keepends=True)
+    parts = []
+    for k in range(engines):
+        part = out / f"part-{k}.jsonl"
+        part.parent.mkdir(parents=True, exist_ok=True)
+        part.write_text("".join(lines[k::engines]))
+        parts.append(part)
+    start_at = time.time() + 30.0  # after every process has loaded its engine and run its warm-up batch
+    with ProcessPoolExecutor(engines, mp_context=mp.get_context("spawn")) as pool:
+        runs = list(pool.map(loop, [cfg] * engines, parts, [out / f"loop-{k}" for k in range(engines)],
+                             [start_at] * engines))
+    if any(r["load_seconds"] > 25 for r in runs):
+        print("warning: an engine loaded for > 25 s; the concurrent loops may not have started together")
+    tokens = sum(r["generated_tokens"] for r in runs)
+    wall = max(r["seconds"] for r in runs)
+    return {"mode": f"loop-x{engines}", "engines": engines, "samples": sum(r["samples"] for r in runs),
+            "generated_tokens": tokens, "seconds": round(wall, 2), "tokens_per_s": round(tokens / wall, 1),
+            "per_engine_tokens_per_s": round(sum(r["tokens_per_s"] for r in runs) / engines, 1)}
 
 
 def steady_state(batches: list, engines: int) -> tuple[float, int, float]:
@@ -169,6 +201,8 @@ def main() -> int:
                  runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}})
         results = [loop(make_config(source, args, 1), source, work / "loop")]
         for a in args.actors:
+            if a > 1:
+                results.append(concurrent_loops(make_config(source, args, 1), source, work / f"loops-{a}", a))
             results.append(pipeline(make_config(source, args, a), work / f"pipeline-{a}", a))
         results.append(loop(make_config(source, args, 1), source, work / "loop-again"))  # drift check
         ray.shutdown()
@@ -180,13 +214,18 @@ def main() -> int:
     print(f"dataset: {n} conversations (tiny target corpus), batch {args.batch_size}, max_new_tokens "
           f"{args.max_new_tokens}, {os.cpu_count()} CPUs, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}")
     print(f"{'mode':<12}{'engines':>8}{'gen tok':>9}{'wall s':>9}{'tok/s':>9}{'steady s':>10}{'steady tok/s':>14}"
-          f"{'per engine vs loop':>20}{'engine busy':>13}")
+          f"{'per engine vs loop':>20}{'vs N loops':>12}{'engine busy':>13}")
+    together = {r["engines"]: r["per_engine_tokens_per_s"] for r in results if r["mode"].startswith("loop-x")}
+    together[1] = base
     for r in results:
         steady = r.get("steady_tokens_per_s")
         eff = f"{steady / r['engines'] / base:.0%}" if steady else "-"
+        eff_n = f"{steady / r['engines'] / together[r['engines']]:.0%}" if steady and r["engines"] in together else "-"
+        if r["mode"].startswith("loop-x"):
+            eff = f"{r['per_engine_tokens_per_s'] / base:.0%}"
         busy = f"{r['engine_busy_fraction']:.0%}" if "engine_busy_fraction" in r else "-"
         print(f"{r['mode']:<12}{r['engines']:>8}{r['generated_tokens']:>9}{r['seconds']:>9}{r['tokens_per_s']:>9}"
-              f"{r.get('steady_seconds', '-'):>10}{steady or '-':>14}{eff:>20}{busy:>13}")
+              f"{r.get('steady_seconds', '-'):>10}{steady or '-':>14}{eff:>20}{eff_n:>12}{busy:>13}")
     pl = next(r for r in results if r["mode"].startswith("pipeline"))
     h = pl["hidden_size"]
     print(f"storage: {pl['bytes_per_token']:.0f} bytes/token of hidden states (8*H = {8 * h}), "

@@ -2,7 +2,8 @@
 
 Both sides use the same decoder, the same batching scheduler and the same greedy requests (streamed, so time to
 first token is measured the same way); they run side by side in one process, one after the other, at 1 and 16
-concurrent streams. Reported per level: wall time, throughput (completion tokens/s), mean/p50/p95 request latency
+concurrent streams. In-process = the decoder on a thread of this process, fed by client threads; HTTP = the served
+replica as configured (by default its decoder runs in a process of its own, ``serve.decoder_process``). Reported per level: wall time, throughput (completion tokens/s), mean/p50/p95 request latency
 and TTFT, and the HTTP overhead in % of the in-process figure, paired run by run (median of ``--repeats`` pairs).
 Target: <= 5 % throughput loss at 16 streams.
 
@@ -183,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from eaglenest.config import load_config
     from serve.app import resolve_drafter
-    from serve.backends import make_backend
+    from serve.backends import make_local_backend
     from serve.cli import start_serve, stop_serve
 
     overrides = {"serve.max_tokens_limit": max(args.max_tokens, 16), "serve.max_batch_size": max(args.levels)}
@@ -194,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     drafter = resolve_drafter(cfg, args.drafter)
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(args.requests)]
 
-    backend = make_backend(cfg, drafter)
+    backend = make_local_backend(cfg, drafter)  # the engine called in-process: decoder thread, no HTTP, no Ray
     prompt_ids = [backend.render_chat([{"role": "user", "content": p}]) for p in prompts]
     fixed = not args.stop_at_eos
     in_process(backend, prompt_ids[:4], args.max_tokens, 4, fixed)  # warm-up
