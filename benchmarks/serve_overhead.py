@@ -3,8 +3,9 @@
 Both sides use the same decoder, the same batching scheduler and the same greedy requests (streamed, so time to
 first token is measured the same way); they run side by side in one process, one after the other, at 1 and 16
 concurrent streams. In-process = the decoder on a thread of this process, fed by client threads; HTTP = the served
-replica as configured (by default its decoder runs in a process of its own, ``serve.decoder_process``). Reported per level: wall time, throughput (completion tokens/s), mean/p50/p95 request latency
-and TTFT, and the HTTP overhead in % of the in-process figure, paired run by run (median of ``--repeats`` pairs).
+replica as configured (by default its decoder runs in a process of its own, ``serve.decoder_process``). Reported
+per level: wall time, throughput (completion tokens/s), mean/p50/p95 request latency and TTFT, and the HTTP
+overhead in % of the in-process figure, paired run by run (median of ``--repeats`` pairs).
 Target: <= 5 % throughput loss at 16 streams.
 
     OMP_NUM_THREADS=1 python benchmarks/serve_overhead.py [--config configs/demo.yaml] [--drafter DIR]

@@ -16,7 +16,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from eaglenest.engines.base import SamplingParams, TargetEngine
+from eaglenest.engines.base import TargetEngine
 from eaglenest.shards import SHARD_SCHEMA, Manifest, tensor_to_bytes, write_manifest
 
 
@@ -24,26 +24,12 @@ def chat_samples(
     engine: TargetEngine, chats: Sequence[dict[str, Any]], *, regenerate: bool, max_new_tokens: int = 96,
     batch_size: int = 16,
 ) -> list[tuple[list[int], list[int]]]:
-    """(input_ids, loss_mask) per chat: prompt = everything before the last assistant turn, mask = the answer."""
-    prompts, answers = [], []
-    for chat in chats:
-        msgs = chat["messages"]
-        if not msgs or msgs[-1]["role"] != "assistant":
-            raise ValueError("each chat must end with an assistant turn")
-        prompt = engine.render_prompt(msgs[:-1], chat.get("tools"))
-        prompts.append(prompt)
-        if not regenerate:
-            from eaglenest.engines.base import render_chat_ids
+    """(input_ids, loss_mask) per chat: prompt = everything before the last assistant turn, mask = the answer
+    (regenerated greedily by the target, or kept as written); one implementation with ``drafter.spec_fit``."""
+    from drafter.spec_fit import chat_prompt_answer
 
-            full = render_chat_ids(engine.tokenizer, msgs, tools=chat.get("tools"), add_generation_prompt=False)
-            if full[: len(prompt)] != prompt:
-                raise ValueError("the chat template is not append-only; cannot split prompt and answer")
-            answers.append(full[len(prompt):])
-    if regenerate:
-        sp = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens)
-        for i in range(0, len(prompts), batch_size):
-            answers += [g.token_ids for g in engine.generate_ids(prompts[i:i + batch_size], sp)]
-    return [(p + a, [0] * len(p) + [1] * len(a)) for p, a in zip(prompts, answers, strict=True)]
+    return chat_prompt_answer(engine, chats, regenerate=regenerate, max_new_tokens=max_new_tokens,
+                              batch_size=batch_size)
 
 
 def write_quick_shards(
