@@ -3,7 +3,8 @@
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (both with SSE streaming), ``GET /v1/models``,
 ``GET /health``. Every error is an OpenAI-style JSON body ``{"error": {"message", "type", "param", "code"}}`` with the
 status that fits: 400 bad parameter, 401 API key, 404 unknown model/route, 413 prompt too long, 422 schema, 429 over
-``serve.max_concurrent_requests`` (per replica), 503 unhealthy / shutting down.
+``serve.max_concurrent_requests`` (per replica), 503 unhealthy / shutting down. Besides OpenAI's sampling knobs,
+``ignore_eos`` (the vLLM/SGLang extension) decodes exactly ``max_tokens`` tokens, for benchmarks.
 
 A replica starts by running the preflight checks (a failure stops the deployment, with the fix in the message), then
 loads the backend, then decodes a few fixed prompts: below ``serve.self_test_min_accept_length`` it stays up but
