@@ -19,8 +19,8 @@ RAY_ENV_DEFAULTS = {
     "TOKENIZERS_PARALLELISM": "false",
     # Ray Serve's own throughput settings (read when Serve's processes start, so they must be in the environment of
     # the Ray that runs Serve): proxy -> replica over gRPC, and the replica runs our handlers on its event loop
-    # instead of handing every request to a second thread. Together they cut the serving cost per streamed token
-    # by about a third on the tiny target (BENCHMARKS.md, serve overhead).
+    # instead of handing every request to a second thread. With the decoder process (serve.decoder_process) they
+    # took the throughput lost to serving at 16 streams from 17% to 3-5% on a decode-bound target (BENCHMARKS.md).
     "RAY_SERVE_USE_GRPC_BY_DEFAULT": "1",
     "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
 }
