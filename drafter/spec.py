@@ -276,25 +276,36 @@ class SpecDecoder:
             if batch is None:
                 return
             step += 1
-            t0 = self._sync()
-            tree = self._draft_tree(batch, sampling) if self.draft is not None else root_only(batch.pending)
-            t1 = self._sync()
-            acc, feats, lt = self._verify(batch, tree, sampling)
-            t2 = self._sync()
-            emitted = []
-            for j, ri in enumerate(batch.rows):
-                r = rows[ri]
-                r.draft_s += t1 - t0
-                r.verify_s += t2 - t1
-                r.accepted.append(len(acc.paths[j]) - 1)
-                new = [int(tree.tokens[j, c]) for c in acc.paths[j][1:]] + [acc.bonus[j]]
-                emitted.append(self._emit(r, new, sampling))
-            self._commit(batch, tree, acc, feats, lt, rows)
-            t3 = self._sync()
-            for j, ri in enumerate(batch.rows):
-                r = rows[ri]
-                r.draft_s += t3 - t2
-                yield from self._chunk(ri, r, emitted[j], step, len(acc.paths[j]) - 1, sampling)
+            for ri, r, took, accepted in self._step(batch, rows, sampling):
+                yield from self._chunk(ri, r, took or [], step, accepted, sampling)
+
+    def _step(self, batch: _Batch, rows: Sequence[_Row] | dict[int, _Row],
+              sampling: SamplingParams) -> list[tuple[int, _Row, list[int] | None, int]]:
+        """One draft -> verify -> commit step of ``batch``; per row: (row id, row, tokens it emitted, draft tokens
+        accepted). A row already finished when the step began (cancelled while in the batch) was decoded along
+        but emits nothing: its tokens are ``None``."""
+        t0 = self._sync()
+        tree = self._draft_tree(batch, sampling) if self.draft is not None else root_only(batch.pending)
+        t1 = self._sync()
+        acc, feats, lt = self._verify(batch, tree, sampling)
+        t2 = self._sync()
+        out: list[tuple[int, _Row, list[int] | None, int]] = []
+        for j, ri in enumerate(batch.rows):
+            r = rows[ri]
+            r.draft_s += t1 - t0
+            r.verify_s += t2 - t1
+            accepted = len(acc.paths[j]) - 1
+            if r.finish is not None:
+                out.append((ri, r, None, accepted))
+                continue
+            r.accepted.append(accepted)
+            new = [int(tree.tokens[j, c]) for c in acc.paths[j][1:]] + [acc.bonus[j]]
+            out.append((ri, r, self._emit(r, new, sampling), accepted))
+        self._commit(batch, tree, acc, feats, lt, rows)
+        t3 = self._sync()
+        for _, r, _, _ in out:
+            r.draft_s += t3 - t2
+        return out
 
     def _chunk(self, ri: int, r: _Row, took: list[int], step: int, accepted: int | None,
                sampling: SamplingParams) -> Iterator[tuple[int, StreamChunk]]:

@@ -6,12 +6,12 @@ step. Here a :class:`ContinuousBatch` prefills newcomers with the decoder's own 
 into the running batch: the two KV caches (target and drafter) are right-padded to a common slot count and stacked.
 That is exact because every cache slot carries a per-row validity flag and RoPE positions are per row
 (``drafter.spec_cache``): padding slots are never attended to. Each step then is the decoder's own
-draft -> verify -> commit, exactly as in ``SpecDecoder._run``.
+draft -> verify -> commit, the same ``SpecDecoder._step`` that ``SpecDecoder._run`` calls.
 
-The decoder internals this module relies on (update them together): ``SpecDecoder._prefill/_draft_tree/_verify/
-_commit/_emit/_chunk/_drop_finished/_sync``, ``drafter.spec._Row`` (``prompt, tokens, finish, accepted, draft_s,
-verify_s, prefill_s, start, end``), ``drafter.spec._Batch`` (``rows, t_cache, t_valid, next_pos, pending, gens,
-d_cache, d_valid, root_logits, root_hidden``), ``drafter.spec_tree.root_only``; caches are transformers
+The decoder internals this module relies on (update them together): ``SpecDecoder._prefill/_step/_emit/_chunk/
+_drop_finished/_sync``, ``drafter.spec._Row`` (``prompt, tokens, finish, accepted, draft_s, verify_s, prefill_s,
+start, end``), ``drafter.spec._Batch`` (``rows, t_cache, t_valid, next_pos, pending, gens, d_cache, d_valid,
+root_logits, root_hidden``); caches are transformers
 ``DynamicCache`` (``layers[i].keys/values``) or ``drafter.model.DrafterKVCache`` (``k, v``).
 """
 
@@ -26,7 +26,6 @@ import torch.nn.functional as F
 
 from drafter.model import DrafterKVCache
 from drafter.spec import SpecDecoder, StreamChunk, _Batch, _Row
-from drafter.spec_tree import root_only
 from eaglenest.engines.base import SamplingParams
 
 Emit = Callable[[int, StreamChunk], None]
@@ -134,31 +133,10 @@ class ContinuousBatch:
         if batch is None:
             return
         self.steps += 1
-        rows = self.rows
-        t0 = dec._sync()
-        tree = dec._draft_tree(batch, sampling) if dec.draft is not None else root_only(batch.pending)
-        t1 = dec._sync()
-        acc, feats, lt = dec._verify(batch, tree, sampling)
-        t2 = dec._sync()
-        emitted = []
-        for j, ri in enumerate(batch.rows):
-            r = rows[ri]
-            r.draft_s += t1 - t0
-            r.verify_s += t2 - t1
-            if r.finish is not None:  # cancelled: decoded in this step's batch, nothing emitted
-                emitted.append([])
+        for ri, r, took, accepted in dec._step(batch, self.rows, sampling):
+            if took is None:  # cancelled: decoded in this step's batch, nothing emitted
                 continue
-            r.accepted.append(len(acc.paths[j]) - 1)
-            new = [int(tree.tokens[j, c]) for c in acc.paths[j][1:]] + [acc.bonus[j]]
-            emitted.append(dec._emit(r, new, sampling))
-        dec._commit(batch, tree, acc, feats, lt, rows)
-        t3 = dec._sync()
-        for j, ri in enumerate(batch.rows):
-            r = rows[ri]
-            r.draft_s += t3 - t2
-            if r.finish == "cancelled":
-                continue
-            for row, chunk in dec._chunk(ri, r, emitted[j], self.steps, len(acc.paths[j]) - 1, sampling):
+            for row, chunk in dec._chunk(ri, r, took, self.steps, accepted, sampling):
                 self.emit(row, chunk)
 
     def _admit(self) -> None:
