@@ -31,7 +31,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from eaglenest.config import EaglenestConfig
-from eaglenest.engines.base import SamplingParams, TargetInfo
+from eaglenest.engines.base import TargetInfo
 from serve.backends import BackendBase, DecodeEvent, Job
 
 log = logging.getLogger(__name__)
@@ -239,8 +239,7 @@ def child_main(fd: int) -> int:
             msg = conn.recv()
             if msg[0] == "submit":
                 _, jid, prompt_ids, sampling = msg
-                job = Job(prompt_ids, sampling if isinstance(sampling, SamplingParams) else SamplingParams(**sampling),
-                          sink(jid))
+                job = Job(prompt_ids, sampling, sink(jid))  # the parent sends SamplingParams itself
                 jobs[jid] = job
                 try:
                     backend.submit(job)
