@@ -1,0 +1,68 @@
+"""What one target forward over q tokens costs relative to one token: the ceiling of speculative decoding here.
+
+A verify step feeds the target every draft token at once; speculation pays off only while that forward costs about
+what a one-token decode step does. On a GPU it does; on a CPU the q-token forward becomes compute-bound. This script
+times the bare decoder stack of the target (no cache, no lm_head) over q = 1..N tokens, side by side in one run, for
+each thread count and dtype asked for, and prints each time over the q = 1 time of the same setting.
+
+    OMP_NUM_THREADS=2 python benchmarks/verify_cost.py [--target DIR] [--threads 1 2] [--dtypes float32 bfloat16]
+
+``--target`` defaults to the newest 12-layer bench target that ``benchmarks/spec_speedup.py`` cached.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+
+def newest_bench_target() -> Path:
+    found = sorted((Path.home() / ".cache" / "eaglenest").glob("bench-target-*"), key=lambda p: p.stat().st_mtime)
+    if not found:
+        sys.exit("no cached bench target: run benchmarks/spec_speedup.py first, or pass --target DIR")
+    return found[-1]
+
+
+def time_forward(model, q: int, repeats: int) -> float:
+    """Median seconds of one forward over ``q`` tokens (after two warm-up calls)."""
+    x = torch.randint(0, model.config.vocab_size, (1, q))
+    with torch.no_grad():
+        for _ in range(2):
+            model.model(input_ids=x)
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            model.model(input_ids=x)
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--target", type=Path, default=None)
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 6, 8])
+    ap.add_argument("--threads", type=int, nargs="+", default=[1])
+    ap.add_argument("--dtypes", nargs="+", default=["float32"], choices=["float32", "bfloat16"])
+    ap.add_argument("--repeats", type=int, default=15)
+    args = ap.parse_args(argv)
+    from transformers import AutoModelForCausalLM
+
+    target = args.target or newest_bench_target()
+    print(f"target {target}; times are medians of {args.repeats} forwards")
+    print(f"{'dtype':<9}{'threads':>8}" + "".join(f"{f'q={q}':>16}" for q in args.tokens))
+    for dtype in args.dtypes:
+        model = AutoModelForCausalLM.from_pretrained(target, dtype=getattr(torch, dtype), use_safetensors=True).eval()
+        for threads in args.threads:
+            torch.set_num_threads(threads)
+            ms = [1000 * time_forward(model, q, args.repeats) for q in args.tokens]
+            print(f"{dtype:<9}{threads:>8}" + "".join(f"{m:>8.1f} ms {m / ms[0]:>4.2f}x" for m in ms))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
