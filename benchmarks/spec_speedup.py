@@ -43,6 +43,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1: shared machines)")
+    p.add_argument("--cpu-kernels", default="auto", choices=["auto", "off"],
+                   help="target.cpu_kernels for both sides: 'auto' packs fp32 CPU linears (eaglenest.kernels), "
+                        "'off' keeps torch's linear")
     p.add_argument("--layers", type=int, default=12)
     p.add_argument("--hidden", type=int, default=768)
     p.add_argument("--heads", type=int, default=12)
@@ -126,7 +129,7 @@ def main(argv=None) -> int:
     train_chats = a.train_chats or (1200 if on_gpu else 500)
     drafter_steps = a.drafter_steps or (1500 if on_gpu else 250)
     cache = Path(a.cache) if a.cache else Path(os.environ.get("EAGLENEST_CACHE", Path.home() / ".cache" / "eaglenest"))
-    out = Path(a.out) if a.out else REPO / "out" / "bench" / f"spec_speedup_{a.device}"
+    out = Path(a.out) if a.out else REPO / "out" / "bench" / f"spec_speedup_{a.device}_{a.cpu_kernels}"
     out.mkdir(parents=True, exist_ok=True)
 
     from drafter.evaluate import load_prompts, prompt_ids
@@ -136,6 +139,7 @@ def main(argv=None) -> int:
     from eaglenest.engines.base import SamplingParams
     from eaglenest.engines.hf import HFEngine
     from eaglenest.engines.tiny import corpus_chats
+    from eaglenest.kernels import PackedLinear
     from serve.bench import plot_bench, report_markdown, run_bench
     from serve.bench_cli import parse_sweep
 
@@ -146,8 +150,11 @@ def main(argv=None) -> int:
     build_target(tdir, a, device, target_steps)
     t_target = time.perf_counter() - t0
     dtype = "bfloat16" if on_gpu else "float32"
-    engine = HFEngine.from_config(TargetConfig(model=str(tdir), device=a.device, dtype=dtype))
-    n_params = sum(p.numel() for p in engine.model.parameters())
+    engine = HFEngine.from_config(TargetConfig(model=str(tdir), device=a.device, dtype=dtype,
+                                               cpu_kernels=a.cpu_kernels))
+    n_packed = sum(isinstance(m, PackedLinear) for m in engine.model.modules())
+    n_params = sum(p.numel() for p in engine.model.parameters()) + sum(  # packed weights are buffers
+        m.in_features * m.out_features for m in engine.model.modules() if isinstance(m, PackedLinear))
     print(f"[target] {tdir} ({n_params / 1e6:.1f}M parameters, {t_target:.0f} s)", flush=True)
 
     records = load_prompts(REPO / "tests" / "fixtures" / "prompts" / "heldout.jsonl")
@@ -180,9 +187,10 @@ def main(argv=None) -> int:
     report = run_bench(engine, drafter, prompts, sweep, max_new_tokens=a.max_new_tokens, repeats=a.repeats,
                        batch_size=1, engine="hf")
     report.update({"target": str(tdir), "target_parameters": n_params, "drafter": str(ddir),
-                   "device": a.device, "dtype": dtype, "threads": a.threads,
+                   "device": a.device, "dtype": dtype, "threads": a.threads, "packed_linears": n_packed,
                    "torch": torch.__version__, "command": " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:])})
-    md = report_markdown(report, title=f"Speculative decoding speedup ({a.device}, {dtype}, batch 1)")
+    md = report_markdown(report, title=f"Speculative decoding speedup ({a.device}, {dtype}, batch 1, "
+                         f"{'packed' if n_packed else 'torch'} linears)")
     print(md)
     (out / "bench.json").write_text(json.dumps(report, indent=2) + "\n")
     (out / "bench.md").write_text(md)

@@ -55,6 +55,7 @@ from drafter.spec_tree import DraftTree, build_tree, root_only
 from eaglenest.config import SpecConfig
 from eaglenest.engines.base import SamplingParams
 from eaglenest.engines.hf_compat import cache_kwargs, new_dynamic_cache
+from eaglenest.kernels import pack_linears, uses_packed_linears
 
 
 @dataclass
@@ -169,6 +170,8 @@ class SpecDecoder:
         self.mode = mode
         if isinstance(drafter, Eagle3Drafter):
             drafter = drafter.to(self.device).eval()
+            if uses_packed_linears(target_model):  # same kernel for drafter and target; a copy: it may still train
+                drafter, _ = pack_linears(drafter, inplace=False)
             draft: DraftModel | None = Eagle3DraftModel(
                 drafter, mode=mode, target_num_layers=self.num_layers, target_lm_head=self.lm_head.weight)
         else:

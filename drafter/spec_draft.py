@@ -87,6 +87,7 @@ class Eagle3DraftModel(DraftModel):
             raise ValueError(f"unknown drafter feed mode {mode!r}; choose one of {FEED_MODES}")
         cfg = drafter.config
         self.drafter = drafter
+        self.dtype = drafter.embed_tokens.weight.dtype
         self.mode = mode
         n_layers = target_num_layers or cfg.target_num_layers
         if target_num_layers is not None and cfg.target_num_layers and cfg.target_num_layers != target_num_layers:
@@ -122,7 +123,7 @@ class Eagle3DraftModel(DraftModel):
 
     def step(self, cache, input_ids, hidden, position_ids, allowed, *, own_hidden):
         fused = not (own_hidden or self.mode == "eagle")
-        logits, out = self.drafter.step(input_ids, hidden.to(self.drafter.fc.weight.dtype), position_ids, cache,
+        logits, out = self.drafter.step(input_ids, hidden.to(self.dtype), position_ids, cache,
                                         attention_mask=allowed, fused=fused)
         if self.head_weight is not None:
             logits = F.linear(self.drafter.norm(out), self.head_weight.to(out.dtype))

@@ -75,6 +75,11 @@ class TargetConfig(Section):
     )
     trust_remote_code: bool = False
     cpu_threads: int | None = Field(None, ge=1, description="torch intra-op threads on CPU (None: torch's default)")
+    cpu_kernels: Literal["auto", "off"] = Field(
+        "auto", description="'auto': fp32 linears on CPU run eaglenest's packed small-batch kernel (a verify step "
+        "over several draft tokens then costs about one decode step; needs a C compiler and AVX2+FMA, else torch's "
+        "linear is kept); 'off': always torch's linear"
+    )
     tiny: TinyTargetSpec = Field(default_factory=TinyTargetSpec)
     cache_dir: str | None = Field(None, description="where the tiny target is cached (default ~/.cache/eaglenest)")
     sglang: SGLangEngineConfig = Field(default_factory=SGLangEngineConfig)

@@ -99,6 +99,10 @@ class HFEngine(TargetEngine):
         dtype = resolve_dtype(cfg.dtype, device)
         path = resolve_model_path(cfg)
         tokenizer, model = load_hf_model(path, dtype=dtype, device=device, trust_remote_code=cfg.trust_remote_code)
+        if cfg.cpu_kernels == "auto":
+            from eaglenest.kernels import pack_linears
+
+            pack_linears(model)  # a no-op off CPU / fp32 or where the kernel cannot be built
         return cls(model, tokenizer, model_name=path, aux_layer_ids=cfg.aux_layer_ids)
 
     # ------------------------------------------------------------------------------------------------ generation
