@@ -142,8 +142,13 @@ def run_bench(
         _bench_sglang(sglang_factory, prompts, variants, sampling, repeats, batch_size, warmup, progress)
     else:
         raise ValueError(f"unknown engine {engine!r}; allowed: hf, sglang")
+    kernel = None
+    if engine == "hf":  # a CPU speedup depends on it (BENCHMARKS.md): say which one ran
+        from eaglenest.kernels import uses_packed_linears
+
+        kernel = "packed" if uses_packed_linears(target.model) else "torch"
     return _report(variants, engine=engine, sampling=sampling, repeats=repeats, batch_size=batch_size,
-                   num_prompts=len(prompts))
+                   num_prompts=len(prompts), linear_kernel=kernel)
 
 
 def _bench_hf(target, drafter, prompts, variants, sampling, repeats, batch_size, warmup, progress) -> None:
@@ -279,8 +284,10 @@ def verdict(best: dict[str, Any] | None) -> str:
 def report_markdown(report: dict[str, Any], title: str = "Speculative decoding benchmark") -> str:
     """The report as a Markdown page (table per config, the best one, the verdict)."""
     lines = [f"# {title}", ""]
-    lines.append(f"Engine `{report['engine']}`, {report['num_prompts']} prompts, batch size {report['batch_size']}, "
-                 f"max_new_tokens {report['max_new_tokens']}, temperature {report['temperature']}, "
+    kernel = f" ({report['linear_kernel']} linears)" if report.get("linear_kernel") else ""
+    lines.append(f"Engine `{report['engine']}`{kernel}, {report['num_prompts']} prompts, "
+                 f"batch size {report['batch_size']}, max_new_tokens {report['max_new_tokens']}, "
+                 f"temperature {report['temperature']}, "
                  f"{report['repeats']} interleaved rounds (medians).")
     lines.append("")
     b = report["baseline"]
