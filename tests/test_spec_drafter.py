@@ -99,8 +99,11 @@ def test_eval_and_bench_cli(tmp_path, tiny_target_path, trained_drafter):
     assert [c["config"] for c in rep["configs"]] == ["2-1-3", "2-2-4"]
     assert all(c["outputs_match_baseline"] for c in rep["configs"])
     assert rep["best"]["config"] in {"2-1-3", "2-2-4"} and rep["verdict"]
+    from eaglenest.kernels import load_kernel
+
+    assert rep["linear_kernel"] == ("packed" if load_kernel() is not None else "torch")
     md = (bench / "bench.md").read_text()
-    assert "Verdict" in md and "baseline" in md.lower()
+    assert "Verdict" in md and "baseline" in md.lower() and f"({rep['linear_kernel']} linears)" in md
     assert (bench / "bench.png").stat().st_size > 1000
 
 
