@@ -10,8 +10,9 @@ Backends:
 
 - ``hf`` (CPU default): the reference speculative decoder of ``drafter.spec`` on the transformers target, or its plain
   baseline decoder when no drafter is configured. Tokens stream as the decoder commits them.
-- ``sglang`` (GPU): a thin adapter onto ``eaglenest.engines.sglang.SGLangEngine`` (imported lazily). The engine
-  returns whole generations, so a stream gets its tokens in one piece at the end.
+- ``sglang`` (GPU): a thin adapter onto ``eaglenest.engines.sglang.SGLangEngine`` (imported lazily). Every request
+  streams from SGLang on its own (``eaglenest.engines.sglang_stream``): it joins SGLang's running batch when it is
+  admitted and its tokens are passed on as SGLang decodes them; a cancelled request is aborted in SGLang.
 """
 
 from __future__ import annotations
@@ -419,8 +420,8 @@ class _HFGroup:
 
 # --------------------------------------------------------------------------------------------- sglang adapter
 class SGLangDecoder:
-    """Batches go to ``SGLangEngine.generate_ids`` whole (SGLang batches continuously inside); per-request spec
-    counts come from its ``meta_info``."""
+    """Every request streams from SGLang on its own (SGLang batches continuously inside and takes per-request
+    sampling), so all jobs share one group; per-request spec counts come from the final ``meta_info``."""
 
     speculative = True
 
@@ -432,46 +433,64 @@ class SGLangDecoder:
         self.speculative = launch is not None
 
     def key(self, job: Job) -> Hashable:
-        return job.sampling
+        return "sglang"
 
     def new_group(self, sampling: SamplingParams) -> Group:
-        return _SGLangGroup(self.engine, sampling)
+        return _SGLangGroup(self.engine.streams())
 
 
 class _SGLangGroup:
-    """Everything collected since the last step goes to ``Engine.generate`` at once (SGLang batches inside)."""
+    """Admitted jobs join SGLang's running batch at the next step; each step passes on the tokens decoded since."""
 
-    def __init__(self, engine: Any, sampling: SamplingParams) -> None:
-        self.engine = engine
-        self.sampling = sampling
-        self.jobs: list[Job] = []
+    def __init__(self, streams: Any) -> None:
+        self.streams = streams
+        self.jobs: dict[int, Job] = {}
 
     @property
     def alive(self) -> int:
-        return sum(not j.finished for j in self.jobs)
+        return sum(not j.finished for j in self.jobs.values())
 
     def add(self, job: Job) -> None:
-        self.jobs.append(job)
+        try:
+            self.streams.start(id(job), job.prompt_ids, job.sampling)
+        except ValueError as e:  # a prompt the engine would refuse: this request fails, not the batch
+            job.emit(DecodeEvent([], error=str(e)))
+            return
+        self.jobs[id(job)] = job
 
     def step(self) -> None:
-        jobs, self.jobs = [j for j in self.jobs if not j.finished], []
-        if not jobs:
-            return
-        self.jobs = jobs
-        gens = self.engine.generate_ids([j.prompt_ids for j in jobs], self.sampling)
-        for j, g in zip(jobs, gens, strict=True):
-            n = len(g.token_ids)
-            meta = g.meta or {}
-            verify = int(meta.get("spec_verify_ct") or 0)
-            accepted = meta.get("draft_tokens_accepted")
-            stats = SpecStats(verify_steps=verify, draft_tokens=int(meta.get("draft_tokens_proposed") or 0),
-                              accepted_tokens=int(accepted if accepted is not None else max(n - verify, 0)))
-            j.emit(DecodeEvent(list(g.token_ids), finish_reason=g.finish_reason, stats=stats))
+        for key, job in list(self.jobs.items()):
+            if job.cancelled.is_set() and not job.finished:  # the client went away: SGLang drops the request
+                self.streams.abort(key)
+                job.emit(DecodeEvent([], error="cancelled"))
+        for up in self.streams.poll():
+            job = self.jobs.get(up.key)
+            if job is None:
+                continue
+            if up.error is not None:
+                job.emit(DecodeEvent(up.token_ids, error=up.error))
+            elif up.result is not None:
+                job.emit(DecodeEvent(up.token_ids, finish_reason=up.result.finish_reason,
+                                     stats=_sglang_stats(up.result)))
+            elif up.token_ids:
+                job.emit(DecodeEvent(up.token_ids))
+        for key in [k for k, j in self.jobs.items() if j.finished]:
+            del self.jobs[key]
 
     def fail(self, message: str) -> None:
-        for j in self.jobs:
-            if not j.finished:
-                j.emit(DecodeEvent([], error=message))
+        for key, job in self.jobs.items():
+            if not job.finished:
+                self.streams.abort(key)
+                job.emit(DecodeEvent([], error=message))
+
+
+def _sglang_stats(gen: Any) -> SpecStats:
+    """Speculative counts of one finished request from its ``meta_info`` (zeros without a drafter)."""
+    meta = gen.meta or {}
+    verify = int(meta.get("spec_verify_ct") or 0)
+    accepted = meta.get("draft_tokens_accepted")
+    return SpecStats(verify_steps=verify, draft_tokens=int(meta.get("draft_tokens_proposed") or 0),
+                     accepted_tokens=int(accepted if accepted is not None else max(len(gen.token_ids) - verify, 0)))
 
 
 # ------------------------------------------------------------------------------------------------- factory

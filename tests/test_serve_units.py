@@ -170,29 +170,82 @@ def test_scheduler_lets_late_requests_in_and_keeps_greedy_exact(spec_backend, ti
         assert st.draft_tokens == 3 * st.verify_steps  # chain of 3 drafts per step (serve.spec default)
 
 
-def test_sglang_adapter_maps_engine_meta_to_usage_spec():
-    """SGLang itself cannot run here: the adapter is fed what the SGLang backend parses from Engine.generate."""
-    from eaglenest.engines.base import SamplingParams
-    from eaglenest.engines.sglang_args import generation_from_output
-    from serve.backends import Job, SGLangDecoder
+class _StreamingSGLang:
+    """Stands in for ``sglang.Engine`` (which needs a GPU) with the streaming surface 0.5.14 has: ``loop``,
+    ``async_generate(stream=True)`` yielding cumulative chunks (no finish reason until the last, which carries the
+    whole output and meta_info), and ``tokenizer_manager.abort_request(rid)``. One token per scheduler tick."""
 
-    outputs = [  # meta_info as sglang 0.5.14 returns it for a speculative request
-        {"output_ids": [5, 6, 7, 8, 9, 2], "meta_info": {
-            "finish_reason": {"type": "stop", "matched": 2}, "prompt_tokens": 4, "completion_tokens": 6,
-            "spec_verify_ct": 3, "spec_accept_length": 2.0, "spec_num_correct_drafts": 3,
-            "spec_num_proposed_drafts": 9}},
-        {"output_ids": [5, 6], "meta_info": {"finish_reason": {"type": "length"}, "prompt_tokens": 2,
-                                              "completion_tokens": 2}},
-    ]
+    def __init__(self, outputs: dict[tuple[int, ...], dict]) -> None:
+        import asyncio
 
-    class Engine:  # the SGLangEngine surface the adapter uses (generate_ids + launch), on recorded outputs
+        self.loop = asyncio.new_event_loop()
+        self.outputs = outputs
+        self.aborted: list[str] = []
+        self.opened: list[str] = []
+        self.tokenizer_manager = self
+
+    def abort_request(self, rid: str) -> None:
+        import asyncio
+
+        asyncio.get_running_loop()  # sglang's asyncio ZMQ socket sends only from inside the engine's loop
+        self.aborted.append(rid)
+
+    async def async_generate(self, *, input_ids, sampling_params, stream, rid):
+        assert stream is True and isinstance(sampling_params, dict)
+        self.opened.append(rid)
+        final = self.outputs[tuple(input_ids)]
+
+        async def chunks():
+            import asyncio
+
+            ids = final["output_ids"]
+            for n in range(1, len(ids)):
+                await asyncio.sleep(0.001)
+                if rid in self.aborted:
+                    return
+                yield {"output_ids": ids[:n], "meta_info": {"finish_reason": None, "id": rid}}
+            await asyncio.sleep(0.001)
+            yield final
+
+        return chunks()
+
+
+def _sglang_decoder(outputs):
+    from eaglenest.engines.sglang_stream import SGLangStreams
+    from serve.backends import SGLangDecoder
+
+    fake = _StreamingSGLang(outputs)
+
+    class Engine:  # SGLangEngine's surface the adapter uses: streams() and launch
         launch = type("Launch", (), {"algorithm": "EAGLE3"})()
 
-        def generate_ids(self, prompts, sampling):
-            return [generation_from_output(o, prompt_len=len(p), decode=lambda t: " ".join(map(str, t)))
-                    for o, p in zip(outputs, prompts, strict=True)]
+        def streams(self):
+            return SGLangStreams(fake, vocab_size=100, eos_token_ids=(2,), decode=lambda t: " ".join(map(str, t)))
 
-    dec = SGLangDecoder(Engine(), max_batch=8)
+    return SGLangDecoder(Engine(), max_batch=8), fake
+
+
+_SPEC_OUT = {"output_ids": [5, 6, 7, 8, 9], "meta_info": {  # meta_info as sglang 0.5.14 returns it (EOS trimmed)
+    "finish_reason": {"type": "stop", "matched": 2}, "prompt_tokens": 4, "completion_tokens": 6,
+    "spec_verify_ct": 3, "spec_accept_length": 2.0, "spec_num_correct_drafts": 3, "spec_num_proposed_drafts": 9}}
+_LEN_OUT = {"output_ids": [5, 6], "meta_info": {"finish_reason": {"type": "length"}, "prompt_tokens": 2,
+                                                 "completion_tokens": 2}}
+
+
+def _run(group, until, limit=500):
+    for _ in range(limit):
+        if until():
+            return
+        group.step()
+    raise AssertionError("the group did not get there")
+
+
+def test_sglang_adapter_streams_tokens_and_maps_meta_to_usage_spec():
+    """SGLang cannot run here: the adapter runs on a stand-in with SGLang's streaming contract."""
+    from eaglenest.engines.base import SamplingParams
+    from serve.backends import Job
+
+    dec, fake = _sglang_decoder({(1, 2, 3, 4): _SPEC_OUT, (1, 2): _LEN_OUT})
     assert dec.speculative and dec.algorithm == "EAGLE3"
     events: list[list] = [[], []]
     jobs = [Job([1, 2, 3, 4], SamplingParams(), events[0].append), Job([1, 2], SamplingParams(), events[1].append)]
@@ -200,13 +253,58 @@ def test_sglang_adapter_maps_engine_meta_to_usage_spec():
     group = dec.new_group(SamplingParams())
     for j in jobs:
         group.add(j)
-    group.step()
-    assert group.alive == 0
+    _run(group, lambda: group.alive == 0)
+    assert len(fake.opened) == 2
+    assert sum(not ev.final for ev in events[0]) >= 2  # tokens arrived before the end, in several chunks
+    assert [t for ev in events[0] for t in ev.token_ids] == [5, 6, 7, 8, 9, 2]  # the matched EOS kept, once
     first, second = events[0][-1], events[1][-1]
-    assert first.token_ids == [5, 6, 7, 8, 9, 2] and first.finish_reason == "stop"
+    assert first.finish_reason == "stop" and all(ev.finish_reason is None for ev in events[0][:-1])
     assert (first.stats.verify_steps, first.stats.draft_tokens, first.stats.accepted_tokens) == (3, 9, 3)
     assert first.stats.accept_length == 2.0  # = completion_tokens / verify steps, SGLang's own figure
     assert second.finish_reason == "length" and second.stats.accept_length == 1.0
+    assert [t for ev in events[1] for t in ev.token_ids] == [5, 6]
+
+
+def test_sglang_adapter_admits_mid_stream_cancels_and_refuses_bad_prompts():
+    from eaglenest.engines.base import SamplingParams
+    from serve.backends import Job
+
+    long = {"output_ids": list(range(10, 60)), "meta_info": {"finish_reason": {"type": "length"},
+                                                            "prompt_tokens": 1, "completion_tokens": 50}}
+    dec, fake = _sglang_decoder({(7,): long, (8,): dict(long), (1, 2): _LEN_OUT})
+    events: dict[str, list] = {"a": [], "b": [], "late": [], "bad": []}
+    a, b = Job([7], SamplingParams(), events["a"].append), Job([8], SamplingParams(), events["b"].append)
+    group = dec.new_group(SamplingParams())
+    group.add(a)
+    group.add(b)
+    _run(group, lambda: len(events["a"]) >= 3)
+    late = Job([1, 2], SamplingParams(), events["late"].append)
+    group.add(late)  # joins while the others run, and finishes first
+    group.add(Job([1, 500], SamplingParams(), events["bad"].append))  # outside the vocab: refused alone
+    assert "outside the vocab" in events["bad"][-1].error
+    a.cancel()
+    _run(group, lambda: late.finished and a.finished)
+    assert events["a"][-1].error == "cancelled" and len(fake.aborted) == 1
+    assert not b.finished  # the long one is still running when the late one is done
+    _run(group, lambda: group.alive == 0)
+    assert [t for ev in events["b"] for t in ev.token_ids] == list(range(10, 60))
+    assert events["late"][-1].finish_reason == "length"
+
+
+def test_streamed_request_turns_cumulative_chunks_into_deltas():
+    from eaglenest.engines.sglang_args import SGLangOutputError, StreamedRequest
+
+    sr = StreamedRequest(prompt_len=3, decode=lambda t: "".join(chr(96 + x) for x in t), stop=["c"])
+    assert sr.feed({"output_ids": [1], "meta_info": {"finish_reason": None}}) == [1]
+    assert sr.feed({"output_ids": [1], "meta_info": {"finish_reason": None}}) == []
+    assert sr.feed({"output_ids": [1, 2, 3], "meta_info": {"finish_reason": None}}) == [2, 3]
+    last = sr.feed({"output_ids": [1, 2, 3, 4], "meta_info": {"finish_reason": {"type": "stop", "matched": 9}}})
+    assert last == [4, 9] and sr.result.token_ids == [1, 2, 3, 4, 9]
+    assert sr.result.text == "ab" and sr.result.finish_reason == "stop"  # cut at the stop string, as unstreamed
+    back = StreamedRequest(prompt_len=1, decode=str)
+    back.feed({"output_ids": [1, 2], "meta_info": {"finish_reason": None}})
+    with pytest.raises(SGLangOutputError, match="incremental_streaming_output"):
+        back.feed({"output_ids": [3], "meta_info": {"finish_reason": None}})
 
 
 def test_a_cancelled_request_leaves_the_batch_and_the_others_stay_exact(spec_backend, tiny_engine):

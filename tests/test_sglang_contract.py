@@ -225,3 +225,28 @@ def test_capture_tree_cache_stand_in_covers_sglangs_offline_driver() -> None:
     fields = {kw.arg for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", "") ==
               "TreeCacheNamespace" for kw in n.keywords}
     assert fields == {"page_size", "device", "token_to_kv_pool_allocator"}
+
+
+def test_streaming_surface_we_call() -> None:
+    """What ``eaglenest.engines.sglang_stream`` uses: read from sglang's source (its engine module needs uvloop and a
+    GPU-side import chain, so it is parsed rather than imported here; the GPU run exercises it)."""
+    import ast
+    import dataclasses
+    import importlib.util
+
+    def methods(module: str, cls: str) -> dict[str, ast.AST]:
+        src = Path(importlib.util.find_spec(module).origin).read_text()
+        node = next(n for n in ast.walk(ast.parse(src)) if isinstance(n, ast.ClassDef) and n.name == cls)
+        return {f.name: f for f in node.body if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))}
+
+    def params(fn: ast.AST) -> set[str]:
+        return {a.arg for a in fn.args.args + fn.args.kwonlyargs}
+
+    engine = methods("sglang.srt.entrypoints.engine", "Engine")
+    assert isinstance(engine["async_generate"], ast.AsyncFunctionDef)
+    assert {"input_ids", "sampling_params", "stream", "rid"} <= params(engine["async_generate"])
+    assert "self.loop" in ast.unparse(engine["__init__"])
+    assert "rid" in params(methods("sglang.srt.managers.tokenizer_manager", "TokenizerManager")["abort_request"])
+    field = {f.name: f for f in dataclasses.fields(ServerArgs)}["incremental_streaming_output"]
+    assert field.default is False  # and eaglenest pins it off: chunks are cumulative
+    assert engine_kwargs("m", SGLangEngineConfig())["incremental_streaming_output"] is False

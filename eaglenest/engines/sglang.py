@@ -29,6 +29,9 @@ means re-reading exactly these:
   hidden_states, lm_head, logits_metadata, aux_hidden_states, ...)`` (hidden_states = final normed state, aux = list
   of residual streams entering the captured layers, in ascending layer order).
 - ``Engine.generate(input_ids=[...], sampling_params=[...])``, ``Engine.flush_cache()``, ``Engine.shutdown()``.
+- Streaming (``eaglenest.engines.sglang_stream``): ``Engine.loop``, ``Engine.async_generate(input_ids=,
+  sampling_params=, stream=True, rid=)`` (cumulative chunks: ``incremental_streaming_output`` stays off),
+  ``Engine.tokenizer_manager.abort_request(rid)``.
 - Output dict of ``Engine.generate``: ``output_ids``, ``meta_info.finish_reason.type/matched``, ``prompt_tokens``,
   ``completion_tokens``, ``spec_verify_ct``, ``spec_accept_length``, ``spec_num_correct_drafts``,
   ``spec_num_proposed_drafts``.
@@ -40,7 +43,7 @@ import importlib
 import json
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -57,6 +60,9 @@ from eaglenest.engines.sglang_args import (
 )
 from eaglenest.engines.sglang_spec import SpeculativeLaunch, TargetFacts, speculative_engine_kwargs
 from eaglenest.layers import default_aux_layer_ids, validate_aux_layer_ids
+
+if TYPE_CHECKING:
+    from eaglenest.engines.sglang_stream import SGLangStreams
 
 SGLANG_INTERNALS: tuple[str, ...] = (
     "sglang:Engine",
@@ -180,6 +186,13 @@ class SGLangEngine(TargetEngine):
             for g in gens:
                 g.meta.setdefault("algorithm", self.launch.algorithm)
         return gens
+
+    def streams(self) -> SGLangStreams:
+        """A multiplexer of streamed requests on this engine (serving: tokens as they are decoded)."""
+        from eaglenest.engines.sglang_stream import SGLangStreams
+
+        return SGLangStreams(self.engine, vocab_size=self.info.vocab_size, eos_token_ids=self.info.eos_token_ids,
+                             decode=lambda t: self.tokenizer.decode(t, skip_special_tokens=True))
 
     # --------------------------------------------------------------------------------------------------- capture
     @property

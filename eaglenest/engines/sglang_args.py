@@ -66,6 +66,7 @@ def engine_kwargs(
         "trust_remote_code": trust_remote_code,
         "disable_radix_cache": False,
         "log_level": "error",
+        "incremental_streaming_output": False,  # streamed chunks carry all ids so far (StreamedRequest relies on it)
     }
     if seed is not None:
         kw["random_seed"] = int(seed)
@@ -79,8 +80,9 @@ def engine_kwargs(
     return kw
 
 
-_PROTECTED = ("model_path", "speculative_algorithm", "speculative_draft_model_path", "speculative_num_steps",
-              "speculative_eagle_topk", "speculative_num_draft_tokens", "disable_radix_cache", "chunked_prefill_size")
+_PROTECTED = ("model_path", "incremental_streaming_output", "speculative_algorithm", "speculative_draft_model_path",
+              "speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens",
+              "disable_radix_cache", "chunked_prefill_size")
 
 
 def _merge_extra(kw: dict[str, Any], extra: Mapping[str, Any]) -> None:
@@ -244,6 +246,44 @@ def generation_from_output(
     if "e2e_latency" in meta:
         gen_meta["e2e_latency"] = float(meta["e2e_latency"])
     return Generation(token_ids=ids, text=text, finish_reason=reason, prompt_tokens=prompt_tokens, meta=gen_meta)
+
+
+class StreamedRequest:
+    """One request streamed by ``Engine.async_generate(stream=True)``: cumulative chunks in, new token ids out.
+
+    Intermediate chunks carry every output id so far (``incremental_streaming_output`` is off in our engine
+    kwargs) and no finish reason; the finished chunk goes through :func:`generation_from_output`, so a stream ends
+    with exactly the ids and text a non-streamed call returns.
+    """
+
+    def __init__(self, *, prompt_len: int, decode: Callable[[list[int]], str], stop: Sequence[str] = ()) -> None:
+        self.prompt_len = prompt_len
+        self.decode = decode
+        self.stop = tuple(stop)
+        self.sent = 0
+        self.result: Generation | None = None
+
+    def feed(self, out: Mapping[str, Any]) -> list[int]:
+        """The ids of ``out`` not returned before; sets ``result`` on the finished chunk."""
+        meta = out.get("meta_info")
+        if not isinstance(meta, Mapping):
+            raise SGLangOutputError(f"sglang stream chunk has no meta_info: keys {sorted(out)}")
+        if meta.get("finish_reason") is None:
+            ids = out.get("output_ids")
+            if ids is None:
+                raise SGLangOutputError("sglang stream chunk has no output_ids; this backend needs token ids")
+            if len(ids) < self.sent:
+                raise SGLangOutputError(f"sglang stream went back from {self.sent} to {len(ids)} output ids "
+                                        "(incremental_streaming_output must stay off)")
+            new = [int(t) for t in ids[self.sent:]]
+        else:
+            self.result = generation_from_output(out, prompt_len=self.prompt_len, decode=self.decode, stop=self.stop)
+            if len(self.result.token_ids) < self.sent:
+                raise SGLangOutputError(f"sglang finished with {len(self.result.token_ids)} ids after streaming "
+                                        f"{self.sent}")
+            new = self.result.token_ids[self.sent:]
+        self.sent += len(new)
+        return new
 
 
 def run_generate(
