@@ -15,6 +15,7 @@
 # Steps (each isolated: a failing step never stops the next; each is cut at the remaining time budget):
 #   capture  benchmarks/gpu_capture.py   transformers backend capture on CUDA bf16 (~1B random Llama)
 #   sglang   benchmarks/gpu_sglang.py    SGLang backend checks 1-4 (capture parity, regen throughput, EAGLE3, speed)
+#   stream   benchmarks/gpu_serve_stream.py  the serving adapter streaming from SGLang (TTFT, admission, cancel)
 # GPU_ALL_STEPS="capture sglang" picks steps; SGLANG_CHECKS=1,2,3,4 picks SGLang checks; GPU_ALL_BUDGET_S (570)
 # is the whole run's budget. The device allows 600 s per call and all of it takes ~8-11 min on a fresh machine, so
 # the safe plan is two calls (checks 3 and 4 must share a call: the forced-EAGLE run reuses check 3's drafter):
@@ -78,8 +79,14 @@ for step in $STEPS; do
       rc=$?
       note "-- sglang backend: rc=$rc in $(( $(date +%s) - t0 ))s"
       sed -n '/== eaglenest SGLang GPU checks/,$p' "$OUT/sglang.log" | tee -a "$SUMMARY" ;;
+    stream)
+      timeout -k 5 "$(( remaining < 300 ? remaining : 300 ))" \
+        python3 benchmarks/gpu_serve_stream.py --out "$OUT/stream" > "$OUT/stream.log" 2>&1
+      rc=$?
+      note "-- serve streaming (SGLang adapter): rc=$rc in $(( $(date +%s) - t0 ))s"
+      tail -60 "$OUT/stream.log" | tee -a "$SUMMARY" >/dev/null ;;
     *)
-      note "-- $step: unknown step (known: capture sglang)" ;;
+      note "-- $step: unknown step (known: capture sglang stream)" ;;
   esac
 done
 
