@@ -16,8 +16,14 @@ from torch import nn
 
 from eaglenest.kernels.build import load_kernel
 
+_kernel = None  # the loaded C function, set by the first PackedLinear
+
 PANEL = 16
 _MIN_WORK_PER_THREAD = 1 << 16  # weights below this run on one thread: OpenMP fork/join would cost more
+MIN_PACKED_ELEMENTS = 1 << 17
+"""Smaller weights stay on torch's linear, where a call's fixed cost (~10-15 us more through ctypes and Python) is
+more than the kernel saves: on this repo's 2-core AVX2 VM a 6-row product wins from ~130k weights (256 x 512) on;
+one row costs ~10 us more while the weights sit in cache and less once they stream from memory (a whole model)."""
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -34,8 +40,11 @@ class PackedLinear(nn.Module):
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
-        if load_kernel() is None:
+        lib = load_kernel()
+        if lib is None:
             raise RuntimeError("the CPU kernel is unavailable here; use eaglenest.kernels.pack_linears, which skips")
+        global _kernel
+        _kernel = lib.small_batch_linear  # module-level, not on the instance: modules must stay deep-copyable
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.register_buffer("packed", pack_weight(linear.weight), persistent=False)
         bias = None if linear.bias is None else linear.bias.detach().float().cpu().clone()
@@ -54,14 +63,16 @@ class PackedLinear(nn.Module):
         if x.requires_grad and torch.is_grad_enabled():
             raise RuntimeError("PackedLinear is inference-only (no backward); train the unpacked module instead")
         k, n = self.in_features, self.out_features
-        rows = x.reshape(-1, k).contiguous()
+        rows = x.reshape(-1, k)
+        if not rows.is_contiguous():
+            rows = rows.contiguous()
         m = rows.shape[0]
-        out = torch.empty(m, n, dtype=torch.float32)
+        out = torch.empty(m, n)
         if m:
             threads = torch.get_num_threads() if n * k >= _MIN_WORK_PER_THREAD else 1
-            load_kernel().small_batch_linear(rows.data_ptr(), m, k, self.packed.data_ptr(), n, out.data_ptr(), threads)
+            _kernel(rows.data_ptr(), m, k, self.packed.data_ptr(), n, out.data_ptr(), threads)
         if self.bias is not None:
-            out.add_(self.bias)
+            out += self.bias
         return out.view(*x.shape[:-1], n)
 
     def extra_repr(self) -> str:
@@ -79,18 +90,19 @@ def uses_packed_linears(module: nn.Module) -> bool:
     return any(isinstance(m, PackedLinear) for m in module.modules())
 
 
-def pack_linears(module: nn.Module, *, inplace: bool = True) -> tuple[nn.Module, int]:
-    """Swap every ``nn.Linear`` in ``module`` for a :class:`PackedLinear`; returns the module and how many.
+def pack_linears(module: nn.Module, *, inplace: bool = True,
+                 min_elements: int = MIN_PACKED_ELEMENTS) -> tuple[nn.Module, int]:
+    """Swap every ``nn.Linear`` of at least ``min_elements`` weights for a :class:`PackedLinear`.
 
-    Does nothing (count 0) where :func:`can_pack` is false. ``inplace=False`` packs a deep copy, for modules the
-    caller may still train.
+    Returns the module and how many were swapped; does nothing (count 0) where :func:`can_pack` is false.
+    ``inplace=False`` packs a deep copy, for modules the caller may still train.
     """
     if not can_pack(module):
         return module, 0
     if not inplace:
         module = copy.deepcopy(module)
     swaps = [(parent, name, child) for parent in module.modules() for name, child in parent.named_children()
-             if type(child) is nn.Linear]
+             if type(child) is nn.Linear and child.weight.numel() >= min_elements]
     for parent, name, child in swaps:
         setattr(parent, name, PackedLinear(child))
     return module, len(swaps)

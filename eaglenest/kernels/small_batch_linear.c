@@ -4,7 +4,7 @@
  * arithmetic with it, so they should cost about the same. General-purpose BLAS sgemm kernels are tuned for large M:
  * on an AVX2 CPU a 6-row product costs ~2.2x a 1-row one there, which eats most of what speculation saves.
  *
- * Layout: W is pre-packed into panels of 16 output columns, each panel K x 16 contiguous (``pack`` in Python), so
+ * Layout: W is pre-packed into panels of 16 output columns, each panel K x 16 contiguous (``pack_weight``), so
  * one pass reads the whole matrix as a single sequential stream. Per panel, up to 6 rows of x are held in 12 ymm
  * accumulators; each k loads 16 weights once and issues 12 FMAs. Every output element is the same sequence of
  * FMAs over k whatever M is and wherever its row sits in a block, so a row's result does not depend on the batch
@@ -35,11 +35,12 @@ static inline __attribute__((always_inline)) void panel_rows(const float *restri
     STORE(0) STORE(1) STORE(2) STORE(3) STORE(4) STORE(5)
 }
 
-static void one_panel(const float *x, long M, long K, const float *wp, long N, float *y, long p) {
+/* rows [m_lo, m_hi) of y for one panel */
+static void one_panel(const float *x, long m_lo, long m_hi, long K, const float *wp, long N, float *y, long p) {
     const float *w = wp + p * K * PANEL;
     long ncols = N - p * PANEL < PANEL ? N - p * PANEL : PANEL;
-    for (long m0 = 0; m0 < M; m0 += ROWS) {
-        long mm = M - m0 < ROWS ? M - m0 : ROWS;
+    for (long m0 = m_lo; m0 < m_hi; m0 += ROWS) {
+        long mm = m_hi - m0 < ROWS ? m_hi - m0 : ROWS;
         const float *xs = x + m0 * K;
         float *ys = y + m0 * N + p * PANEL;
         switch (mm) {
@@ -53,9 +54,19 @@ static void one_panel(const float *x, long M, long K, const float *wp, long N, f
     }
 }
 
-/* x: M x K row-major; wp: ceil(N/16) panels of K x 16 (32-byte aligned); y: M x N row-major. */
+/* Rows of x handled against every panel before moving on: their slice of x (TILE_BYTES) stays in L2 while the
+ * weights stream past, so a long prefill re-reads the weights M / tile times instead of re-reading all of x from
+ * memory for every panel. Decode and verify steps (M <= 6) are one tile. */
+#define TILE_BYTES (512L * 1024L)
+
+/* x: M x K row-major; wp: ceil(N/16) panels of K x 16; y: M x N row-major. */
 void small_batch_linear(const float *x, long M, long K, const float *wp, long N, float *y, int threads) {
     long panels = (N + PANEL - 1) / PANEL;
+    long tile = TILE_BYTES / (K * (long)sizeof(float)) / ROWS * ROWS;
+    if (tile < ROWS) tile = ROWS;
+    for (long m_lo = 0; m_lo < M; m_lo += tile) {
+        long m_hi = M - m_lo < tile ? M : m_lo + tile;
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
-    for (long p = 0; p < panels; p++) one_panel(x, M, K, wp, N, y, p);
+        for (long p = 0; p < panels; p++) one_panel(x, m_lo, m_hi, K, wp, N, y, p);
+    }
 }
