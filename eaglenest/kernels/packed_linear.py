@@ -57,8 +57,9 @@ class PackedLinear(nn.Module):
         return p.transpose(1, 2).reshape(-1, self.in_features)[: self.out_features]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.device.type != "cpu" or x.dtype != torch.float32:
-            raise RuntimeError(f"PackedLinear runs on CPU float32 only, got {x.device} {x.dtype}; "
+        if x.device.type != "cpu" or x.dtype != torch.float32 or self.packed.dtype != torch.float32:
+            raise RuntimeError(f"PackedLinear runs on CPU float32 only, got {x.device} {x.dtype} input and "
+                               f"{self.packed.dtype} weights; "
                                "set target.cpu_kernels: off for other devices or dtypes")
         if x.requires_grad and torch.is_grad_enabled():
             raise RuntimeError("PackedLinear is inference-only (no backward); train the unpacked module instead")
@@ -67,7 +68,7 @@ class PackedLinear(nn.Module):
         if not rows.is_contiguous():
             rows = rows.contiguous()
         m = rows.shape[0]
-        out = torch.empty(m, n)
+        out = torch.empty(m, n, dtype=torch.float32)
         if m:
             threads = torch.get_num_threads() if n * k >= _MIN_WORK_PER_THREAD else 1
             _kernel(rows.data_ptr(), m, k, self.packed.data_ptr(), n, out.data_ptr(), threads)
