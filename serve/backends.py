@@ -115,6 +115,9 @@ class Group(Protocol):
 
 
 class Decoder(Protocol):
+    """Also optional: ``warm()``, called once on the worker thread before scheduling (an engine that starts slowly
+    starts with the replica, not inside its first request; an exception there marks the backend dead)."""
+
     max_batch: int
     speculative: bool
     algorithm: str | None
@@ -293,6 +296,9 @@ class Backend(BackendBase):
 
     def _loop(self) -> None:
         try:
+            warm = getattr(self.decoder, "warm", None)
+            if warm is not None:  # start the engine now, on this thread, not inside the first request
+                warm()
             self._schedule()
         except BaseException as e:  # the scheduler itself broke: the replica must say so (check_health restarts it)
             log.exception("decoder thread died")
@@ -434,6 +440,10 @@ class SGLangDecoder:
 
     def key(self, job: Job) -> Hashable:
         return "sglang"
+
+    def warm(self) -> None:
+        """Start ``sglang.Engine`` (minutes for a large target) when the replica starts; a failure marks it dead."""
+        _ = self.engine.engine
 
     def new_group(self, sampling: SamplingParams) -> Group:
         return _SGLangGroup(self.engine.streams())

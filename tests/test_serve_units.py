@@ -291,6 +291,37 @@ def test_sglang_adapter_admits_mid_stream_cancels_and_refuses_bad_prompts():
     assert events["late"][-1].finish_reason == "length"
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the thread dies on purpose
+def test_engine_starts_with_the_backend_and_a_failed_start_marks_it_dead():
+    import time
+
+    from eaglenest.engines.base import SamplingParams
+    from serve.backends import Backend, Job, SGLangDecoder
+
+    class Engine:  # SGLangEngine's lazily started ``engine`` property, failing the way a GPU-less start does
+        launch = None
+        started = 0
+
+        @property
+        def engine(self):
+            Engine.started += 1
+            raise RuntimeError("CUDA error: no CUDA-capable device is detected")
+
+        def close(self):
+            pass
+
+    backend = Backend(Engine(), SGLangDecoder(Engine(), max_batch=4), name="sglang")
+    backend.start()
+    deadline = time.time() + 10
+    while backend.alive and time.time() < deadline:
+        time.sleep(0.01)
+    assert Engine.started == 1 and not backend.alive
+    assert "no CUDA-capable device" in backend.fatal
+    with pytest.raises(RuntimeError, match="no CUDA-capable device"):
+        backend.submit(Job([1, 2], SamplingParams(), lambda ev: None))
+    backend.close(timeout=1)
+
+
 def test_streamed_request_turns_cumulative_chunks_into_deltas():
     from eaglenest.engines.sglang_args import SGLangOutputError, StreamedRequest
 
