@@ -76,7 +76,7 @@ def test_outputs_stay_the_targets_in_every_mode(tiny_engine, trained_drafter, he
             assert [g.token_ids for g in got] == ref, (mode, spec)
 
 
-def test_eval_and_bench_cli(tmp_path, tiny_target_path, trained_drafter):
+def test_eval_and_bench_cli(tmp_path, tiny_target_path, tiny_engine, trained_drafter):
     from drafter.export import export_drafter
 
     export = export_drafter(trained_drafter, tmp_path / "drafter", dtype="float32")
@@ -99,9 +99,10 @@ def test_eval_and_bench_cli(tmp_path, tiny_target_path, trained_drafter):
     assert [c["config"] for c in rep["configs"]] == ["2-1-3", "2-2-4"]
     assert all(c["outputs_match_baseline"] for c in rep["configs"])
     assert rep["best"]["config"] in {"2-1-3", "2-2-4"} and rep["verdict"]
-    from eaglenest.kernels import load_kernel
+    from eaglenest.kernels import uses_packed_linears
 
-    assert rep["linear_kernel"] == ("packed" if load_kernel() is not None else "torch")
+    # the CLI loads the target the way the session engine was loaded (cpu_kernels auto): same kernel choice
+    assert rep["linear_kernel"] == ("packed" if uses_packed_linears(tiny_engine.model) else "torch")
     md = (bench / "bench.md").read_text()
     assert "Verdict" in md and "baseline" in md.lower() and f"({rep['linear_kernel']} linears)" in md
     assert (bench / "bench.png").stat().st_size > 1000
