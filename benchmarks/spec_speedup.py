@@ -128,7 +128,9 @@ def main(argv=None) -> int:
     target_steps = a.target_steps or (300 if on_gpu else 150)
     train_chats = a.train_chats or (1200 if on_gpu else 500)
     drafter_steps = a.drafter_steps or (1500 if on_gpu else 250)
-    cache = Path(a.cache) if a.cache else Path(os.environ.get("EAGLENEST_CACHE", Path.home() / ".cache" / "eaglenest"))
+    from eaglenest.engines.tiny import default_cache_dir
+
+    cache = Path(a.cache) if a.cache else default_cache_dir()
     out = Path(a.out) if a.out else REPO / "out" / "bench" / f"spec_speedup_{a.device}_{a.cpu_kernels}"
     out.mkdir(parents=True, exist_ok=True)
 
@@ -152,9 +154,10 @@ def main(argv=None) -> int:
     dtype = "bfloat16" if on_gpu else "float32"
     engine = HFEngine.from_config(TargetConfig(model=str(tdir), device=a.device, dtype=dtype,
                                                cpu_kernels=a.cpu_kernels))
-    n_packed = sum(isinstance(m, PackedLinear) for m in engine.model.modules())
+    packed = [m for m in engine.model.modules() if isinstance(m, PackedLinear)]
+    n_packed = len(packed)
     n_params = sum(p.numel() for p in engine.model.parameters()) + sum(  # packed weights are buffers
-        m.in_features * m.out_features for m in engine.model.modules() if isinstance(m, PackedLinear))
+        m.in_features * m.out_features for m in packed)
     print(f"[target] {tdir} ({n_params / 1e6:.1f}M parameters, {t_target:.0f} s)", flush=True)
 
     records = load_prompts(REPO / "tests" / "fixtures" / "prompts" / "heldout.jsonl")

@@ -25,7 +25,9 @@ import torch
 
 
 def newest_bench_target() -> Path:
-    found = sorted((Path.home() / ".cache" / "eaglenest").glob("bench-target-*"), key=lambda p: p.stat().st_mtime)
+    from eaglenest.engines.tiny import default_cache_dir  # where spec_speedup.py caches it ($EAGLENEST_CACHE)
+
+    found = sorted(default_cache_dir().glob("bench-target-*"), key=lambda p: p.stat().st_mtime)
     if not found:
         sys.exit("no cached bench target: run benchmarks/spec_speedup.py first, or pass --target DIR")
     return found[-1]

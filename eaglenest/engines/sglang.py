@@ -175,12 +175,9 @@ class SGLangEngine(TargetEngine):
 
     def generate_ids(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> list[Generation]:
         """All prompts in one ``Engine.generate`` call (sglang batches them continuously); exact output ids."""
-        def decode(t: list[int]) -> str:
-            return self.tokenizer.decode(t, skip_special_tokens=True)
-
         if not prompts:
             return []
-        gens = run_generate(self.engine.generate, prompts, sampling, decode=decode,
+        gens = run_generate(self.engine.generate, prompts, sampling, decode=self._decode,
                             vocab_size=self.info.vocab_size, eos_token_ids=self.info.eos_token_ids)
         if self.launch is not None:
             for g in gens:
@@ -192,7 +189,11 @@ class SGLangEngine(TargetEngine):
         from eaglenest.engines.sglang_stream import SGLangStreams
 
         return SGLangStreams(self.engine, vocab_size=self.info.vocab_size, eos_token_ids=self.info.eos_token_ids,
-                             decode=lambda t: self.tokenizer.decode(t, skip_special_tokens=True))
+                             decode=self._decode)
+
+    def _decode(self, ids: list[int]) -> str:
+        """Answer text from ids, the same way for streamed and whole generations."""
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     # --------------------------------------------------------------------------------------------------- capture
     @property

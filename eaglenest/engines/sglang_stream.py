@@ -31,10 +31,6 @@ class StreamUpdate:
     result: Generation | None = None
     error: str | None = None
 
-    @property
-    def final(self) -> bool:
-        return self.result is not None or self.error is not None
-
 
 @dataclass
 class _Stream:
@@ -57,9 +53,6 @@ class SGLangStreams:
         self._streams: dict[Hashable, _Stream] = {}
         self._to_open: list[Hashable] = []
         self._tasks: dict[asyncio.Future, Hashable] = {}
-
-    def __len__(self) -> int:
-        return len(self._streams)
 
     def start(self, key: Hashable, prompt_ids: Sequence[int], sampling: SamplingParams) -> None:
         """Queue a request; it reaches SGLang at the next ``poll``. A bad prompt raises ValueError here."""

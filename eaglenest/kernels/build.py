@@ -28,7 +28,9 @@ _reason: list[str] = []
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("EAGLENEST_CACHE", Path.home() / ".cache" / "eaglenest")) / "kernels"
+    from eaglenest.engines.tiny import default_cache_dir
+
+    return default_cache_dir() / "kernels"
 
 
 def _cpu_has_avx2_fma() -> bool:
