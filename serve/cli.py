@@ -73,17 +73,18 @@ def start_apps(apps: list[AppSpec], *, host: str = "127.0.0.1", port: int = 8000
     from ray.serve._private.api import serve_start
     from ray.serve.api import RunTarget
 
+    from eaglenest.runtime import init_ray
     from serve.app import make_app
 
     if not ray.is_initialized():
         # Ray starts workers at nice 15 by default; a serving replica that loses the CPU to any other process on
-        # the node decodes several times slower (measured here), so replicas run at normal priority
-        kwargs: dict[str, Any] = {"log_to_driver": False, "_system_config": {"worker_niceness": 0},
-                                  "runtime_env": {"env_vars": {"TOKENIZERS_PARALLELISM": "false"}}}
+        # the node decodes several times slower (measured here), so replicas run at normal priority. That and
+        # num_cpus are options of a Ray we start; attached to a running cluster (`ray job submit`, `ray start`),
+        # the cluster's own settings apply.
+        local: dict[str, Any] = {"log_to_driver": False, "_system_config": {"worker_niceness": 0}}
         if num_cpus is not None:
-            kwargs["num_cpus"] = num_cpus
-        ray.init(**kwargs)
-        _STATE["owns_ray"] = True
+            local["num_cpus"] = num_cpus
+        _STATE["owns_ray"] = init_ray(runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}}, **local)
     targets = [RunTarget(target=make_app(a.cfg, a.drafter_dir), name=a.name, route_prefix=a.route_prefix)
                for a in apps]  # preflight first: nothing starts for a bad drafter
     client = serve_start(http_options={"host": host, "port": int(port)})

@@ -1,4 +1,7 @@
-"""`ray job submit` runs `eaglenest regen` unchanged on a Ray head bound to 127.0.0.1; its logs are readable."""
+"""`ray job submit` runs `eaglenest regen`, `train` and `serve` unchanged on a `ray start` head bound to 127.0.0.1.
+
+Every command attaches to the running cluster (no driver-only ``ray.init`` options), and the job logs are readable.
+"""
 
 from __future__ import annotations
 
@@ -11,12 +14,16 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
+RUNTIME_ENV = {"excludes": [".venv", ".git", ".work", "demo-work", ".gpu", ".whl", "out"]}
 
 
 def _free_port() -> int:
@@ -29,8 +36,33 @@ def _ray(*args: str, env: dict, timeout: int = 180) -> subprocess.CompletedProce
     return subprocess.run([str(BIN / "ray"), *args], capture_output=True, text=True, env=env, timeout=timeout)
 
 
-@pytest.mark.slow
-def test_ray_job_submit_regen_and_read_logs(tmp_path):
+@dataclass
+class Head:
+    address: str
+    env: dict
+
+    def submit(self, job_id: str, *entrypoint: str, wait: bool = True) -> subprocess.CompletedProcess:
+        cmd = ["job", "submit", "--address", self.address, "--submission-id", job_id, "--working-dir", str(REPO),
+               "--runtime-env-json", json.dumps(RUNTIME_ENV), "--entrypoint-num-cpus", "0.25",
+               *([] if wait else ["--no-wait"]), "--", *entrypoint]
+        for _ in range(80):  # the job agent registers (and the dashboard settles) seconds to minutes after start
+            res = _ray(*cmd, env=self.env, timeout=900)
+            if res.returncode == 0 or "submitted successfully" in res.stdout + res.stderr:
+                return res  # submitted: the job's own outcome is asserted by the caller, never retried
+            time.sleep(3)
+        return res
+
+    def logs(self, job_id: str) -> str:
+        res = _ray("job", "logs", "--address", self.address, job_id, env=self.env, timeout=60)
+        assert res.returncode == 0, res.stderr[-2000:]
+        return res.stdout
+
+    def status(self, job_id: str) -> str:
+        return _ray("job", "status", "--address", self.address, job_id, env=self.env, timeout=60).stdout
+
+
+@pytest.fixture(scope="module")
+def ray_head() -> Iterator[Head]:
     env = dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_AUTH_MODE="disabled",
                RAY_USAGE_STATS_ENABLED="0", OMP_NUM_THREADS="1",
                PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}")  # the job's shell finds `eaglenest` (venv)
@@ -44,37 +76,19 @@ def test_ray_job_submit_regen_and_read_logs(tmp_path):
     agent, agent_grpc, metrics, env_agent, client = (_free_port() for _ in range(5))
     head = subprocess.Popen(
         [str(BIN / "ray"), "start", "--head", "--block", f"--port={gcs}", "--node-ip-address=127.0.0.1",
-         "--num-cpus=2", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", f"--temp-dir={temp_dir}",
+         "--num-cpus=4", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", f"--temp-dir={temp_dir}",
          f"--dashboard-agent-listen-port={agent}", f"--dashboard-agent-grpc-port={agent_grpc}",
          f"--metrics-export-port={metrics}", f"--runtime-env-agent-port={env_agent}",
          f"--ray-client-server-port={client}", "--disable-usage-stats"],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
     )
-    address = f"http://127.0.0.1:{dash}"
-    out = tmp_path / "regen-out"
+    h = Head(f"http://127.0.0.1:{dash}", env)
     try:
         for _ in range(90):  # the dashboard's job API comes up a little after `ray start` returns
-            if _ray("job", "list", "--address", address, env=env, timeout=60).returncode == 0:
+            if _ray("job", "list", "--address", h.address, env=env, timeout=60).returncode == 0:
                 break
             time.sleep(1)
-        runtime_env = {"excludes": [".venv", ".git", ".work", "demo-work", ".gpu", ".whl"]}
-        cmd = ["job", "submit", "--address", address, "--submission-id", "eaglenest-regen-test",
-               "--working-dir", str(REPO), "--runtime-env-json", json.dumps(runtime_env),
-               "--entrypoint-num-cpus", "0.25", "--",
-               "eaglenest", "regen", "--config", "configs/demo.yaml", "--output", str(out), "--limit", "6"]
-        for _ in range(80):  # the job agent registers (and the dashboard settles) seconds to minutes after start
-            submit = _ray(*cmd, env=env, timeout=600)
-            if submit.returncode == 0 or "submitted successfully" in submit.stdout + submit.stderr:
-                break  # submitted: the job's own outcome is asserted below, never retried
-            time.sleep(3)
-        assert submit.returncode == 0, submit.stdout[-4000:] + submit.stderr[-4000:]
-        assert "succeeded" in submit.stdout
-        logs = _ray("job", "logs", "--address", address, "eaglenest-regen-test", env=env, timeout=60)
-        assert logs.returncode == 0
-        assert "manifest" in logs.stdout.lower() or "samples" in logs.stdout.lower(), logs.stdout[-3000:]
-        manifest = json.loads((out / "manifest.json").read_text())
-        assert manifest["num_samples"] > 0
-        assert any((out / "shards").glob("*.parquet"))
+        yield h
     finally:
         for sig in (signal.SIGTERM, signal.SIGKILL):
             try:
@@ -87,3 +101,57 @@ def test_ray_job_submit_regen_and_read_logs(tmp_path):
             except subprocess.TimeoutExpired:
                 continue
         shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+@pytest.mark.slow
+def test_ray_job_submit_regen_then_train(ray_head, tmp_path):
+    out = tmp_path / "regen-out"
+    submit = ray_head.submit("eaglenest-regen-test", "eaglenest", "regen", "--config", "configs/demo.yaml",
+                             "--output", str(out), "--limit", "6")
+    assert submit.returncode == 0, submit.stdout[-4000:] + submit.stderr[-4000:]
+    assert "succeeded" in submit.stdout
+    logs = ray_head.logs("eaglenest-regen-test")
+    assert "manifest" in logs.lower() or "samples" in logs.lower(), logs[-3000:]
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["num_samples"] > 0
+    assert any((out / "shards").glob("*.parquet"))
+
+    # the trainer attaches to the same cluster (Ray Train under a job driver)
+    train_out = tmp_path / "train-out"
+    submit = ray_head.submit("eaglenest-train-test", "eaglenest", "train", "--config", "configs/demo.yaml",
+                             "--data", str(out), "--output", str(train_out), "--max-steps", "4")
+    assert submit.returncode == 0, submit.stdout[-4000:] + submit.stderr[-4000:]
+    assert (train_out / "export" / "config.json").is_file(), ray_head.logs("eaglenest-train-test")[-3000:]
+
+
+@pytest.mark.slow
+def test_ray_job_submit_serve_attaches_to_the_cluster(ray_head):
+    """`eaglenest serve` as a job: attaches (no driver-only options), serves the official client, stops cleanly."""
+    from openai import OpenAI
+
+    port = _free_port()
+    submit = ray_head.submit("eaglenest-serve-test", "eaglenest", "serve", "--config", "configs/demo.yaml",
+                             "--port", str(port), wait=False)
+    assert submit.returncode == 0, submit.stdout[-4000:] + submit.stderr[-4000:]
+    try:
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            status = ray_head.status("eaglenest-serve-test")
+            assert "FAILED" not in status and "STOPPED" not in status, ray_head.logs("eaglenest-serve-test")[-4000:]
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            time.sleep(2)
+        else:
+            pytest.fail("serve job never became healthy:\n" + ray_head.logs("eaglenest-serve-test")[-4000:])
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
+        reply = client.chat.completions.create(model="eaglenest", max_tokens=8,
+                                               messages=[{"role": "user", "content": "Say hello."}])
+        assert reply.choices[0].finish_reason in {"stop", "length"}
+        assert reply.usage.completion_tokens > 0
+        assert "eaglenest serving" in ray_head.logs("eaglenest-serve-test")
+    finally:
+        _ray("job", "stop", "--address", ray_head.address, "eaglenest-serve-test", env=ray_head.env, timeout=120)
