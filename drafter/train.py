@@ -418,7 +418,12 @@ def _train_loop(config: dict[str, Any]) -> None:  # noqa: C901 - one linear trai
 
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if on_gpu else torch.autocast("cpu", enabled=False)
     train_it = ray.train.get_dataset_shard("train")
-    eval_it = ray.train.get_dataset_shard("eval") if tc.eval_fraction > 0 else None
+    eval_it = None
+    if tc.eval_fraction > 0:
+        try:  # the driver drops the eval dataset when the split holds no sample (small data, small fraction)
+            eval_it = ray.train.get_dataset_shard("eval")
+        except KeyError:
+            eval_it = None
     hidden = model_cfg.target_hidden_size
 
     def batches(it, **kw):
