@@ -138,33 +138,20 @@ def concurrent_loops(cfg, source: Path, out: Path, engines: int) -> dict:
             "per_engine_tokens_per_s": round(sum(r["tokens_per_s"] for r in runs) / engines, 1)}
 
 
-def steady_state(batches: list, engines: int) -> tuple[float, int, float]:
-    """After every engine finished its first batch (start-up and warm-up amortised away): (seconds, generated
-    tokens, fraction of the engines' time spent inside batches)."""
-    by_pid: dict[int, list] = {}
-    for b in sorted(batches, key=lambda b: b[1]):
-        by_pid.setdefault(b[2], []).append(b)
-    start = max(bs[0][1] for bs in by_pid.values())  # the last engine to finish its first batch
-    end = max(b[1] for b in batches)
-    later = [b for b in batches if b[1] > start]
-    if not later or end <= start:
-        return 0.0, 0, float("nan")
-    busy = sum(min(b[1], end) - max(b[0], start) for b in later)
-    return end - start, sum(b[3] for b in later), busy / (engines * (end - start))
-
-
 def pipeline(cfg, out: Path, actors: int) -> dict:
     import pyarrow.parquet as pq
 
     from eaglenest.shards import shard_files
     from regen.pipeline import run_regen
+    from regen.progress import steady_state
 
     t0 = time.time()
     summary = run_regen(cfg, out, log=lambda m: None, timeline=True)
     wall = time.time() - t0
     shards = shard_files(out)
     tokens = summary["last_run"]["generated_tokens"]
-    steady_s, steady_tokens, busy = steady_state(summary["timeline"], actors)
+    st = steady_state(summary["timeline"], actors)
+    steady_s, steady_tokens, busy = st["seconds"], st["tokens"], st["engine_busy"]
     return {"mode": f"pipeline-{actors}", "engines": actors, "samples": summary["num_samples"],
             "generated_tokens": tokens, "seconds": round(wall, 2), "tokens_per_s": round(tokens / wall, 1),
             "steady_seconds": round(steady_s, 2),

@@ -110,7 +110,7 @@ def _run_locked(cfg: EaglenestConfig, sources: list, out_dir: Path, limit: int |
     ensure_ray()
     import ray
 
-    from regen.progress import ProgressTracker
+    from regen.progress import ProgressTracker, steady_state
 
     log(f"regen: {len(sources)} sources -> {out_dir} ({len(completed)} samples already recorded"
         f"{f', {stale} partial files removed' if stale else ''})")
@@ -126,10 +126,12 @@ def _run_locked(cfg: EaglenestConfig, sources: list, out_dir: Path, limit: int |
         totals: dict[str, int] = {}
         engine_version = None
         batches: list = []
+        engine_time: dict[str, float] = {}
         if plan.planned:
             totals = _run_engine_stage(cfg, plan.files, out_dir, identity, tracker, log, interval)
             engine_version = (ray.get(tracker.snapshot.remote()).get("engine") or {}).get("engine_version")
-            batches = ray.get(tracker.batch_timeline.remote()) if timeline else []
+            batches = ray.get(tracker.batch_timeline.remote())
+            engine_time = ray.get(tracker.engine_time.remote())
         if flush_metrics if flush_metrics is not None else bool(os.environ.get("RAY_ADDRESS")):
             ray.get(tracker.snapshot.remote())  # final gauges (ETA 0)
             time.sleep(max(ray._config.metrics_report_interval_ms(), 1000) / 1000 + 1)
@@ -150,7 +152,9 @@ def _run_locked(cfg: EaglenestConfig, sources: list, out_dir: Path, limit: int |
                      "generated_tokens": totals.get("generated_tokens", 0),
                      "truncated_turns": totals.get("truncated_turns", 0),
                      "dropped_turns": totals.get("dropped_turns", 0),
-                     "limit": limit, "wall_seconds": round(wall, 1)},
+                     "limit": limit, "wall_seconds": round(wall, 1),
+                     # engine start, warm-up and the last shard's write are outside the steady window
+                     "steady": steady_state(batches, rc.num_actors), "engine_seconds": engine_time},
     }
     manifest = write_final_manifest(out_dir, identity, engine_version, extra)
     shutil.rmtree(out_dir / PLAN, ignore_errors=True)  # the work list of a finished run (rebuilt by every run)

@@ -118,7 +118,9 @@ class EngineActor:
         results = self.regen.run(samples, lambda s: self.sampling[s.source])
         table = results_table(results)
         if self.tracker is not None:
-            self.tracker.generated.remote(self.regen.stats.generated_tokens, (t0, time.time(), os.getpid()))
+            st = self.regen.stats
+            self.tracker.generated.remote(st.generated_tokens, (t0, time.time(), os.getpid()),
+                                          (st.generate_seconds, st.capture_seconds))
         return table
 
 
