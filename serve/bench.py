@@ -13,9 +13,11 @@ per-request ``spec_verify_ct``. It needs a GPU and ``pip install eaglenest[gpu]`
 
 from __future__ import annotations
 
+import contextlib
+import os
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,13 +44,20 @@ class _Run:
     verify_s: float = 0.0
 
 
+CEILING_ENV = "SGLANG_SIMULATE_ACC_LEN"
+"""SGLang's own knob (read by its scheduler at start) that makes every verify accept the configured number of
+tokens after the real draft and verify forwards ran: the cost of a cycle with a perfect drafter of this shape."""
+
+
 @dataclass
 class VariantStats:
-    """Measurements of one variant (the baseline or one spec config) over all rounds."""
+    """Measurements of one variant (the baseline, one spec config, or a spec config's ceiling) over all rounds."""
 
     name: str
     spec: SpecConfig | None
     rounds: list[_Run] = field(default_factory=list)
+    ceiling: bool = False
+    """every draft token accepted (SGLang only): its speed is the bound for this shape, its text is meaningless"""
 
     def tok_per_s(self) -> list[float]:
         return [r.completion_tokens / r.seconds if r.seconds > 0 else 0.0 for r in self.rounds]
@@ -127,19 +136,55 @@ def run_bench(
     folder. For engine "sglang", ``sglang_factory(spec_or_None)`` returns a started ``SGLangEngine`` (None =
     baseline).
     """
+    return run_bench_batches(target, drafter, prompts, sweep, batch_sizes=[batch_size],
+                             max_new_tokens=max_new_tokens, repeats=repeats, temperature=temperature, engine=engine,
+                             warmup=warmup, progress=progress, sglang_factory=sglang_factory)[0]
+
+
+def run_bench_batches(
+    target: Any,
+    drafter: Any,
+    prompts: Sequence[Sequence[int]],
+    sweep: Sequence[SpecConfig],
+    *,
+    batch_sizes: Sequence[int],
+    max_new_tokens: int = 64,
+    repeats: int = 3,
+    temperature: float = 0.0,
+    engine: str = "hf",
+    warmup: int = 1,
+    progress: bool = True,
+    sglang_factory: Callable[[SpecConfig | None], Any] | None = None,
+    ceiling: bool = False,
+    drift_check: bool = True,
+) -> list[dict[str, Any]]:
+    """:func:`run_bench` at several batch sizes, one report each (in ``batch_sizes`` order).
+
+    With SGLang every variant's engine is started once and measured at every batch size (an engine start costs
+    more than the measurement on a large target); with the transformers engine each batch size is its own bench.
+    ``ceiling`` (SGLang): also run each spec config with every draft token accepted (:data:`CEILING_ENV`), the
+    speedup a perfect drafter of this shape would give. ``drift_check`` (SGLang): run the baseline again at the end.
+    """
     if not prompts:
         raise ValueError("no prompts to benchmark")
     if not sweep:
         raise ValueError("the sweep is empty: give at least one (num_steps, topk, num_draft_tokens) config")
+    if not batch_sizes or min(batch_sizes) < 1:
+        raise ValueError(f"batch sizes must be >= 1, got {list(batch_sizes)}")
     sampling = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens, seed=0)
     prompts = [list(p) for p in prompts]
-    variants = [VariantStats(BASELINE, None)] + [VariantStats(spec_label(s), s) for s in sweep]
+    if ceiling and engine != "sglang":
+        raise ValueError("the ceiling run needs the sglang engine (it uses SGLang's own acceptance simulation)")
+    per_bs = {bs: [VariantStats(BASELINE, None)] + [VariantStats(spec_label(s), s) for s in sweep]
+              + ([VariantStats(spec_label(s) + " ceiling", s, ceiling=True) for s in sweep] if ceiling else [])
+              for bs in batch_sizes}
     if engine == "hf":
-        _bench_hf(target, drafter, prompts, variants, sampling, repeats, batch_size, warmup, progress)
+        for bs in batch_sizes:
+            _bench_hf(target, drafter, prompts, per_bs[bs], sampling, repeats, bs, warmup, progress)
     elif engine == "sglang":
         if sglang_factory is None:
             raise ValueError("engine 'sglang' needs sglang_factory (see serve.bench_cli for the launcher)")
-        _bench_sglang(sglang_factory, prompts, variants, sampling, repeats, batch_size, warmup, progress)
+        _bench_sglang(sglang_factory, prompts, per_bs, sampling, repeats, warmup, progress, drift_check)
     else:
         raise ValueError(f"unknown engine {engine!r}; allowed: hf, sglang")
     kernel = None
@@ -147,8 +192,8 @@ def run_bench(
         from eaglenest.kernels import uses_packed_linears
 
         kernel = "packed" if uses_packed_linears(target.model) else "torch"
-    return _report(variants, engine=engine, sampling=sampling, repeats=repeats, batch_size=batch_size,
-                   num_prompts=len(prompts), linear_kernel=kernel)
+    return [_report(per_bs[bs], engine=engine, sampling=sampling, repeats=repeats, batch_size=bs,
+                    num_prompts=len(prompts), linear_kernel=kernel) for bs in batch_sizes]
 
 
 def _bench_hf(target, drafter, prompts, variants, sampling, repeats, batch_size, warmup, progress) -> None:
@@ -189,23 +234,50 @@ def _bench_hf(target, drafter, prompts, variants, sampling, repeats, batch_size,
     bar.close()
 
 
-def _bench_sglang(factory, prompts, variants, sampling, repeats, batch_size, warmup, progress) -> None:
-    order = variants + [VariantStats(BASELINE + "_end", None)]
-    bar = _bar(len(order) * repeats, progress, "bench sglang")
-    for v in order:
-        eng = factory(v.spec)
+def _bench_sglang(factory, prompts, per_bs: dict[int, list[VariantStats]], sampling, repeats, warmup,
+                  progress, drift_check: bool = True) -> None:
+    """One engine per variant, measured at every batch size; the baseline may run again at the end (drift)."""
+    sizes = list(per_bs)
+    names = [(v.spec, v.ceiling) for v in per_bs[sizes[0]]] + ([(None, False)] if drift_check else [])
+    ends = {bs: VariantStats(BASELINE + "_end", None) for bs in sizes}
+    bar = _bar(len(names) * repeats * len(sizes), progress, "bench sglang")
+    for i, (spec, ceiling) in enumerate(names):
+        eng = factory(spec)
         try:
-            run = sglang_runner(eng, batch_size)
-            for _ in range(warmup):
-                run(prompts[:batch_size], sampling)
-            for _ in range(repeats):
-                v.rounds.append(run(prompts, sampling))
-                bar.update(1)
+            # the engine starts lazily: start it now, inside the environment its scheduler process must inherit
+            with _environment(CEILING_ENV, str(spec.num_draft_tokens) if ceiling else None):
+                eng.generate_ids(prompts[:1], SamplingParams(max_new_tokens=1))
+            for bs in sizes:
+                v = ends[bs] if i >= len(per_bs[bs]) else per_bs[bs][i]
+                run = sglang_runner(eng, bs)
+                for _ in range(warmup):
+                    run(prompts[:bs], sampling)
+                for _ in range(repeats):
+                    v.rounds.append(run(prompts, sampling))
+                    bar.update(1)
         finally:
             eng.close()
     bar.close()
-    end = order[-1]
-    variants[0].rounds_end = end.rounds  # type: ignore[attr-defined]
+    for bs in sizes:
+        if ends[bs].rounds:
+            per_bs[bs][0].rounds_end = ends[bs].rounds  # type: ignore[attr-defined]
+
+
+@contextlib.contextmanager
+def _environment(name: str, value: str | None) -> Iterator[None]:
+    """``name=value`` in os.environ for the block (nothing when value is None), restored afterwards."""
+    if value is None:
+        yield
+        return
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = old
 
 
 class _NoBar:
@@ -232,7 +304,7 @@ def _report(variants: list[VariantStats], **meta: Any) -> dict[str, Any]:
         tps = v.median_tok_per_s()
         ratios = [s / b for s, b in zip(v.tok_per_s(), base.tok_per_s(), strict=False) if b > 0]
         greedy_match, identical = None, None
-        if meta["sampling"].greedy:
+        if meta["sampling"].greedy and not v.ceiling:
             pairs = [(x, y) for r, b in zip(v.rounds, base.rounds, strict=False)
                      for x, y in zip(r.tokens, b.tokens, strict=False)]
             identical = sum(x == y for x, y in pairs) / len(pairs) if pairs else None
@@ -250,8 +322,10 @@ def _report(variants: list[VariantStats], **meta: Any) -> dict[str, Any]:
             "draft_share": draft_s / (draft_s + verify_s) if draft_s + verify_s > 0 else None,
             "outputs_match_baseline": greedy_match,
             "identical_outputs_fraction": identical,
+            "ceiling": v.ceiling,
         })
-    best = max(rows, key=lambda r: r["speedup"]) if rows else None
+    real = [r for r in rows if not r["ceiling"]]
+    best = max(real, key=lambda r: r["speedup"]) if real else None
     end = getattr(base, "rounds_end", None)
     sampling = meta.pop("sampling")
     return {
@@ -301,6 +375,8 @@ def report_markdown(report: dict[str, Any], title: str = "Speculative decoding b
         match = {None: "n/a", True: "yes"}.get(r["outputs_match_baseline"],
                                               f"**{100 * (r['identical_outputs_fraction'] or 0):.0f}% of prompts**")
         mark = " **(best)**" if report["best"] and r["config"] == report["best"]["config"] else ""
+        if r.get("ceiling"):
+            match, mark = "n/a (every draft accepted)", " (bound)"
         lines.append(f"| {r['config']}{mark} | {r['tok_per_s']:.1f} | {r['accept_length']:.2f} | "
                      f"{r['speedup']:.2f}x | {share} | {match} |")
     lines += ["", f"**Verdict:** {report['verdict']}", ""]

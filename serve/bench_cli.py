@@ -29,11 +29,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-prompts", type=int, default=None)
     p.add_argument("--max-new-tokens", type=int, default=None)
     p.add_argument("--repeats", type=int, default=None)
-    p.add_argument("--batch-size", type=int, default=None)
+    p.add_argument("--batch-size", default=None,
+                   help="batch size, or several comma-separated (e.g. 1,8: with SGLang each engine starts once and "
+                        "is measured at each; one report per batch size)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--device", default=None, choices=["auto", "cpu", "cuda"])
     p.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--output", default=None, help="folder for bench.json, bench.md and bench.png")
+    p.add_argument("--ceiling", action="store_true",
+                   help="SGLang: also run each config with every draft token accepted (SGLang's own "
+                        "SGLANG_SIMULATE_ACC_LEN): the speedup a perfect drafter of this shape would give")
+    p.add_argument("--no-drift-check", action="store_true",
+                   help="SGLang: skip the baseline's second run after the sweep (saves an engine start)")
     p.add_argument("--fail-if-slower", action="store_true", help="exit 1 when speculation loses")
 
 
@@ -61,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
 
     from drafter.evaluate import PromptFileError, load_prompts, prompt_ids
     from eaglenest.config import load_config
-    from serve.bench import plot_bench, report_markdown, run_bench
+    from serve.bench import plot_bench, report_markdown, run_bench_batches
 
     cfg = load_config(args.config)
     tc, bc = cfg.target, cfg.bench
@@ -83,42 +90,67 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, ValidationError, PromptFileError) as e:
         print(f"eaglenest bench: {e}", file=sys.stderr)
         return 2
+    try:
+        batch_sizes = parse_batch_sizes(args.batch_size) if args.batch_size else [bc.batch_size]
+    except ValueError as e:
+        print(f"eaglenest bench: {e}", file=sys.stderr)
+        return 2
     common = {"max_new_tokens": args.max_new_tokens or bc.max_new_tokens, "repeats": args.repeats or bc.repeats,
-              "batch_size": args.batch_size or bc.batch_size, "temperature": args.temperature}
+              "batch_sizes": batch_sizes, "temperature": args.temperature}
     if tc.engine == "hf":
+        if args.ceiling:
+            print("eaglenest bench: --ceiling needs --engine sglang (it uses SGLang's acceptance simulation)",
+                  file=sys.stderr)
+            return 2
         from eaglenest.engines.hf import HFEngine
 
         engine = HFEngine.from_config(tc)
         prompts = [prompt_ids(engine.tokenizer, r) for r in records]
-        report = run_bench(engine, drafter, prompts, sweep, engine="hf", **common)
+        reports = run_bench_batches(engine, drafter, prompts, sweep, engine="hf", **common)
     else:
-        report = _run_sglang(tc, drafter, records, sweep, common)
-    report.update({"target": tc.model, "drafter": str(drafter), "prompts": str(prompts_path)})
-    print(report_markdown(report))
+        reports = _run_sglang(tc, drafter, records, sweep,
+                              {**common, "ceiling": args.ceiling, "drift_check": not args.no_drift_check})
     out_dir = args.output or cfg.resolve(bc.output)
-    if out_dir:
-        out = Path(out_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "bench.json").write_text(json.dumps(report, indent=2) + "\n")
-        (out / "bench.md").write_text(report_markdown(report))
-        plot_bench(report, out / "bench.png")
-        print(f"wrote {out / 'bench.json'}, {out / 'bench.md'}, {out / 'bench.png'}")
-    if not report["speculation_wins"]:
-        print(report["verdict"], file=sys.stderr)
-        if args.fail_if_slower:
-            return 1
+    wins = True
+    for report in reports:
+        report.update({"target": tc.model, "drafter": str(drafter), "prompts": str(prompts_path)})
+        print(report_markdown(report))
+        if out_dir:
+            out = Path(out_dir)
+            out.mkdir(parents=True, exist_ok=True)
+            stem = "bench" if len(reports) == 1 else f"bench-bs{report['batch_size']}"
+            (out / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
+            (out / f"{stem}.md").write_text(report_markdown(report))
+            plot_bench(report, out / f"{stem}.png")
+            print(f"wrote {out / stem}.json, .md, .png")
+        if not report["speculation_wins"]:
+            print(f"batch {report['batch_size']}: {report['verdict']}", file=sys.stderr)
+            wins = False
+    if not wins and args.fail_if_slower:
+        return 1
     return 0
+
+
+def parse_batch_sizes(text: str) -> list[int]:
+    """``"1,8"`` -> [1, 8]; every size a positive integer, no repeats."""
+    try:
+        sizes = [int(x) for x in str(text).split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--batch-size must be integers separated by commas (e.g. 1,8), got {text!r}") from None
+    if not sizes or min(sizes) < 1 or len(set(sizes)) != len(sizes):
+        raise ValueError(f"--batch-size must list distinct positive integers, got {text!r}")
+    return sizes
 
 
 def _run_sglang(tc, drafter, records, sweep, common):
     """SGLang integration point: one checked ``SGLangEngine`` per variant (eaglenest.engines.sglang)."""
     from drafter.evaluate import prompt_ids
     from eaglenest.engines.sglang import SGLangEngine
-    from serve.bench import run_bench
+    from serve.bench import run_bench_batches
 
     def factory(spec):
         return SGLangEngine(tc) if spec is None else SGLangEngine.speculative(tc, str(drafter), spec)
 
     probe = SGLangEngine(tc)  # tokenizer + chat template only; the engine itself starts lazily
     prompts = [prompt_ids(probe.tokenizer, r) for r in records]
-    return run_bench(None, drafter, prompts, sweep, engine="sglang", sglang_factory=factory, **common)
+    return run_bench_batches(None, drafter, prompts, sweep, engine="sglang", sglang_factory=factory, **common)

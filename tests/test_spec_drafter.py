@@ -107,6 +107,16 @@ def test_eval_and_bench_cli(tmp_path, tiny_target_path, tiny_engine, trained_dra
     assert "Verdict" in md and "baseline" in md.lower() and f"({rep['linear_kernel']} linears)" in md
     assert (bench / "bench.png").stat().st_size > 1000
 
+    # several batch sizes in one run: one report per size, each with its own baseline
+    multi = tmp_path / "bench-multi"
+    rc = cli_main(["bench", "--target", str(tiny_target_path), "--drafter", str(export), "--prompts", str(HELDOUT),
+                   "--num-prompts", "4", "--max-new-tokens", "8", "--repeats", "1", "--sweep", "2-1-3",
+                   "--batch-size", "1,2", "--device", "cpu", "--output", str(multi)])
+    assert rc == 0
+    reps = [json.loads((multi / f"bench-bs{b}.json").read_text()) for b in (1, 2)]
+    assert [r["batch_size"] for r in reps] == [1, 2]
+    assert all(r["configs"][0]["outputs_match_baseline"] and r["baseline"]["tok_per_s"] > 0 for r in reps)
+
 
 def test_cli_errors_name_the_fix(tmp_path, tiny_target_path, capsys):
     rc = cli_main(["eval", "--target", str(tiny_target_path), "--drafter", str(tmp_path / "missing"),
@@ -115,6 +125,12 @@ def test_cli_errors_name_the_fix(tmp_path, tiny_target_path, capsys):
     rc = cli_main(["bench", "--target", str(tiny_target_path), "--drafter", str(tmp_path), "--prompts",
                    str(HELDOUT), "--sweep", "3-1-9"])
     assert rc == 2 and "num_draft_tokens" in capsys.readouterr().err
+    rc = cli_main(["bench", "--target", str(tiny_target_path), "--drafter", str(tmp_path), "--prompts",
+                   str(HELDOUT), "--batch-size", "1,0"])
+    assert rc == 2 and "positive integers" in capsys.readouterr().err
+    rc = cli_main(["bench", "--target", str(tiny_target_path), "--drafter", str(tmp_path), "--prompts",
+                   str(HELDOUT), "--ceiling", "--device", "cpu"])
+    assert rc == 2 and "needs --engine sglang" in capsys.readouterr().err
 
 
 def test_untrained_like_accepts_about_nothing(tiny_engine, trained_drafter, heldout):
