@@ -11,6 +11,8 @@ from collections.abc import Sequence
 # name -> (module, add-arguments function, run function, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str, str, str]] = {
     "tiny-target": ("eaglenest.tiny_cli", "add_arguments", "run", "build the embedded tiny target into a folder"),
+    "standin-target": ("eaglenest.standin_cli", "add_arguments", "run",
+                       "build the GPU stand-in target: a small LM pre-trained on a ShareGPT dump, grown to 8B shape"),
     "capture": ("eaglenest.capture_cli", "add_arguments", "run",
                 "generate answers with the target and capture its aux hidden states (smoke check of an engine)"),
     "regen": ("regen.cli", "add_arguments", "run", "regenerate dataset answers with the target and dump hidden states"),

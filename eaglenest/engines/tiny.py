@@ -106,8 +106,11 @@ def _file_lock(path: Path) -> Iterator[None]:
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
-def build_tokenizer(vocab_size: int):
-    """A byte-level BPE trained on the shipped corpus, wrapped as a transformers fast tokenizer."""
+def build_tokenizer(vocab_size: int, chats: list[dict] | None = None):
+    """A byte-level BPE trained on ``chats`` (default: the shipped corpus), wrapped as a transformers fast tokenizer.
+
+    Special tokens and chat template are the tiny target's, so every target built here speaks one chat format.
+    """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -128,7 +131,7 @@ def build_tokenizer(vocab_size: int):
     )
     fast.chat_template = CHAT_TEMPLATE
     texts = [render_chat_text(fast, c["messages"], tools=c.get("tools"), add_generation_prompt=False)
-             for c in corpus_chats()]
+             for c in (corpus_chats() if chats is None else chats)]
     tok.train_from_iterator(texts, trainer=trainer)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token="<|bos|>", eos_token=EOS_TOKEN, pad_token="<|pad|>",
