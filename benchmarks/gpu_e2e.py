@@ -1,0 +1,553 @@
+"""The whole eaglenest loop on a GPU, one step at a time (driven by benchmarks/gpu_e2e.sh; see its header).
+
+Every step goes through eaglenest's own CLI the way a user runs it (``ray job submit -- eaglenest regen``, ``eaglenest
+train`` as a Ray job, ``eaglenest preflight``, ``ray job submit -- eaglenest serve`` + the official ``openai``
+client, ``eaglenest bench`` with ``--ceiling``: every draft token accepted), except two measurements that need
+SGLang itself as the reference: its own offline ``Engine.generate`` (regen's throughput yardstick), and the seed's
+bug (the trained drafter forced through raw ``sglang.Engine`` under ``EAGLE``).
+
+    python benchmarks/gpu_e2e.py step NAME      # one step; its record goes to $E2E_WORK/results/steps/NAME.json
+    python benchmarks/gpu_e2e.py summary        # results/summary.json + summary.txt from every step's record
+
+``E2E_MODE=cpu`` runs the same flow on this CPU with the transformers engine and a tiny stand-in (no SGLang steps):
+the check that the glue works before GPU time is spent.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+import traceback
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+MODE = os.environ.get("E2E_MODE", "gpu")
+WORK = Path(os.environ.get("E2E_WORK", "/tmp/e2e"))
+RESULTS = WORK / "results"
+STANDIN = WORK / "standin"
+MODEL = STANDIN / "model"
+PROMPTS = STANDIN / "prompts"
+CONFIG = WORK / "e2e.yaml"
+REGEN_OUT = WORK / "regen"
+TRAIN_OUT = WORK / "train"
+EXPORT = TRAIN_OUT / "export"
+DASHBOARD_PORT = int(os.environ.get("E2E_DASHBOARD_PORT", "8265"))
+DASHBOARD = f"http://127.0.0.1:{DASHBOARD_PORT}"
+SERVE_PORT = int(os.environ.get("E2E_SERVE_PORT", "8000"))
+METRICS_PORT = int(os.environ.get("E2E_METRICS_PORT", "8080"))
+RUNTIME_ENV = {"excludes": [".venv", ".git", ".work", "demo-work", ".gpu", ".whl", "out", ".gl"]}
+SPEC = {"num_steps": 3, "topk": 1, "num_draft_tokens": 4}
+MAX_NEW_TOKENS = int(os.environ.get("E2E_MAX_NEW_TOKENS", "160" if MODE == "gpu" else "24"))
+REGEN_ACTORS = int(os.environ.get("E2E_REGEN_ACTORS", "1"))
+TRAIN_WORKERS = int(os.environ.get("E2E_TRAIN_WORKERS", "1"))
+
+TINY_STANDIN = {  # CPU smoke shape: same code path, seconds instead of minutes
+    "vocab_size": 800, "hidden_size": 64, "num_layers": 4, "num_heads": 4, "intermediate_size": 128, "seq_len": 64,
+    "batch_size": 4, "train_steps": 30, "warmup_steps": 5, "tokenizer_chats": 300, "heldout_records": 60,
+    "wide": {"hidden_size": 128, "num_layers": 8, "num_heads": 8, "num_kv_heads": 4, "intermediate_size": 256},
+}
+
+
+# ------------------------------------------------------------------------------------------------------- helpers
+def sh(cmd: list[str] | str, *, timeout: float = 600, check: bool = False, env: dict | None = None,
+       log_name: str | None = None) -> subprocess.CompletedProcess:
+    """Run a command, keep its output (and a log file under results/logs when named)."""
+    args = cmd if isinstance(cmd, list) else shlex.split(cmd)
+    print("+ " + " ".join(shlex.quote(a) for a in args), flush=True)
+    res = subprocess.run(args, capture_output=True, text=True, timeout=timeout, env=env or os.environ.copy(),
+                         cwd=ROOT)
+    if log_name:
+        (RESULTS / "logs").mkdir(parents=True, exist_ok=True)
+        (RESULTS / "logs" / f"{log_name}.log").write_text(res.stdout[-200_000:] + "\n--- stderr ---\n"
+                                                          + res.stderr[-200_000:])
+    if check and res.returncode != 0:
+        raise RuntimeError(f"{args[0]} {args[1] if len(args) > 1 else ''} exited {res.returncode}: "
+                           f"{(res.stderr or res.stdout)[-3000:]}")
+    return res
+
+
+def job_submit(job_id: str, *entrypoint: str, wait: bool = True, timeout: float = 900) -> subprocess.CompletedProcess:
+    cmd = ["ray", "job", "submit", "--address", DASHBOARD, "--submission-id", job_id, "--working-dir", str(ROOT),
+           "--runtime-env-json", json.dumps(RUNTIME_ENV), "--entrypoint-num-cpus", "0.25",
+           *([] if wait else ["--no-wait"]), "--", *entrypoint]
+    return sh(cmd, timeout=timeout, log_name=f"job-{job_id}")
+
+
+def job_logs(job_id: str) -> str:
+    return sh(["ray", "job", "logs", "--address", DASHBOARD, job_id], timeout=120).stdout
+
+
+def job_status(job_id: str) -> str:
+    """PENDING / RUNNING / STOPPED / SUCCEEDED / FAILED, from the dashboard's job API."""
+    return str(http_json(f"{DASHBOARD}/api/jobs/{job_id}").get("status"))
+
+
+def _errors(logs: str) -> str:
+    """The lines of a job's log that say what went wrong (Ray tracebacks are long)."""
+    keep = [ln for ln in logs.splitlines() if "Error" in ln or "error:" in ln or "Traceback" in ln]
+    return "\n".join(keep[-15:])[-2500:]
+
+
+def http_json(url: str, timeout: float = 10) -> Any:
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+def load(name: str) -> dict[str, Any]:
+    p = RESULTS / "steps" / f"{name}.json"
+    return json.loads(p.read_text()) if p.is_file() else {}
+
+
+def gpu() -> bool:
+    return MODE == "gpu"
+
+
+# --------------------------------------------------------------------------------------------------------- steps
+def step_standin() -> dict[str, Any]:
+    """Pre-train the small model on the ShareGPT dump and grow it to the 8B-class shape (GPU) / a tiny shape (CPU)."""
+    dump = os.environ.get("E2E_SHAREGPT") or str(WORK / "data" / "ShareGPT_V3_unfiltered_cleaned_split.json")
+    cmd = [sys.executable, "-m", "eaglenest.cli", "standin-target", str(STANDIN), "--sharegpt", dump,
+           "--device", "cuda" if gpu() else "cpu"]
+    if gpu():
+        if os.environ.get("E2E_PRETRAIN_STEPS"):
+            cmd += ["--steps", os.environ["E2E_PRETRAIN_STEPS"]]
+        cmd += ["--max-seconds", os.environ.get("E2E_PRETRAIN_MAX_S", "330")]
+    else:
+        cmd += ["--spec-json", json.dumps(TINY_STANDIN), "--train-prompts", "24", "--heldout-prompts", "8"]
+    res = sh(cmd, timeout=1200, log_name="standin", check=True)
+    report = json.loads((STANDIN / "standin.json").read_text())
+    report["log_tail"] = res.stdout[-1500:]
+    return report
+
+
+def write_configs() -> dict[str, Any]:
+    """The run's eaglenest config, next to the stand-in."""
+    import yaml
+
+    sglang = {"mem_fraction_static": 0.55, "context_length": 2048, "capture_mem_fraction_static": 0.5,
+              "capture_max_tokens": 32768}
+    cfg = {
+        "target": {"model": str(MODEL), "engine": "sglang" if gpu() else "hf", "device": "cuda" if gpu() else "cpu",
+                   "dtype": "bfloat16" if gpu() else "float32", **({"sglang": sglang} if gpu() else {})},
+        "regen": {
+            "sources": [{"name": "sharegpt", "domain": "chat", "adapter": "sharegpt",
+                         "path": str(PROMPTS / "train.jsonl")}],
+            "output": str(REGEN_OUT),
+            "sampling": {"temperature": 0.0, "max_new_tokens": MAX_NEW_TOKENS},
+            "batch_size": 512 if gpu() else 4,  # SGLang batches inside: a big call keeps it full
+            "num_actors": REGEN_ACTORS,
+            "num_cpus_per_actor": 2 if gpu() else 0.5,
+            "num_gpus_per_actor": 1 if gpu() else 0,
+            "max_tokens": 8192,  # prompts are <= 192 tokens; the original answers are long but replaced
+            "rows_per_shard": 128 if gpu() else 8,
+        },
+        "train": {
+            "drafter": {"draft_vocab_size": 32000 if gpu() else 256},
+            "ttt_steps": 7 if gpu() else 3,
+            "batch_size": 8 if gpu() else 4,
+            "max_seq_len": 512 if gpu() else 128,
+            "epochs": int(os.environ.get("E2E_EPOCHS", "2" if gpu() else "2")),
+            "learning_rate": 5e-4 if gpu() else 1e-3,
+            "warmup_ratio": 0.03,
+            "eval_fraction": 0.05,
+            "eval_every": 200 if gpu() else 10,
+            "eval_max_samples": 64,
+            "checkpoint_every": 10_000 if gpu() else 10,
+            "log_every": 50 if gpu() else 5,
+            "num_workers": TRAIN_WORKERS,
+            "use_gpu": gpu(),
+            "cpus_per_worker": 2 if gpu() else 0.5,
+            "run_name": "standin-drafter",
+        },
+        "bench": {"prompts": str(PROMPTS / "heldout.jsonl"), "num_prompts": 24 if gpu() else 6,
+                  "max_new_tokens": 128 if gpu() else 16, "repeats": 2, "sweep": [SPEC]},
+        "serve": {"drafter": str(EXPORT), "spec": SPEC, "port": SERVE_PORT,
+                  "num_gpus_per_replica": 1 if gpu() else 0, "self_test_min_accept_length": 1.2,
+                  "max_prompt_tokens": 1024, "max_tokens_limit": 256},
+    }
+    CONFIG.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return {"config": str(CONFIG), "max_new_tokens": MAX_NEW_TOKENS}
+
+
+def step_configs() -> dict[str, Any]:
+    return write_configs()
+
+
+def _train_prompt_ids() -> list[list[int]]:
+    """regen's own rendering of the train prompts (first user turn + generation prompt), as token ids."""
+    from transformers import AutoTokenizer
+
+    from eaglenest.engines.base import render_chat_ids
+    from eaglenest.engines.standin import chat_of
+
+    tok = AutoTokenizer.from_pretrained(str(MODEL))
+    ids = []
+    for line in (PROMPTS / "train.jsonl").read_text().splitlines():
+        chat = chat_of(json.loads(line))
+        ids.append(render_chat_ids(tok, chat[:1], add_generation_prompt=True))
+    return ids
+
+
+def step_offline_ref() -> dict[str, Any]:
+    """SGLang's own offline Engine.generate on the regen prompts, all in one call (engine start excluded)."""
+    if not gpu():
+        return {"skipped": "needs SGLang (GPU)"}
+    from eaglenest.config import load_config
+    from eaglenest.engines.sglang import sglang_symbol
+    from eaglenest.engines.sglang_args import engine_kwargs
+
+    cfg = load_config(CONFIG)
+    prompts = _train_prompt_ids()
+    kw = engine_kwargs(str(MODEL), cfg.target.sglang, dtype="bfloat16")
+    kw["disable_radix_cache"] = True  # each prompt once; nothing to reuse, as in regen
+    Engine = sglang_symbol("sglang:Engine")
+    t0 = time.perf_counter()
+    eng = Engine(**kw)
+    start_s = time.perf_counter() - t0
+    try:
+        sp = {"temperature": 0.0, "max_new_tokens": MAX_NEW_TOKENS}
+        eng.generate(input_ids=prompts[:64], sampling_params=sp)  # warm-up (kernels, graphs)
+        t0 = time.perf_counter()
+        outs = eng.generate(input_ids=prompts, sampling_params=sp)
+        secs = time.perf_counter() - t0
+    finally:
+        eng.shutdown()
+    tokens = sum(int(o["meta_info"]["completion_tokens"]) for o in outs)
+    return {"prompts": len(prompts), "output_tokens": tokens, "seconds": round(secs, 2),
+            "tokens_per_s": round(tokens / secs, 1), "engine_start_seconds": round(start_s, 1),
+            "note": "engine start and a 64-prompt warm-up excluded; greedy, max_new_tokens as regen"}
+
+
+def _bench_rows(out: Path) -> dict[str, Any]:
+    rows = {}
+    for bs in (1, 8):
+        p = out / f"bench-bs{bs}.json"
+        if p.is_file():
+            r = json.loads(p.read_text())
+            c = r["configs"][0]
+            ceil = next((x for x in r["configs"] if x.get("ceiling")), None)
+            if ceil:
+                rows[f"ceiling_batch_{bs}"] = {"spec_tok_per_s": round(ceil["tok_per_s"], 1),
+                                               "speedup": round(ceil["speedup"], 3),
+                                               "accept_length": round(ceil["accept_length"], 3),
+                                               "baseline_tok_per_s": round(r["baseline"]["tok_per_s"], 1),
+                                               "identical_outputs_fraction": None}
+            rows[f"batch_{bs}"] = {"baseline_tok_per_s": round(r["baseline"]["tok_per_s"], 1),
+                                   "baseline_end_tok_per_s": round(r["baseline"].get("tok_per_s_end", 0), 1),
+                                   "spec_tok_per_s": round(c["tok_per_s"], 1), "speedup": round(c["speedup"], 3),
+                                   "accept_length": round(c["accept_length"], 3),
+                                   "identical_outputs_fraction": c["identical_outputs_fraction"]}
+    return rows
+
+
+def step_ray_start() -> dict[str, Any]:
+    """A Ray head on this machine (dashboard + job API on 127.0.0.1), in its own process group."""
+    env = os.environ.copy()
+    tmp = os.environ.get("E2E_RAY_TEMP", "/tmp/ray")
+    args = ["ray", "start", "--head", "--block", "--node-ip-address=127.0.0.1", "--dashboard-host=127.0.0.1",
+            f"--dashboard-port={DASHBOARD_PORT}", f"--metrics-export-port={METRICS_PORT}", f"--temp-dir={tmp}",
+            "--disable-usage-stats"]
+    if gpu():
+        args += ["--num-gpus", str(int(os.environ.get("E2E_NUM_GPUS", "1")))]
+    else:  # a shared CPU box: ports of our own so another Ray on it is never touched
+        ports = json.loads(os.environ.get("E2E_RAY_PORTS", "{}"))
+        args += [f"--{k}={v}" for k, v in ports.items()] + ["--num-cpus=2"]
+    log = open(RESULTS / "logs" / "ray-head.log", "w")  # noqa: SIM115 - the head outlives this step
+    head = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True, cwd=ROOT)
+    (WORK / "ray-head.pid").write_text(str(head.pid))
+    t0 = time.time()
+    while time.time() - t0 < 180:
+        if sh(["ray", "job", "list", "--address", DASHBOARD], timeout=60).returncode == 0:
+            return {"pid": head.pid, "seconds_to_job_api": round(time.time() - t0, 1), "dashboard": DASHBOARD}
+        if head.poll() is not None:
+            raise RuntimeError(f"ray start exited {head.returncode}: {(RESULTS / 'logs' / 'ray-head.log').read_text()}")
+        time.sleep(2)
+    raise RuntimeError("the dashboard's job API did not answer within 180 s")
+
+
+def step_regen() -> dict[str, Any]:
+    t0 = time.time()
+    res = job_submit("e2e-regen", "eaglenest", "regen", "--config", str(CONFIG), "--output", str(REGEN_OUT),
+                     "--json", timeout=1500)
+    wall = time.time() - t0
+    logs = job_logs("e2e-regen")
+    (RESULTS / "logs" / "job-e2e-regen-logs.log").write_text(logs[-300_000:])
+    manifest = json.loads((REGEN_OUT / "manifest.json").read_text()) if (REGEN_OUT / "manifest.json").is_file() else {}
+    run = manifest.get("last_run", {}) if manifest else {}
+    progress = [ln for ln in logs.splitlines() if "Running Dataset" in ln or "regen progress" in ln
+                or "MapBatches" in ln or "ShardDatasink" in ln]
+    offline = load("offline_ref").get("tokens_per_s")
+    steady = (run.get("steady") or {}).get("tokens_per_second")
+    gen_s = (run.get("engine_seconds") or {}).get("generate")
+    gen_tps = run.get("generated_tokens", 0) / gen_s if gen_s else None
+    return {
+        "status": "ok" if res.returncode == 0 else "error",
+        "error": None if res.returncode == 0 else _errors(logs), "rc": res.returncode,
+        "job_succeeded": "succeeded" in res.stdout, "wall_seconds_incl_job_start": round(wall, 1),
+        "samples": manifest.get("num_samples"), "quarantined": manifest.get("num_quarantined"),
+        "tokens": manifest.get("num_tokens"), "bytes_per_token": manifest.get("bytes_per_token"),
+        "last_run": run,
+        "steady_tokens_per_s": steady, "generate_only_tokens_per_s": round(gen_tps, 1) if gen_tps else None,
+        "offline_engine_generate_tokens_per_s": offline,
+        "steady_vs_offline": round(steady / offline, 3) if steady and offline else None,
+        "generate_only_vs_offline": round(gen_tps / offline, 3) if gen_tps and offline else None,
+        "ray_data_progress_lines_in_job_logs": len(progress), "progress_examples": progress[:3] + progress[-2:],
+    }
+
+
+def step_train() -> dict[str, Any]:
+    t0 = time.time()
+    res = job_submit("e2e-train", "eaglenest", "train", "--config", str(CONFIG), "--data", str(REGEN_OUT),
+                     "--output", str(TRAIN_OUT), timeout=1500)
+    logs = job_logs("e2e-train")
+    (RESULTS / "logs" / "job-e2e-train-logs.log").write_text(logs[-300_000:])
+    metrics = []
+    mfile = TRAIN_OUT / "metrics.jsonl"
+    if mfile.is_file():
+        metrics = [json.loads(x) for x in mfile.read_text().splitlines() if x.strip()]
+    evals = [m for m in metrics if any(k.startswith("eval") for k in m)]
+    return {"status": "ok" if res.returncode == 0 else "error",
+            "error": None if res.returncode == 0 else _errors(logs),
+            "rc": res.returncode, "job_succeeded": "succeeded" in res.stdout,
+            "wall_seconds": round(time.time() - t0, 1),
+            "export": str(EXPORT), "exported": (EXPORT / "config.json").is_file(),
+            "last_metrics": metrics[-1] if metrics else None, "last_eval": evals[-1] if evals else None,
+            "log_tail": logs[-2000:]}
+
+
+def step_preflight() -> dict[str, Any]:
+    engine = "sglang" if gpu() else "hf"
+    ok = sh([sys.executable, "-m", "eaglenest.cli", "preflight", "--target", str(MODEL), "--drafter", str(EXPORT),
+             "--engine", engine], timeout=300, log_name="preflight-eagle3")
+    bad = sh([sys.executable, "-m", "eaglenest.cli", "preflight", "--target", str(MODEL), "--drafter", str(EXPORT),
+              "--engine", engine, "--algorithm", "EAGLE"], timeout=300, log_name="preflight-eagle")
+    refusal = [ln for ln in (bad.stdout + bad.stderr).splitlines() if "EAGLE" in ln][:3]
+    return {"status": "ok" if ok.returncode == 0 and bad.returncode != 0 else "error",
+            "error": None if ok.returncode == 0 else (ok.stdout + ok.stderr)[-1500:],
+            "eagle3_rc": ok.returncode, "eagle3_output_tail": (ok.stdout + ok.stderr)[-800:],
+            "eagle_rc": bad.returncode, "eagle_refused": bad.returncode != 0, "eagle_refusal": refusal}
+
+
+def step_bench() -> dict[str, Any]:
+    out = RESULTS / "bench"
+    extra = ["--ceiling", "--no-drift-check"] if gpu() else []
+    res = sh([sys.executable, "-m", "eaglenest.cli", "bench", "--config", str(CONFIG), "--drafter", str(EXPORT),
+              "--batch-size", "1,8", "--output", str(out), *extra], timeout=1200, log_name="bench")
+    return {"status": "ok" if res.returncode == 0 else "error",
+            "error": None if res.returncode == 0 else res.stderr[-2000:],
+            "rc": res.returncode, **_bench_rows(out), "stdout_tail": res.stdout[-3000:]}
+
+
+def step_serve() -> dict[str, Any]:
+    """``ray job submit -- eaglenest serve``, then the official client (streamed + not), metrics, and a clean stop."""
+    from openai import OpenAI
+
+    rec: dict[str, Any] = {}
+    res = job_submit("e2e-serve", "eaglenest", "serve", "--config", str(CONFIG), "--drafter", str(EXPORT),
+                     "--port", str(SERVE_PORT), wait=False, timeout=300)
+    rec["submit_rc"] = res.returncode
+    t0 = time.time()
+    try:
+        healthy = False
+        while time.time() - t0 < 600:
+            status = job_status("e2e-serve")
+            if status in ("FAILED", "STOPPED", "SUCCEEDED"):
+                raise RuntimeError(f"serve job ended early: {status}\n{job_logs('e2e-serve')[-3000:]}")
+            with contextlib.suppress(OSError), \
+                    urllib.request.urlopen(f"http://127.0.0.1:{SERVE_PORT}/health", timeout=5) as r:
+                healthy = r.status == 200
+            if healthy:
+                break
+            time.sleep(3)
+        rec["seconds_to_healthy"] = round(time.time() - t0, 1)
+        if not healthy:
+            raise RuntimeError("the serve job never became healthy:\n" + job_logs("e2e-serve")[-3000:])
+        client = OpenAI(base_url=f"http://127.0.0.1:{SERVE_PORT}/v1", api_key="none")
+        held = [json.loads(x) for x in (PROMPTS / "heldout.jsonl").read_text().splitlines()]
+        msg = held[0]["messages"]
+        t = time.perf_counter()
+        reply = client.chat.completions.create(model="eaglenest", messages=msg, max_tokens=96, temperature=0)
+        rec["chat"] = {"seconds": round(time.perf_counter() - t, 3), "finish_reason": reply.choices[0].finish_reason,
+                       "text": reply.choices[0].message.content[:300],
+                       "usage": reply.usage.model_dump() if reply.usage else None}
+        t = time.perf_counter()
+        first, chunks, text, usage = None, 0, [], None
+        stream = client.chat.completions.create(model="eaglenest", messages=held[1]["messages"], max_tokens=96,
+                                                temperature=0, stream=True, stream_options={"include_usage": True})
+        for ch in stream:
+            if ch.choices and ch.choices[0].delta.content:
+                first = first or time.perf_counter() - t
+                chunks += 1
+                text.append(ch.choices[0].delta.content)
+            if ch.usage is not None:
+                usage = ch.usage.model_dump()
+        rec["stream"] = {"ttft_seconds": round(first or 0, 4), "chunks": chunks, "text": "".join(text)[:300],
+                         "seconds": round(time.perf_counter() - t, 3), "usage": usage}
+        with contextlib.suppress(OSError):
+            with urllib.request.urlopen(f"http://127.0.0.1:{METRICS_PORT}/metrics", timeout=10) as r:
+                body = r.read().decode()
+            rec["metrics_eaglenest_series"] = sorted({ln.split("{")[0].split(" ")[0] for ln in body.splitlines()
+                                                      if ln.startswith("eaglenest_serve")})[:40]
+        rec["job_logs_tail"] = job_logs("e2e-serve")[-1500:]
+    finally:
+        stop = sh(["ray", "job", "stop", "--address", DASHBOARD, "e2e-serve"], timeout=300)
+        rec["stop_rc"] = stop.returncode
+        time.sleep(3)
+        rec["final_status"] = job_status("e2e-serve")
+    return rec
+
+
+def step_eagle_forced() -> dict[str, Any]:
+    """The seed's bug outside eaglenest: the trained EAGLE-3 drafter through raw sglang.Engine under ``EAGLE``."""
+    if not gpu():
+        return {"skipped": "needs SGLang (GPU)"}
+    from transformers import AutoTokenizer
+
+    from eaglenest.config import SpecConfig, load_config
+    from eaglenest.engines.base import render_chat_ids
+    from eaglenest.engines.sglang import sglang_symbol
+    from eaglenest.engines.sglang_args import spec_meta
+    from eaglenest.engines.sglang_spec import speculative_engine_kwargs
+
+    cfg = load_config(CONFIG)
+    tok = AutoTokenizer.from_pretrained(str(MODEL))
+    held = [json.loads(x) for x in (PROMPTS / "heldout.jsonl").read_text().splitlines()][:32]
+    prompts = [render_chat_ids(tok, r["messages"], add_generation_prompt=True) for r in held]
+    kw, _ = speculative_engine_kwargs(str(MODEL), cfg.target.sglang, EXPORT, SpecConfig(**SPEC), dtype="bfloat16")
+    out: dict[str, Any] = {}
+    for algo in ("EAGLE",):  # what eaglenest refuses and SGLang takes silently (EAGLE3 on the same prompts: bench)
+        kw["speculative_algorithm"] = algo
+        eng = sglang_symbol("sglang:Engine")(**kw)
+        try:
+            outs = eng.generate(input_ids=prompts, sampling_params={"temperature": 0.0, "max_new_tokens": 96})
+        finally:
+            eng.shutdown()
+        metas = [spec_meta(o["meta_info"]) for o in outs]
+        tokens = sum(m.get("completion_tokens", 0) for m in metas)
+        verify = sum(m.get("spec_verify_ct", 0) for m in metas)
+        out[algo] = {"accept_length": round(tokens / verify, 3) if verify else None, "prompts": len(prompts),
+                     "sglang_accepted_launch": True}
+    out["preflight_refusal"] = load("preflight").get("eagle_refusal")
+    return out
+
+
+def step_jobs() -> dict[str, Any]:
+    """What the dashboard's job API lists (the user's view of the run)."""
+    jobs = http_json(f"{DASHBOARD}/api/jobs/")
+    return {"jobs": [{"submission_id": j.get("submission_id"), "status": j.get("status"),
+                      "entrypoint": (j.get("entrypoint") or "")[:120]} for j in jobs]}
+
+
+def step_ray_stop() -> dict[str, Any]:
+    pid_file = WORK / "ray-head.pid"
+    if not pid_file.is_file():
+        return {"stopped": False}
+    pid = int(pid_file.read_text())
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, sig)
+            time.sleep(5)
+    return {"stopped": True}
+
+
+STEPS: dict[str, Callable[[], dict[str, Any]]] = {
+    "standin": step_standin, "configs": step_configs, "offline_ref": step_offline_ref,
+    "ray_start": step_ray_start, "regen": step_regen, "train": step_train, "preflight": step_preflight,
+    "bench": step_bench, "serve": step_serve, "eagle_forced": step_eagle_forced, "jobs": step_jobs,
+    "ray_stop": step_ray_stop,
+}
+
+
+def run_step(name: str) -> int:
+    (RESULTS / "steps").mkdir(parents=True, exist_ok=True)
+    (RESULTS / "logs").mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    try:
+        rec = STEPS[name]()
+        rec.setdefault("status", "ok")
+    except Exception as e:  # noqa: BLE001 - one record per step, whatever failed; later steps still run
+        rec = {"status": "error", "error": f"{type(e).__name__}: {e}"[-3000:],
+               "traceback": traceback.format_exc()[-3000:]}
+    rec["seconds"] = round(time.time() - t0, 1)
+    (RESULTS / "steps" / f"{name}.json").write_text(json.dumps(rec, indent=2, default=str))
+    print(f"== step {name}: {rec['status']} in {rec['seconds']} s", flush=True)
+    if rec["status"] != "ok":
+        print(rec.get("error", ""), flush=True)
+    return 0 if rec["status"] == "ok" else 1
+
+
+# -------------------------------------------------------------------------------------------------------- summary
+def summarize() -> dict[str, Any]:
+    s = {name: load(name) for name in STEPS}
+    bench, regen = s["bench"], s["regen"]
+    lines = [f"== eaglenest GPU end to end ({MODE}) {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}"]
+    for name, rec in s.items():
+        if rec:
+            lines.append(f"-- {name}: {rec.get('status')} in {rec.get('seconds')} s"
+                         + (f" ({rec.get('skipped')})" if rec.get("skipped") else "")
+                         + (f": {rec.get('error', '')[:300]}" if rec.get("status") == "error" else ""))
+    st = s["standin"]
+    if st.get("pretrain"):
+        lines.append(f"stand-in: {st['wide']['base_parameters'] / 1e6:.0f}M pre-trained {st['pretrain']['steps']} "
+                     f"steps in {st['pretrain']['seconds']} s ({st['pretrain']['tokens_per_s']} tok/s, final loss "
+                     f"{st['pretrain']['final_loss']}), grown to {st['wide']['parameters'] / 1e9:.2f}B; "
+                     f"preservation max |dlogit| {st['preservation']['max_abs_logit_diff']:.3g}, top-1 "
+                     f"{st['preservation']['top1_agreement']:.4f}; dump: {st['dump_read']['records']} records "
+                     f"({st['dump_read']['damage'] or 'intact'})")
+    if regen:
+        lines.append(f"regen: {regen.get('samples')} samples, {regen.get('tokens')} tokens, steady "
+                     f"{regen.get('steady_tokens_per_s')} tok/s vs offline Engine.generate "
+                     f"{regen.get('offline_engine_generate_tokens_per_s')} tok/s = {regen.get('steady_vs_offline')}x "
+                     f"(generation only: {regen.get('generate_only_vs_offline')}x); Ray Data progress lines in job "
+                     f"logs: {regen.get('ray_data_progress_lines_in_job_logs')}")
+    for label, key in (("bench (trained drafter, greedy)", "batch"), ("ceiling (every draft token accepted)",
+                                                                         "ceiling_batch")):
+        for bs in (1, 8):
+            r = bench.get(f"{key}_{bs}")
+            if r:
+                lines.append(f"{label} batch {bs}: baseline {r['baseline_tok_per_s']} tok/s, spec "
+                             f"{r['spec_tok_per_s']} tok/s = {r['speedup']}x, accept length {r['accept_length']}, "
+                             f"identical outputs {r['identical_outputs_fraction']}")
+    ef = s["eagle_forced"]
+    if ef.get("EAGLE"):
+        lines.append(f"seed's bug: raw SGLang under EAGLE, same drafter and held-out prompts: accept length "
+                     f"{ef['EAGLE']['accept_length']} (EAGLE3 in the bench above); eaglenest preflight: "
+                     f"{ef.get('preflight_refusal')}")
+    sv = s["serve"]
+    if sv.get("stream"):
+        lines.append(f"serve job: healthy after {sv.get('seconds_to_healthy')} s; stream TTFT "
+                     f"{sv['stream']['ttft_seconds']} s, {sv['stream']['chunks']} chunks, "
+                     f"usage {sv['stream']['usage']}")
+    if s["jobs"].get("jobs"):
+        jobs = s["jobs"]["jobs"]
+        lines.append("dashboard job API: " + ", ".join(f"{j['submission_id']}={j['status']}" for j in jobs))
+    text = "\n".join(lines)
+    (RESULTS / "summary.txt").write_text(text + "\n")
+    (RESULTS / "summary.json").write_text(json.dumps(s, indent=2, default=str))
+    print(text, flush=True)
+    return s
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) >= 2 and argv[0] == "step":
+        return run_step(argv[1])
+    if argv and argv[0] == "summary":
+        summarize()
+        return 0
+    print(__doc__)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
