@@ -11,6 +11,7 @@ eaglenest's config needs pydantic; where it is missing, a stand-in just big enou
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import platform
@@ -39,7 +40,7 @@ def _pydantic_stand_in() -> types.ModuleType:
     class BaseModel:
         def __init__(self, **values):
             for cls in reversed(type(self).__mro__):
-                for name in vars(cls).get("__annotations__", {}):
+                for name in inspect.get_annotations(cls):
                     if name == "model_config":
                         continue
                     d = getattr(cls, name, None)
