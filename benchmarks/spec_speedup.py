@@ -7,7 +7,7 @@ What it does, all inside this process (no Ray, no download; everything is cached
 
 1. Target: a 12-layer, hidden-768 Llama built like the embedded tiny target (same BPE tokenizer, chat template and
    shipped chat corpus, ``eaglenest.engines.tiny``), pre-trained on the corpus on ``--device``. The tiny builder
-   pre-trains single-threaded on the CPU for bit-identical builds, which would take hours at this size, so this
+   pre-trains on the CPU in float64 (builds bit-identical on every CPU), which would take hours at this size, so this
    script runs the same next-token training itself: ``--target-steps`` steps (default 150 on CPU, 300 on CUDA) of
    16 x 64-token windows; the corpus is small and templated, so that is enough for fluent, prompt-dependent
    answers (the script prints three). Its forward costs ~12x the drafter's one layer.

@@ -91,9 +91,17 @@ def test_batched_greedy_equals_one_at_a_time(tiny_engine):
         assert alone.text == b.text and alone.finish_reason == b.finish_reason
 
 
+def _ending_conv(engine, max_new_tokens: int = 64) -> list[dict]:
+    """The first test prompt whose greedy answer ends with EOS in time (which one is up to the weights)."""
+    convs = _convs()
+    gens = engine.generate(convs, SamplingParams(max_new_tokens=max_new_tokens))
+    ending = [c for c, g in zip(convs, gens, strict=True) if g.finish_reason == "stop"]
+    assert ending, [g.text for g in gens]
+    return ending[0]
+
+
 def test_generation_is_sensible_and_ends_with_eos(tiny_engine):
-    g = tiny_engine.generate([[{"role": "user", "content": "Tell me about bob in oslo."}]],
-                             SamplingParams(max_new_tokens=64))[0]
+    g = tiny_engine.generate([_ending_conv(tiny_engine)], SamplingParams(max_new_tokens=64))[0]
     assert g.finish_reason == "stop" and g.token_ids[-1] in tiny_engine.info.eos_token_ids
     # not a degenerate loop: no single token dominates the answer
     top = max(g.token_ids.count(t) for t in set(g.token_ids))
@@ -101,7 +109,7 @@ def test_generation_is_sensible_and_ends_with_eos(tiny_engine):
 
 
 def test_ignore_eos_decodes_exactly_max_new_tokens(tiny_engine):
-    conv = [[{"role": "user", "content": "Tell me about bob in oslo."}]]
+    conv = [_ending_conv(tiny_engine)]
     short = tiny_engine.generate(conv, SamplingParams(max_new_tokens=64))[0]
     assert short.finish_reason == "stop" and len(short.token_ids) < 64
     full = tiny_engine.generate(conv, SamplingParams(max_new_tokens=64, ignore_eos=True))[0]

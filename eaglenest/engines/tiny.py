@@ -2,8 +2,19 @@
 
 It is an ordinary Hugging Face model folder (config.json, model.safetensors, tokenizer files with a chat template)
 that plain ``AutoModelForCausalLM`` / ``AutoTokenizer`` load, so it exercises exactly the loading code of real targets.
-It is briefly pre-trained (single-threaded, deterministic) on the shipped chat corpus so that its continuations
-depend on the context through its hidden states, which is what makes the drafter's layer taps testable.
+It is briefly pre-trained on the shipped chat corpus so that its continuations depend on the context through its
+hidden states, which is what makes the drafter's layer taps testable.
+
+The build is bit-identical on every x86-64 CPU, whatever the thread count, not only from run to run on one machine
+(issue #16). Plain float32 training is not: MKL, oneDNN and ATen pick kernels by instruction set (AVX2, AVX-512, AMX)
+and thread count, whose roundings differ in the last bit, and training at this learning rate is chaotic (a 1e-16
+difference grows to 1e-2 within 60 steps), so the weights and greedy continuations differ between CPU types. So:
+the weights are initialised by eaglenest (not transformers' version-dependent init), pre-training runs in float64
+through a plain-ops forward (``llama_forward``), and after every step each weight is rounded to a multiple of
+``WEIGHT_GRID`` (2^-16). Kernels then differ by ~1e-16 per step (measured: at most 1e-9 of the grid), so the
+rounding maps both CPUs' weights to the same values every step and the differences never compound; the stored
+float32 weights are those exact multiples. What still decides the bits: the corpus, the tokenizer's BPE training (the
+``tokenizers`` package) and this code (``BUILDER_VERSION``). ``weights_digest`` hashes the result; the tests pin it.
 
 Pre-training adds a small penalty on the cosine similarity of adjacent layers' (token-centred) residual states
 (``LAYER_DECORRELATION``). Without it, adjacent hidden states of this small model are ~0.97 cosine-similar, so a
@@ -26,13 +37,26 @@ from importlib import resources
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from eaglenest.config import TinyTargetSpec
 
-BUILDER_VERSION = "2"
+BUILDER_VERSION = "3"
 
 LAYER_DECORRELATION = 0.5
 """weight of the adjacent-layer similarity penalty in pre-training (see the module docstring)"""
+
+ROPE_THETA = 10000.0
+"""RoPE base (Llama's default), set in the config and used by the float64 pre-training forward"""
+
+WEIGHT_GRID = 2.0**-16
+"""pre-training keeps every weight a multiple of this (fixed point, exact in float32 below 256; see the docstring)"""
+
+BUILD_THREADS = 4
+"""at most this many threads pre-train (the grid makes the result independent of the count; more only costs)"""
+
+INIT_STD = 0.02
+"""std of the normal initialisation of every matrix (Llama's ``initializer_range``)"""
 
 SPECIAL_TOKENS = [
     "<|pad|>", "<|bos|>", "<|end|>", "<|system|>", "<|user|>", "<|assistant|>", "<|tool|>",
@@ -65,6 +89,19 @@ def corpus_chats() -> list[dict]:
     """The shipped chats (eaglenest/assets/tiny_corpus.jsonl)."""
     text = resources.files("eaglenest").joinpath("assets/tiny_corpus.jsonl").read_text()
     return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+def corpus_ids(tokenizer) -> list[list[int]]:
+    """The shipped chats as token ids: what pre-training reads (the tokenizer's whole part in the weights)."""
+    from eaglenest.engines.base import render_chat_ids
+
+    return [render_chat_ids(tokenizer, c["messages"], tools=c.get("tools"), add_generation_prompt=False)
+            for c in corpus_chats()]
+
+
+def corpus_ids_digest(tokenizer) -> str:
+    """sha256 of :func:`corpus_ids`: tells a changed tokenizer from changed training numerics."""
+    return hashlib.sha256(json.dumps(corpus_ids(tokenizer)).encode()).hexdigest()
 
 
 def spec_key(spec: TinyTargetSpec) -> str:
@@ -145,8 +182,6 @@ def build_tiny_target(out_dir: str | Path, spec: TinyTargetSpec | None = None) -
     """Build the tiny target into ``out_dir`` (bit-identical for the same spec)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from eaglenest.engines.base import render_chat_ids
-
     spec = spec or TinyTargetSpec()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -160,6 +195,7 @@ def build_tiny_target(out_dir: str | Path, spec: TinyTargetSpec | None = None) -
         num_key_value_heads=spec.num_kv_heads,
         max_position_embeddings=spec.max_position_embeddings,
         rms_norm_eps=1e-5,
+        rope_theta=ROPE_THETA,
         tie_word_embeddings=False,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
@@ -167,17 +203,16 @@ def build_tiny_target(out_dir: str | Path, spec: TinyTargetSpec | None = None) -
         torch_dtype="float32",
     )
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # one thread: same reduction order, same bits on every build
+    torch.set_num_threads(min(threads, BUILD_THREADS))
     try:
-        torch.manual_seed(spec.seed)
-        model = LlamaForCausalLM(cfg).float()
+        model = LlamaForCausalLM(cfg)
+        init_weights(model, spec.seed)
+        snap_to_grid(model)
         if spec.train_steps:
-            chats = corpus_chats()
-            seqs = [render_chat_ids(tokenizer, c["messages"], tools=c.get("tools"), add_generation_prompt=False)
-                    for c in chats]
-            _pretrain(model, seqs, spec, tokenizer.pad_token_id)
+            _pretrain(model, corpus_ids(tokenizer), spec)
     finally:
         torch.set_num_threads(threads)
+    model.float()  # exact: every weight is a multiple of WEIGHT_GRID
     model.eval()
     model.generation_config.do_sample = False
     model.save_pretrained(out, safe_serialization=True)
@@ -187,9 +222,42 @@ def build_tiny_target(out_dir: str | Path, spec: TinyTargetSpec | None = None) -
     return out
 
 
-def _pretrain(model, seqs: list[list[int]], spec: TinyTargetSpec, pad_id: int, seq_len: int = 64,
-              batch_size: int = 16) -> None:
-    """Next-token training on random windows of the corpus; a fixed RNG makes it reproducible."""
+def init_weights(model: torch.nn.Module, seed: int) -> None:
+    """Llama's initialisation (normal matrices, unit norms) in float64, drawn by name from one seeded generator.
+
+    Not transformers' own: its draw order and float32 sampler (which has an AVX2-only variant) may change with the
+    version or the CPU; float64 draws differ at most in the last bit, which snapping to the grid absorbs.
+    """
+    model.double()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _, p in sorted(model.named_parameters()):
+            if p.dim() == 1:
+                p.fill_(1.0)
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float64) * INIT_STD)
+
+
+def snap_to_grid(model: torch.nn.Module) -> None:
+    """Round every weight to the nearest multiple of ``WEIGHT_GRID`` (see the module docstring for why)."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.round(p / WEIGHT_GRID) * WEIGHT_GRID)
+
+
+def weights_digest(folder: str | Path) -> str:
+    """sha256 of the model's tensors (name, dtype, shape, bytes; sorted by name), independent of file metadata."""
+    from safetensors.torch import load_file
+
+    h = hashlib.sha256()
+    for name, t in sorted(load_file(str(Path(folder) / "model.safetensors")).items()):
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _pretrain(model, seqs: list[list[int]], spec: TinyTargetSpec, seq_len: int = 64, batch_size: int = 16) -> None:
+    """Next-token training (float64) on random windows of the corpus; a fixed RNG makes it reproducible."""
     rng = random.Random(spec.seed)
     stream = [t for s in seqs for t in s]
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0, betas=(0.9, 0.98))
@@ -198,22 +266,63 @@ def _pretrain(model, seqs: list[list[int]], spec: TinyTargetSpec, pad_id: int, s
     for _ in range(spec.train_steps):
         starts = [rng.randrange(0, len(stream) - seq_len - 1) for _ in range(batch_size)]
         batch = torch.tensor([stream[s:s + seq_len] for s in starts], dtype=torch.long)
-        out = model(input_ids=batch, labels=batch, output_hidden_states=True)
-        loss = out.loss + LAYER_DECORRELATION * adjacent_layer_similarity(out.hidden_states)
+        logits, layer_outputs = llama_forward(model, batch)
+        lm_loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+        loss = lm_loss + LAYER_DECORRELATION * adjacent_layer_similarity(layer_outputs[:-1])
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
+        snap_to_grid(model)
         sched.step()
     model.eval()
 
 
-def adjacent_layer_similarity(hidden_states) -> torch.Tensor:
-    """Mean squared cosine similarity of adjacent decoder layers' outputs (physical ids 1..N-1), token-centred.
+def llama_forward(model, ids: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Logits and each decoder layer's output of a (float64) ``LlamaForCausalLM``, in plain tensor ops, no cache.
+
+    Why not ``model(ids)``: transformers computes RMSNorm and RoPE in float32 whatever the model's dtype, which would
+    bring the CPU-dependent float32 roundings back into pre-training (and its attention code changes by version).
+    """
+    cfg, m = model.config, model.model
+    b, t = ids.shape
+    heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+    hd = cfg.hidden_size // heads
+    inv_freq = 1.0 / ROPE_THETA ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd)
+    angles = torch.outer(torch.arange(t, dtype=torch.float64), inv_freq).repeat(1, 2)
+    cos, sin = angles.cos(), angles.sin()
+    causal = torch.full((t, t), float("-inf"), dtype=torch.float64).triu(1)
+
+    def norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + cfg.rms_norm_eps))
+
+    def split_heads(x: torch.Tensor, n: int, rope: bool) -> torch.Tensor:  # (b, t, n*hd) -> (b, heads, t, hd)
+        x = x.view(b, t, n, hd).transpose(1, 2)
+        if rope:
+            x = x * cos + torch.cat((-x[..., hd // 2:], x[..., :hd // 2]), dim=-1) * sin
+        return x.repeat_interleave(heads // n, dim=1)
+
+    x = m.embed_tokens.weight[ids]
+    outputs = []
+    for layer in m.layers:
+        att, mlp = layer.self_attn, layer.mlp
+        h = norm(x, layer.input_layernorm.weight)
+        q, k = split_heads(att.q_proj(h), heads, True), split_heads(att.k_proj(h), kv_heads, True)
+        probs = torch.softmax(q @ k.transpose(-1, -2) * hd ** -0.5 + causal, dim=-1)
+        mixed = probs @ split_heads(att.v_proj(h), kv_heads, False)
+        x = x + att.o_proj(mixed.transpose(1, 2).reshape(b, t, -1))
+        h = norm(x, layer.post_attention_layernorm.weight)
+        x = x + mlp.down_proj(F.silu(mlp.gate_proj(h)) * mlp.up_proj(h))
+        outputs.append(x)
+    return model.lm_head(norm(x, m.norm.weight)), outputs
+
+
+def adjacent_layer_similarity(layer_outputs: list[torch.Tensor]) -> torch.Tensor:
+    """Mean squared cosine similarity of adjacent decoder layers' outputs (pass physical ids 1..N-1), token-centred.
 
     Centring per sequence removes the large constant direction every residual stream carries, so the penalty
     acts on what varies from token to token (what a drafter reads).
     """
-    hs = [h - h.mean(dim=1, keepdim=True) for h in hidden_states[1:-1]]
-    sims = [torch.nn.functional.cosine_similarity(hs[i], hs[i + 1], dim=-1).pow(2).mean() for i in range(len(hs) - 1)]
+    hs = [h - h.mean(dim=1, keepdim=True) for h in layer_outputs]
+    sims = [F.cosine_similarity(hs[i], hs[i + 1], dim=-1).pow(2).mean() for i in range(len(hs) - 1)]
     return torch.stack(sims).mean()
