@@ -43,11 +43,16 @@ REASONS = (INVALID_JSON, NOT_AN_OBJECT, MISSING_FIELD, WRONG_TYPE, EMPTY_CONVERS
            EMPTY_MESSAGE, BAD_TOOL_CALL, BAD_NATIVE, TOO_LONG, TOO_SHORT, TOKEN_OUT_OF_RANGE,
            TEMPLATE_NOT_APPEND_ONLY, ASSISTANT_RENDER_MISMATCH, ENGINE_ERROR, DAMAGED_SOURCE)
 
-# What a quarantine reason points at (the alert's runbook reads this split): the dataset's rows, the adapter chosen
-# for the source, the length settings, or the target/engine.
-DATA_REASONS = (INVALID_JSON, NOT_AN_OBJECT, EMPTY_CONVERSATION, EMPTY_MESSAGE, BAD_TOOL_CALL, BAD_NATIVE,
-                TOKEN_OUT_OF_RANGE, DAMAGED_SOURCE)
-ADAPTER_REASONS = (MISSING_FIELD, WRONG_TYPE, UNKNOWN_ROLE, ROLE_ORDER)
+# What a quarantine reason points at (the quarantine alert's annotation and runbook follow this split, checked by
+# tests/test_regen_sources.py): the dataset's rows, the adapter chosen for the source, the length settings, or the
+# target/engine.
+REASON_GROUPS = {
+    "data": (INVALID_JSON, NOT_AN_OBJECT, EMPTY_CONVERSATION, EMPTY_MESSAGE, BAD_TOOL_CALL, BAD_NATIVE,
+             TOKEN_OUT_OF_RANGE, DAMAGED_SOURCE),
+    "adapter": (MISSING_FIELD, WRONG_TYPE, UNKNOWN_ROLE, ROLE_ORDER),
+    "length": (TOO_LONG, TOO_SHORT),
+    "target": (TEMPLATE_NOT_APPEND_ONLY, ASSISTANT_RENDER_MISMATCH, ENGINE_ERROR),
+}
 
 # The record's own id, first field present wins (ShareGPT/xLAM ``id``, UltraChat ``prompt_id``, LMSYS
 # ``conversation_id``, SWE-smith ``instance_id``); records without one get ``<file>#<index>``.

@@ -261,3 +261,17 @@ def test_shards_without_source_id_still_resume_and_train(quirk_run, capsys, ray_
     assert rc == 0 and m["last_run"]["planned"] == 0 and m["num_samples"] == 9
     ds = build_datasets(shard_files(out), fraction=0.0, seed=0)["train"]
     assert ds.count() == 9
+
+
+def test_the_quarantine_alert_says_which_reasons_point_at_data_and_which_at_the_adapter():
+    from regen.adapters import REASON_GROUPS, REASONS
+
+    grouped = [r for rs in REASON_GROUPS.values() for r in rs]
+    assert sorted(grouped) == sorted(REASONS)  # every reason in exactly one group
+    rules = yaml.safe_load((Path(__file__).resolve().parents[1] / "monitoring" / "alerts.yml").read_text())
+    (alert,) = [r for g in rules["groups"] for r in g["rules"] if r.get("alert") == "EaglenestRegenQuarantineRatioHigh"]
+    text = " ".join(alert["annotations"]["description"].split())
+    for group, label in (("adapter", "Points at the adapter (config):"), ("data", "Points at the data:")):
+        after = text[text.index(label):]
+        listed = after[:after.index(" - ")]
+        assert all(r in listed for r in REASON_GROUPS[group]), group
