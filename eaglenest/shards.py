@@ -3,6 +3,10 @@
 A regen output folder holds ``shards/*.parquet`` (one row per sample) and ``manifest.json``. Hidden states are
 stored as raw row-major bytes (``[T, 3H]`` aux, ``[T, H]`` final normed state) in the manifest's dtype, so storage is
 exactly ``8 * H`` bytes per token in bf16 and reading back needs no float parsing.
+
+``source_id`` (the record's own id in its dataset, or ``<file>#<index>``) was added after the first shards were
+written: it is the last column, nullable, and readers must not require it (older shards lack it; same
+``SCHEMA_VERSION``, since nothing that reads hidden states depends on it).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ SHARD_SCHEMA = pa.schema(
         ("num_tokens", pa.int32()),
         ("aux_hidden_states", pa.binary()),
         ("last_hidden_state", pa.binary()),
+        ("source_id", pa.string()),
     ]
 )
 

@@ -15,6 +15,7 @@ import json
 import re
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
@@ -36,10 +37,26 @@ TOKEN_OUT_OF_RANGE = "token_out_of_range"  # native ids outside the target's voc
 TEMPLATE_NOT_APPEND_ONLY = "template_not_append_only"  # the chat template rewrites earlier turns
 ASSISTANT_RENDER_MISMATCH = "assistant_render_mismatch"  # the template renders the target's answer differently
 ENGINE_ERROR = "engine_error"            # the engine failed on this sample alone
+DAMAGED_SOURCE = "damaged_source"        # the file is damaged here (truncated, invalid bytes): reading stopped
 
 REASONS = (INVALID_JSON, NOT_AN_OBJECT, MISSING_FIELD, WRONG_TYPE, EMPTY_CONVERSATION, UNKNOWN_ROLE, ROLE_ORDER,
            EMPTY_MESSAGE, BAD_TOOL_CALL, BAD_NATIVE, TOO_LONG, TOO_SHORT, TOKEN_OUT_OF_RANGE,
-           TEMPLATE_NOT_APPEND_ONLY, ASSISTANT_RENDER_MISMATCH, ENGINE_ERROR)
+           TEMPLATE_NOT_APPEND_ONLY, ASSISTANT_RENDER_MISMATCH, ENGINE_ERROR, DAMAGED_SOURCE)
+
+# What a quarantine reason points at (the quarantine alert's annotation and runbook follow this split, checked by
+# tests/test_regen_sources.py): the dataset's rows, the adapter chosen for the source, the length settings, or the
+# target/engine.
+REASON_GROUPS = {
+    "data": (INVALID_JSON, NOT_AN_OBJECT, EMPTY_CONVERSATION, EMPTY_MESSAGE, BAD_TOOL_CALL, BAD_NATIVE,
+             TOKEN_OUT_OF_RANGE, DAMAGED_SOURCE),
+    "adapter": (MISSING_FIELD, WRONG_TYPE, UNKNOWN_ROLE, ROLE_ORDER),
+    "length": (TOO_LONG, TOO_SHORT),
+    "target": (TEMPLATE_NOT_APPEND_ONLY, ASSISTANT_RENDER_MISMATCH, ENGINE_ERROR),
+}
+
+# The record's own id, first field present wins (ShareGPT/xLAM ``id``, UltraChat ``prompt_id``, LMSYS
+# ``conversation_id``, SWE-smith ``instance_id``); records without one get ``<file>#<index>``.
+SOURCE_ID_FIELDS = ("id", "prompt_id", "conversation_id", "instance_id", "uuid", "question_id", "sample_id")
 
 OK = "ok"
 
@@ -63,6 +80,9 @@ NORMALIZED_SCHEMA = pa.schema([
     ("status", pa.string()),  # "ok" or a quarantine reason
     ("detail", pa.string()),
     ("raw", pa.string()),  # the input row as JSON (what quarantine keeps)
+    ("source_id", pa.string()),  # the record's own id, or <file>#<index>
+    ("leading_turns_dropped", pa.int32()),  # non-user turns before the first user turn (normalization note)
+    ("empty_exchanges_dropped", pa.int32()),  # exchanges dropped for an empty user/tool turn (normalization note)
 ])
 
 QUARANTINE_SCHEMA = pa.schema([
@@ -71,6 +91,7 @@ QUARANTINE_SCHEMA = pa.schema([
     ("reason", pa.string()),
     ("detail", pa.string()),
     ("raw", pa.string()),
+    ("source_id", pa.string()),  # added with issue #13; older quarantine files lack it (readers must not need it)
 ])
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -235,6 +256,48 @@ def _tools(value: Any, where: str = "tools") -> list[dict[str, Any]] | None:
 def _msg(role: str, content: str | None, reasoning: str | None = None,
          tool_calls: list[dict] | None = None) -> dict[str, Any]:
     return {"role": role, "content": content, "reasoning_content": reasoning, "tool_calls": tool_calls or None}
+
+
+@dataclass
+class Repaired:
+    """A conversation after the keep-what-is-usable rules, and what they removed (reported as notes, per source)."""
+
+    messages: list[dict[str, Any]]
+    leading_turns_dropped: int = 0
+    empty_exchanges_dropped: int = 0
+
+
+def _is_empty(m: dict[str, Any]) -> bool:
+    return isinstance(m.get("content"), str) and not m["content"].strip()
+
+
+def repair_conversation(messages: list[dict[str, Any]]) -> Repaired:
+    """Keep what is usable, as EAGLE data pipelines do (docs/OPERATIONS.md, "Normalization rules").
+
+    Split ShareGPT chats often start mid-exchange with a ``gpt`` turn, and dumps carry empty human turns; quarantining
+    the whole conversation for either loses most of a public dump. So: an empty leading system message is dropped;
+    assistant/tool turns before the first user turn are dropped; an exchange (a user turn and everything up to the
+    next user turn) holding an empty user or tool turn is dropped. ``None`` content is not "empty": it stays a
+    ``missing_field`` for :func:`validate_conversation`.
+    """
+    msgs = list(messages)
+    head: list[dict[str, Any]] = []
+    if msgs and msgs[0]["role"] == "system":
+        first = msgs.pop(0)
+        if not _is_empty(first):
+            head.append(first)
+    lead = 0
+    while msgs and msgs[0]["role"] in ("assistant", "tool"):
+        msgs.pop(0)
+        lead += 1
+    exchanges: list[list[dict[str, Any]]] = []
+    for m in msgs:
+        if m["role"] == "user" or not exchanges:
+            exchanges.append([m])
+        else:
+            exchanges[-1].append(m)
+    kept = [ex for ex in exchanges if not any(m["role"] in ("user", "tool") and _is_empty(m) for m in ex)]
+    return Repaired(head + [m for ex in kept for m in ex], lead, len(exchanges) - len(kept))
 
 
 def validate_conversation(messages: list[dict[str, Any]]) -> None:
@@ -421,36 +484,63 @@ ADAPTERS: dict[str, Callable[[dict], Conversation]] = {
 
 
 # ---------------------------------------------------------------------------------------------------- normalize
-def normalize_record(record: Any, adapter: str, *, source: str, domain: str) -> dict[str, Any]:
-    """One input record (a jsonl line as text, or a parsed row) -> a row of :data:`NORMALIZED_SCHEMA`."""
+def source_id(row: Any, fallback: str | None) -> str | None:
+    """The record's own id (:data:`SOURCE_ID_FIELDS`), else ``fallback`` (``<file>#<index>``)."""
+    if isinstance(row, dict):
+        for name in SOURCE_ID_FIELDS:
+            v = row.get(name)
+            if isinstance(v, (str, int)) and not isinstance(v, bool) and str(v).strip():
+                return str(v)
+    return fallback
+
+
+def normalize_record(record: Any, adapter: str, *, source: str, domain: str,
+                     fallback_id: str | None = None, where: str | None = None) -> dict[str, Any]:
+    """One input record (a jsonl line as text, or a parsed row) -> a row of :data:`NORMALIZED_SCHEMA`.
+
+    ``fallback_id`` is the ``source_id`` of a record without an id of its own; ``where`` (file and line) prefixes
+    the detail of a line that is not JSON, so the operator can find it.
+    """
     if isinstance(record, str):
         raw = record
         try:
             row = json.loads(record)
         except json.JSONDecodeError as e:
-            return _bad(raw, source, domain, INVALID_JSON, f"line is not JSON ({e.msg} at column {e.colno})")
+            at = f"{where}: " if where else ""
+            return bad_row(raw, source, domain, INVALID_JSON, f"{at}line is not JSON ({e.msg} at column {e.colno})",
+                        fallback_id)
     else:
         row, raw = record, raw_json(record)
+    sid = source_id(row, fallback_id)
     if not isinstance(row, dict):
-        return _bad(raw, source, domain, NOT_AN_OBJECT, f"expected a JSON object, got {type(row).__name__}")
+        return bad_row(raw, source, domain, NOT_AN_OBJECT, f"expected a JSON object, got {type(row).__name__}", sid)
+    fixed = Repaired([])
     try:
         conv = ADAPTERS[adapter](row)
         if not conv.native:
+            fixed = repair_conversation(conv.messages)
+            conv.messages = fixed.messages
+            if fixed.empty_exchanges_dropped and not any(m["role"] == "user" for m in conv.messages):
+                raise BadRow(EMPTY_CONVERSATION, f"no user turn left after dropping {fixed.empty_exchanges_dropped} "
+                                                 "exchange(s) with an empty turn")
             validate_conversation(conv.messages)
     except BadRow as e:
-        return _bad(raw, source, domain, e.reason, e.detail)
+        return bad_row(raw, source, domain, e.reason, e.detail, sid)
     return {
         "id": conversation_id(conv), "source": source, "domain": domain,
         "messages": [_to_arrow_message(m) for m in conv.messages],
         "tools": None if conv.tools is None else _canon(conv.tools),
         "native": conv.native, "native_input_ids": conv.native_input_ids, "native_loss_mask": conv.native_loss_mask,
-        "status": OK, "detail": None, "raw": raw,
+        "status": OK, "detail": None, "raw": raw, "source_id": sid,
+        "leading_turns_dropped": fixed.leading_turns_dropped, "empty_exchanges_dropped": fixed.empty_exchanges_dropped,
     }
 
 
-def _bad(raw: str, source: str, domain: str, reason: str, detail: str) -> dict[str, Any]:
+def bad_row(raw: str, source: str, domain: str, reason: str, detail: str, sid: str | None = None) -> dict[str, Any]:
+    """A quarantine row of :data:`NORMALIZED_SCHEMA` (id = hash of the raw text: stable, so reruns find it done)."""
     return {"id": raw_id(raw), "source": source, "domain": domain, "messages": [], "tools": None, "native": False,
-            "native_input_ids": None, "native_loss_mask": None, "status": reason, "detail": detail, "raw": raw}
+            "native_input_ids": None, "native_loss_mask": None, "status": reason, "detail": detail, "raw": raw,
+            "source_id": sid, "leading_turns_dropped": 0, "empty_exchanges_dropped": 0}
 
 
 def _to_arrow_message(m: dict[str, Any]) -> dict[str, Any]:
@@ -462,6 +552,18 @@ def normalize_records(records: Iterable[Any], adapter: str, *, source: str, doma
     """A batch of records -> a :data:`NORMALIZED_SCHEMA` table (never raises on bad data)."""
     rows = [normalize_record(r, adapter, source=source, domain=domain) for r in records]
     return pa.Table.from_pylist(rows, schema=NORMALIZED_SCHEMA)
+
+
+def damage_row(source: str, domain: str, *, file: str, offset: int, message: str, records_before: int) -> dict:
+    """The quarantine row of a damaged file: one per (file, offset, message), so a rerun finds it already done."""
+    facts = {"file": file, "offset": offset, "message": message, "records_before": records_before}
+    raw = _canon(facts)
+    detail = (f"{file}: damaged at byte {offset}: {message}; the {records_before} record(s) before it were read, "
+              "the rest of the file was not")
+    return {"id": _hash("damage", source, file, str(offset), message), "source": source, "domain": domain,
+            "messages": [], "tools": None, "native": False, "native_input_ids": None, "native_loss_mask": None,
+            "status": DAMAGED_SOURCE, "detail": detail, "raw": raw, "source_id": f"{Path(file).name}@{offset}",
+            "leading_turns_dropped": 0, "empty_exchanges_dropped": 0}
 
 
 def template_messages(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:

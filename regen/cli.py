@@ -34,6 +34,8 @@ def run(args: argparse.Namespace) -> int:
 
 def format_summary(s: dict[str, Any]) -> str:
     """Counts per source and per quarantine reason, as the operator reads them at the end of a job."""
+    from regen.sources import damage_line
+
     lines = [f"regen output: {s['output']}",
              f"{'source':<22}{'inputs':>8}{'samples':>9}{'quarantined':>13}{'duplicates':>12}"]
     names = list(s.get("inputs_per_source", {}))
@@ -44,9 +46,16 @@ def format_summary(s: dict[str, Any]) -> str:
                  f"{s.get('num_quarantined', 0):>13}{sum(s['duplicates_per_source'].values()):>12}")
     lines.append("quarantined per reason: " + (", ".join(f"{r} {n}" for r, n in s["quarantined_per_reason"].items())
                                                or "none"))
+    for name, notes in s.get("normalize_notes_per_source", {}).items():
+        if any(notes.values()):
+            lines.append(f"normalized {name}: {notes.get('leading_turns_dropped', 0)} conversation(s) started with "
+                         f"non-user turns (dropped), {notes.get('empty_exchanges_dropped', 0)} exchange(s) with an "
+                         "empty turn dropped")
+    lines.extend(damage_line(d) for d in s.get("damaged_sources", []))
     run = s.get("last_run", {})
     lines.append(f"this run: {run.get('written', 0)} samples written, {run.get('generated_tokens', 0)} generated "
                  f"tokens, {run.get('truncated_turns', 0)} turns closed at max_new_tokens, "
+                 f"{run.get('dropped_turns', 0)} turns cut at max_tokens, "
                  f"{run.get('already_done', 0)} already done, {run.get('wall_seconds', 0)} s")
     lines.append(f"tokens: {s['num_tokens']} ({s['num_loss_tokens']} in the loss), "
                  f"{s['bytes_per_token']:.0f} bytes/token of hidden states ({s['dtype']})")

@@ -29,7 +29,7 @@ from regen.output import (
     scan_completed,
     write_final_manifest,
 )
-from regen.sources import build_plan, check_sources, data_context
+from regen.sources import build_plan, check_sources, damage_line, data_context
 
 LOCAL_RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled",
                  "RAY_USAGE_STATS_ENABLED": "0"}
@@ -123,6 +123,8 @@ def _run_locked(cfg: EaglenestConfig, sources: list, out_dir: Path, limit: int |
         log(f"regen: planned {plan.planned} samples for the engines; {sum(n for _, n in q_now)} rows quarantined while "
             f"normalizing, {sum(plan.duplicates_per_source.values())} duplicates, "
             f"{sum(plan.already_done_per_source.values())} already done")
+        for d in plan.damaged:
+            log(f"regen: {damage_line(d)}")
         totals: dict[str, int] = {}
         engine_version = None
         batches: list = []
@@ -144,6 +146,8 @@ def _run_locked(cfg: EaglenestConfig, sources: list, out_dir: Path, limit: int |
     extra = {
         "inputs_per_source": plan.inputs_per_source,
         "duplicates_per_source": plan.duplicates_per_source,
+        "damaged_sources": plan.damaged,
+        "normalize_notes_per_source": plan.notes_per_source,
         "sources": [{k: v for k, v in s.model_dump().items() if v is not None and k != "sampling"}
                     for s in sources],
         "last_run": {"planned": plan.planned, "already_done": sum(plan.already_done_per_source.values()),

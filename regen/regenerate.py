@@ -13,9 +13,10 @@ Decisions (documented here, tested in tests/test_regen_regenerate.py):
 - A turn that stops at ``max_new_tokens`` without the end-of-turn token is kept (its tokens are genuine target
   output) and closed with the template's end-of-turn token, which gets loss 0 (the target did not generate it), so
   later turns see a well-formed history. Such turns are counted (``truncated_turns``).
-- A conversation that grows past ``max_tokens`` during regeneration is cut at the last complete assistant turn that
-  fits (the later turns are counted in ``dropped_turns``); if not even the first turn fits it is quarantined
-  ``too_long``. Inputs longer than ``max_tokens`` are quarantined before any generation (the length filter).
+- The budget ``max_tokens`` is prompt + regenerated answers: a conversation is extended turn by turn while it fits and
+  cut at the last complete assistant turn that does (the later turns are counted in ``dropped_turns``); only when
+  not even the first exchange fits is it quarantined ``too_long`` (a first prompt at or over the budget is refused
+  before any generation). The original answers' length plays no part: the target replaces them.
 - The target's answer enters the history as a structured message (reasoning content, tool calls) when the template
   renders that back to exactly the generated text, else as plain content; if neither reproduces the generated text
   the sample is quarantined ``assistant_render_mismatch`` (the ids would not be what a server shows the target).
@@ -40,7 +41,6 @@ from regen.adapters import (
     TEMPLATE_NOT_APPEND_ONLY,
     TOKEN_OUT_OF_RANGE,
     TOO_LONG,
-    conversation_tokens,
     length_problem,
     parse_tools,
     split_reasoning,
@@ -62,6 +62,7 @@ class Sample:
     native_input_ids: list[int] | None = None
     native_loss_mask: list[int] | None = None
     raw: str = ""
+    source_id: str | None = None  # the record's own id in its dataset (or <file>#<index>)
 
 
 @dataclass
@@ -192,11 +193,7 @@ class Regenerator:
         if msgs and msgs[-1]["role"] != "assistant":
             slots.append(len(msgs))  # a trailing user/tool turn gets an answer too
         st = _State(s, msgs, tools, slots, sampling)
-        problem = length_problem(conversation_tokens(self.tok, s.messages, s.tools), 0, self.max_tokens)
-        if problem:
-            st.fail(*problem)
-            return st
-        self._open_turn(st)
+        self._open_turn(st)  # no length filter on the original answers: the target's own answers decide
         return st
 
     def _check_native(self, st: _State) -> None:

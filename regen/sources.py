@@ -6,8 +6,10 @@ every rerun. Rows already recorded in the output folder are skipped (resume); ro
 written to quarantine right away; the rest is written as the run's plan (``DIR/plan/*.parquet``), one file per engine
 batch so the actor pool gets many blocks to spread.
 
-JSONL is read with ``read_text`` and parsed per line: Arrow's JSON reader rejects a whole file for one broken line
-or a type change between rows, and a bad row must be quarantined, not fatal.
+Files are read incrementally in one Ray Data read task per source (:mod:`regen.readers`: JSONL by line, JSON arrays
+by element, parquet by row group), normalized as they are read, and reading stops at the source's cap: memory is
+bounded by a block of records, not the file, and a damaged file yields the records before the damage plus one
+``damaged_source`` quarantine row instead of an exception.
 """
 
 from __future__ import annotations
@@ -21,16 +23,28 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
+from ray.data.block import BlockMetadata
+from ray.data.datasource import Datasource, ReadTask
 
 from eaglenest.config import ConfigError, SourceConfig
-from regen.adapters import NORMALIZED_SCHEMA, OK, Deduplicator, normalize_records
+from regen.adapters import (
+    DAMAGED_SOURCE,
+    INVALID_JSON,
+    NORMALIZED_SCHEMA,
+    OK,
+    Deduplicator,
+    bad_row,
+    damage_row,
+    normalize_record,
+)
+from regen.readers import JSON_SUFFIXES, PARQUET_SUFFIXES, Damage, Item, iter_file, iter_rows
 
 if TYPE_CHECKING:
     from regen.output import Completed
 
 READ_CPUS = 0.25  # fractional: on a 2-core box whole-CPU read tasks starve the engine actors (and vice versa)
-PARQUET_SUFFIXES = (".parquet", ".pq")
-JSON_SUFFIXES = (".jsonl", ".json", ".ndjson")
+BLOCK_ROWS = 256  # records per block out of the read task
+BLOCK_BYTES = 8 << 20  # ... or fewer, once their raw text reaches this size
 
 
 class SourceError(ConfigError):
@@ -69,47 +83,77 @@ def _require_datasets(s: SourceConfig) -> Any:
     return datasets
 
 
-def _json_array_elements(row: dict[str, Any]) -> list[dict[str, str]]:
-    """A ``.json`` file holding one array (ShareGPT dumps) -> one text line per element."""
-    data = json.loads(row["bytes"])
-    items = data if isinstance(data, list) else [data]
-    return [{"text": json.dumps(x, ensure_ascii=False)} for x in items]
+def normalized_blocks(src: SourceConfig, cap: int | None, rows_per_block: int = BLOCK_ROWS) -> Iterator[pa.Table]:
+    """Read one source incrementally and normalize as it goes: small :data:`NORMALIZED_SCHEMA` tables.
+
+    Runs inside the read task; memory is one block of records, whatever the file's size. A damaged file ends with
+    one ``damaged_source`` row (file, byte offset, the parser's message) after the rows read before the damage.
+    """
+    name = src.hub_id or Path(src.path or "").name
+    if src.hub_id:
+        split = src.split if cap is None else f"{src.split}[:{cap}]"
+        items: Iterator[Item] = iter_rows(_require_datasets(src).load_dataset(src.hub_id, split=split), name, cap)
+    else:
+        items = iter_file(src.path or "", cap)
+    rows: list[dict[str, Any]] = []
+    size = 0
+    for item in items:
+        if isinstance(item, Damage):
+            rows.append(damage_row(src.name, src.domain, file=item.file, offset=item.offset, message=item.message,
+                                   records_before=item.records_before))
+            break
+        if item.error is not None:
+            row = bad_row(item.value, src.name, src.domain, INVALID_JSON, item.error, f"{name}#{item.index}")
+        else:
+            row = normalize_record(item.value, src.adapter, source=src.name, domain=src.domain,
+                                   fallback_id=f"{name}#{item.index}", where=item.where)
+        rows.append(row)
+        size += len(row["raw"] or "")
+        if len(rows) >= rows_per_block or size >= BLOCK_BYTES:
+            yield pa.Table.from_pylist(rows, schema=NORMALIZED_SCHEMA)
+            rows, size = [], 0
+    if rows:
+        yield pa.Table.from_pylist(rows, schema=NORMALIZED_SCHEMA)
 
 
-def _normalize_batch(batch: pa.Table, *, kind: str, adapter: str, source: str, domain: str) -> pa.Table:
-    records = batch.column("text").to_pylist() if kind == "lines" else batch.to_pylist()
-    return normalize_records(records, adapter, source=source, domain=domain)
+class SourceDatasource(Datasource):
+    """One read task per source that streams its records (see :mod:`regen.readers`) and normalizes them.
+
+    One task keeps file order and lets the reader stop at the cap; Ray Data stores each yielded block as it comes,
+    so the worker never holds more than one block.
+    """
+
+    def __init__(self, src: SourceConfig, cap: int | None):
+        super().__init__()
+        self.src, self.cap = src, cap
+
+    def get_name(self) -> str:
+        return "ReadSource"
+
+    def estimate_inmemory_data_size(self) -> int | None:
+        return None
+
+    def get_read_tasks(self, parallelism: int, per_task_row_limit: int | None = None,
+                       data_context: Any = None) -> list[ReadTask]:
+        src, cap = self.src, self.cap
+        files = [src.path] if src.path else []
+        meta = BlockMetadata(num_rows=None, size_bytes=None, exec_stats=None, input_files=files)
+        return [ReadTask(lambda: normalized_blocks(src, cap), meta, schema=NORMALIZED_SCHEMA,
+                         per_task_row_limit=per_task_row_limit)]
 
 
 def source_dataset(src: SourceConfig, cap: int | None) -> Any:
-    """A Ray dataset of :data:`NORMALIZED_SCHEMA` rows for one source (at most ``cap`` input rows)."""
+    """A Ray dataset of :data:`NORMALIZED_SCHEMA` rows for one source (at most ``cap`` input records read)."""
     import ray
 
-    if src.hub_id:
-        datasets = _require_datasets(src)
-        split = src.split if cap is None else f"{src.split}[:{cap}]"
-        ds, kind = ray.data.from_huggingface(datasets.load_dataset(src.hub_id, split=split)), "records"
-    else:
-        path = Path(src.path or "")
-        if path.name.endswith(PARQUET_SUFFIXES):
-            ds, kind = ray.data.read_parquet(str(path), num_cpus=READ_CPUS, file_extensions=None), "records"
-        elif _is_json_array(path):
-            ds = ray.data.read_binary_files(str(path), num_cpus=READ_CPUS, file_extensions=None)
-            ds, kind = ds.flat_map(_json_array_elements, num_cpus=READ_CPUS), "lines"
-        else:
-            ds, kind = ray.data.read_text(str(path), num_cpus=READ_CPUS, file_extensions=None), "lines"
-    if cap is not None:
-        ds = ds.limit(cap)
-    return ds.map_batches(_normalize_batch, batch_format="pyarrow", num_cpus=READ_CPUS, batch_size=512,
-                          fn_kwargs={"kind": kind, "adapter": src.adapter, "source": src.name, "domain": src.domain})
+    return ray.data.read_datasource(SourceDatasource(src, cap), num_cpus=READ_CPUS, override_num_blocks=1)
 
 
-def _is_json_array(path: Path) -> bool:
-    if not path.name.endswith(".json"):
-        return False
-    with open(path, "rb") as fh:
-        head = fh.read(4096).lstrip()
-    return head.startswith(b"[")
+def damage_line(d: dict[str, Any]) -> str:
+    """What the operator reads about a damaged source (log, summary)."""
+    return (f"DAMAGED source {d['source']!r}: {d['file']} stops being readable at byte {d['offset']} "
+            f"({d['message']}); the {d['records_before']} record(s) before it were used, the rest of the file was "
+            "not read (quarantined once as damaged_source)")
 
 
 # ---------------------------------------------------------------------------------------------------- planning
@@ -125,6 +169,8 @@ class Plan:
     planned_per_source: dict[str, int] = field(default_factory=dict)
     quarantined_now: dict[tuple[str, str], int] = field(default_factory=dict)
     plan_ids: list[str] = field(default_factory=list)
+    damaged: list[dict[str, Any]] = field(default_factory=list)  # {source, file, offset, message, records_before}
+    notes_per_source: dict[str, dict[str, int]] = field(default_factory=dict)  # normalization notes (not quarantine)
 
 
 class _PlanWriter:
@@ -196,21 +242,28 @@ def build_plan(sources: list[SourceConfig], out_dir: Path, *, limit: int | None,
         for d in (plan.inputs_per_source, plan.duplicates_per_source, plan.already_done_per_source,
                   plan.planned_per_source):
             d[s.name] = 0
+        plan.notes_per_source[s.name] = {"leading_turns_dropped": 0, "empty_exchanges_dropped": 0}
     dedup = Deduplicator()
     writer = _PlanWriter(plan_dir, rows_per_file)
     bad: list[dict[str, Any]] = []
     for batch in iter_normalized(sources, limit):
         for row in batch.to_pylist():
             src = row["source"]
-            plan.inputs_per_source[src] += 1
-            if not dedup.first(row["id"], src):
-                continue
+            if row["status"] == DAMAGED_SOURCE:  # not an input record: where the file stopped being readable
+                plan.damaged.append({"source": src, **json.loads(row["raw"])})
+            else:
+                plan.inputs_per_source[src] += 1
+                if not dedup.first(row["id"], src):
+                    continue
+                notes = plan.notes_per_source[src]
+                notes["leading_turns_dropped"] += bool(row["leading_turns_dropped"])
+                notes["empty_exchanges_dropped"] += row["empty_exchanges_dropped"] or 0
             if row["id"] in completed:
                 plan.already_done_per_source[src] += 1
                 continue
             if row["status"] != OK:
                 bad.append({"id": row["id"], "source": src, "reason": row["status"], "detail": row["detail"],
-                            "raw": row["raw"]})
+                            "raw": row["raw"], "source_id": row["source_id"]})
                 key = (src, row["status"])
                 plan.quarantined_now[key] = plan.quarantined_now.get(key, 0) + 1
                 continue

@@ -37,6 +37,7 @@ RESULT_SCHEMA = pa.schema([
     ("generated_tokens", pa.int32()),
     ("truncated_turns", pa.int32()),
     ("dropped_turns", pa.int32()),
+    ("source_id", pa.string()),
 ])
 
 
@@ -50,19 +51,19 @@ def results_table(results: list[Result]) -> pa.Table:
                          "aux_hidden_states": r.aux_hidden_states, "last_hidden_state": r.last_hidden_state,
                          "status": OK, "reason": None, "detail": None, "raw": None,
                          "generated_tokens": r.generated_tokens, "truncated_turns": r.truncated_turns,
-                         "dropped_turns": r.dropped_turns})
+                         "dropped_turns": r.dropped_turns, "source_id": s.source_id})
         else:
             assert isinstance(r, Quarantined)
             rows.append({"id": s.id, "source": s.source, "domain": s.domain, "status": r.reason,
                          "reason": r.reason, "detail": r.detail, "raw": s.raw, "generated_tokens": 0,
-                         "truncated_turns": 0, "dropped_turns": 0})
+                         "truncated_turns": 0, "dropped_turns": 0, "source_id": s.source_id})
     return pa.Table.from_pylist(rows, schema=RESULT_SCHEMA)
 
 
 def samples_from_table(batch: pa.Table) -> list[Sample]:
     return [Sample(id=r["id"], source=r["source"], domain=r["domain"], messages=r["messages"] or [],
                    tools=r["tools"], native=bool(r["native"]), native_input_ids=r["native_input_ids"],
-                   native_loss_mask=r["native_loss_mask"], raw=r["raw"] or "")
+                   native_loss_mask=r["native_loss_mask"], raw=r["raw"] or "", source_id=r.get("source_id"))
             for r in batch.to_pylist()]
 
 

@@ -81,7 +81,8 @@ def test_ids_and_masks_follow_the_template(tiny_engine, regenerated):
     samples, results = regenerated
     assert all(isinstance(r, Regenerated) for r in results), [getattr(r, "detail", "") for r in results]
     for s, r in zip(samples, results, strict=True):
-        n_assistant = sum(m["role"] == "assistant" for m in s.messages)
+        # every assistant turn is regenerated, and a trailing user turn (a split chat's last part) gets an answer
+        n_assistant = sum(m["role"] == "assistant" for m in s.messages) + (s.messages[-1]["role"] != "assistant")
         assert len(r.assistant_turns) == n_assistant >= 1
         # the whole sequence is exactly the template's rendering of the conversation with the target's answers
         want = render_chat_text(tok, final_conversation(s, r.assistant_turns), tools=json.loads(s.tools)
