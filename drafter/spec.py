@@ -50,6 +50,7 @@ import torch
 from drafter.model import Eagle3Drafter
 from drafter.spec_cache import additive_mask, block_mask, causal_block, commit_block, select_rows
 from drafter.spec_draft import DraftModel, Eagle3DraftModel, FeedMode
+from drafter.spec_logits import TokenLogprob, context_mask, penalize, penalize_tree, token_logprobs
 from drafter.spec_sampling import Acceptance, accept_greedy, accept_sampling, target_probs
 from drafter.spec_tree import DraftTree, build_tree, root_only
 from eaglenest.config import SpecConfig
@@ -112,6 +113,8 @@ class StreamChunk:
     finish_reason: str | None = None
     result: SpecResult | None = None
     """the whole request, on the last chunk"""
+    logprobs: list[TokenLogprob] | None = None
+    """one entry per token of ``token_ids`` when the sampling asked for logprobs"""
 
 
 @dataclass
@@ -125,6 +128,8 @@ class _Row:
     prefill_s: float = 0.0
     start: float = 0.0
     end: float = 0.0
+    step_logprobs: list[TokenLogprob] | None = None
+    """logprobs of the tokens the last forward proposed for this row (cut to what ``_emit`` took)"""
 
 
 @dataclass
@@ -227,7 +232,7 @@ class SpecDecoder:
     def _choose(self, logits: torch.Tensor, sampling: SamplingParams, gens: list) -> torch.Tensor:
         if sampling.greedy:
             return logits.argmax(-1)
-        probs = target_probs(logits, sampling.temperature, sampling.top_p).cpu()
+        probs = target_probs(logits, sampling.temperature, sampling.top_p, sampling.top_k, sampling.min_p).cpu()
         out = [int(torch.multinomial(probs[i], 1, generator=gens[i]).item()) for i in range(probs.shape[0])]
         return torch.tensor(out, dtype=torch.long, device=self.device)
 
@@ -290,7 +295,7 @@ class SpecDecoder:
         t0 = self._sync()
         tree = self._draft_tree(batch, sampling) if self.draft is not None else root_only(batch.pending)
         t1 = self._sync()
-        acc, feats, lt = self._verify(batch, tree, sampling)
+        acc, feats, lt = self._verify(batch, tree, sampling, rows)
         t2 = self._sync()
         out: list[tuple[int, _Row, list[int] | None, int]] = []
         for j, ri in enumerate(batch.rows):
@@ -316,8 +321,10 @@ class SpecDecoder:
         if r.finish:
             r.end = self._sync()
             result = self._result(r, sampling)
+        lps = None if r.step_logprobs is None else r.step_logprobs[:len(took)]
+        r.step_logprobs = None
         yield ri, StreamChunk(token_ids=took, step=step, accepted=accepted, finished=r.finish is not None,
-                              finish_reason=result.finish_reason if result else None, result=result)
+                              finish_reason=result.finish_reason if result else None, result=result, logprobs=lps)
 
     def _prefill(self, rows: list[_Row], sampling: SamplingParams) -> tuple[_Batch, torch.Tensor]:
         b = len(rows)
@@ -333,7 +340,15 @@ class SpecDecoder:
         cache = new_dynamic_cache(self.model.config)
         gens = [_row_generator(sampling.seed, i) for i in range(b)]
         logits, feats = self._target(ids, pos, allowed, cache, logits_cols=slice(longest - 1, longest))
-        first = self._choose(logits[:, -1], sampling, gens)
+        raw = logits[:, -1]
+        scored = raw
+        if sampling.repetition_penalty != 1.0:
+            seen = context_mask([r.prompt for r in rows], raw.shape[-1], raw.device)
+            scored = penalize(raw, seen, sampling.repetition_penalty)
+        first = self._choose(scored, sampling, gens)
+        if sampling.logprobs is not None:
+            for i, r in enumerate(rows):
+                r.step_logprobs = token_logprobs(raw[i:i + 1], [int(first[i])], sampling.logprobs)
         batch = _Batch(rows=list(range(b)), t_cache=cache, t_valid=valid, next_pos=pos[:, -1] + 1,
                        pending=first, gens=gens)
         if self.draft is not None:
@@ -366,17 +381,27 @@ class SpecDecoder:
         draft.truncate(batch.d_cache, ld)  # the speculative slots are re-read from target states after verify
         return tree
 
-    def _verify(self, batch: _Batch, tree: DraftTree, sampling: SamplingParams):
+    def _verify(self, batch: _Batch, tree: DraftTree, sampling: SamplingParams,
+                rows: Sequence[_Row] | dict[int, _Row]):
         lt = batch.t_valid.shape[1]
         pos = batch.next_pos[:, None] + tree.depth
         allowed = block_mask(batch.t_valid, tree.ancestors)
-        logits, feats = self._target(tree.tokens, pos, allowed, batch.t_cache)
+        raw, feats = self._target(tree.tokens, pos, allowed, batch.t_cache)
+        logits = raw
+        if sampling.repetition_penalty != 1.0:
+            contexts = [rows[ri].prompt + rows[ri].tokens for ri in batch.rows]
+            logits = penalize_tree(raw, contexts, tree.tokens, tree.ancestors, sampling.repetition_penalty)
         if sampling.greedy:
             acc = accept_greedy(tree, logits)
         else:
             acc = accept_sampling(tree, logits, temperature=sampling.temperature, top_p=sampling.top_p,
                                   token_map=self.draft.token_map if self.draft is not None else None,
-                                  generators=batch.gens)
+                                  generators=batch.gens, top_k=sampling.top_k, min_p=sampling.min_p)
+        if sampling.logprobs is not None:  # the columns of a path produced its draft tokens and the bonus token
+            for j, ri in enumerate(batch.rows):
+                path = acc.paths[j]
+                new = [int(tree.tokens[j, c]) for c in path[1:]] + [acc.bonus[j]]
+                rows[ri].step_logprobs = token_logprobs(raw[j, path], new, sampling.logprobs)
         return acc, feats, lt
 
     def _commit(self, batch: _Batch, tree: DraftTree, acc: Acceptance, feats: torch.Tensor | None, lt: int,

@@ -3,8 +3,8 @@
 Greedy: walk from the root; at each node take the target's argmax and move to the child holding that token; the
 argmax at the last node reached is the bonus token. The output is the target's own greedy continuation.
 
-Sampling (temperature > 0): at node ``u`` with target distribution ``p`` (temperature + top-p, exactly what plain
-sampling uses), try the children in order. Child ``c`` proposed from ``q`` is accepted with probability
+Sampling (temperature > 0): at node ``u`` with target distribution ``p`` (temperature, top-k, min-p, top-p: exactly what
+plain sampling uses), try the children in order. Child ``c`` proposed from ``q`` is accepted with probability
 ``min(1, p(c) / q(c))``; on rejection ``p`` becomes ``normalize(max(p - q, 0))`` and the next child is tried. A
 point-mass proposal (tree nodes) has ``q = onehot(c)``: accept with ``p(c)``, else remove ``c`` from ``p``. When no
 child is accepted the bonus token is drawn from the current ``p``. Each accept/reject is an exact rejection-sampling
@@ -33,9 +33,19 @@ class Acceptance:
         return [len(p) - 1 for p in self.paths]
 
 
-def target_probs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
-    """The distribution plain sampling draws from: softmax(logits / T), then nucleus filtering."""
+def target_probs(logits: torch.Tensor, temperature: float, top_p: float, top_k: int = 0,
+                 min_p: float = 0.0) -> torch.Tensor:
+    """The distribution plain sampling draws from: softmax(logits / T), then top-k, min-p and nucleus filtering
+    (vLLM's and SGLang's order); each filter keeps at least the most likely token."""
     probs = torch.softmax(logits.float() / temperature, dim=-1)
+    if 0 < top_k < probs.shape[-1]:
+        kth = probs.topk(top_k, dim=-1).values[..., -1:]
+        probs = torch.where(probs >= kth, probs, torch.zeros_like(probs))
+        probs = probs / probs.sum(-1, keepdim=True)
+    if min_p > 0.0:
+        floor = min_p * probs.max(dim=-1, keepdim=True).values
+        probs = torch.where(probs >= floor, probs, torch.zeros_like(probs))
+        probs = probs / probs.sum(-1, keepdim=True)
     if top_p >= 1.0:
         return probs
     sorted_p, order = torch.sort(probs, dim=-1, descending=True)
@@ -81,9 +91,11 @@ def accept_sampling(
     top_p: float,
     token_map: torch.Tensor | None,
     generators: list[torch.Generator | None],
+    top_k: int = 0,
+    min_p: float = 0.0,
 ) -> Acceptance:
     """Rejection sampling over the tree (see the module docstring); randomness from each row's own generator."""
-    probs = target_probs(target_logits, temperature, top_p).cpu()
+    probs = target_probs(target_logits, temperature, top_p, top_k, min_p).cpu()
     tokens = tree.tokens.cpu().tolist()
     parents = tree.parents.cpu().tolist()
     q_all = tree.q.float().cpu() if tree.q is not None else None

@@ -233,6 +233,18 @@ class ServeConfig(Section):
     baseline_tokens_per_s: float | None = Field(
         None, gt=0, description="last benchmarked baseline, for the speedup metric"
     )
+    drain_timeout_s: float = Field(
+        30.0, ge=0, description="on SIGTERM / stop_serve: running requests get this long to finish, then they are "
+                                "cancelled with a final error event (new requests get 503 at once)"
+    )
+    tool_call_markers: list[str] | None = Field(
+        None, description="[start, end] around a JSON tool call in the target's output, parsed into tool_calls; "
+                          "None: detected from the chat template (e.g. <tool_call> </tool_call>); []: off"
+    )
+    reasoning_markers: list[str] | None = Field(
+        None, description="[start, end] around the target's reasoning, returned as reasoning_content; None: "
+                          "detected from the chat template (e.g. <think> </think>); []: off"
+    )
 
 
 # ------------------------------------------------------------------------------------------------------------ root

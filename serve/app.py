@@ -2,9 +2,13 @@
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (both with SSE streaming), ``GET /v1/models``,
 ``GET /health``. Every error is an OpenAI-style JSON body ``{"error": {"message", "type", "param", "code"}}`` with the
-status that fits: 400 bad parameter, 401 API key, 404 unknown model/route, 413 prompt too long, 422 schema, 429 over
-``serve.max_concurrent_requests`` (per replica), 503 unhealthy / shutting down. Besides OpenAI's sampling knobs,
-``ignore_eos`` (the vLLM/SGLang extension) decodes exactly ``max_tokens`` tokens, for benchmarks.
+status that fits: 400 bad parameter (a prompt over the context: ``code: context_length_exceeded``, as OpenAI), 401
+API key, 404 unknown model/route, 422 schema, 429 over ``serve.max_concurrent_requests`` (per replica), 503 unhealthy
+/ shutting down; 429 and 503 carry ``Retry-After``. Besides OpenAI's sampling knobs, ``ignore_eos`` (the vLLM/SGLang
+extension) decodes exactly ``max_tokens`` tokens, for benchmarks; ``top_k``, ``min_p``, ``repetition_penalty`` and
+``logprobs`` are implemented, parameters that do not change decoding are ignored (serve.openai_protocol). Tool calls
+and reasoning in the target's output come back as ``tool_calls`` / ``reasoning_content`` (serve.chat_parsing).
+On SIGTERM / ``stop_serve`` the replica drains (serve.drain).
 
 A replica starts by running the preflight checks (a failure stops the deployment, with the fix in the message), then
 loads the backend, then decodes a few fixed prompts: below ``serve.self_test_min_accept_length`` it stays up but
@@ -37,6 +41,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from eaglenest.config import EaglenestConfig, load_config
 from eaglenest.engines.base import SamplingParams
 from serve.backends import BackendBase, DecodeEvent, Job, SpecStats, make_backend
+from serve.chat_parsing import ChatFormat, ChatParser, chat_message, delta_fields, finish_reason, parse_all
+from serve.drain import RETRY_AFTER_BUSY_S, RETRY_AFTER_S, Drain, DrainWatcher
+from serve.logprobs import TokenText, chat_logprobs, completion_logprobs
 from serve.metrics import NullMetrics, RequestStats, ServeMetrics
 from serve.openai_protocol import (
     APIError,
@@ -99,6 +106,7 @@ class Outcome:
     stats: SpecStats = field(default_factory=SpecStats)
     first_token_at: float | None = None
     last_token_at: float | None = None
+    logprobs: list[tuple[int, float, list[tuple[int, float]]]] = field(default_factory=list)
 
 
 def _sse(data: dict[str, Any] | str) -> str:
@@ -119,6 +127,7 @@ class ServerCore:
         self.created = now()
         self.inflight = 0
         self.shutting_down = False
+        self.drain = Drain()
         self.self_test: SelfTest | None = None
         self.unhealthy_reason: str | None = "starting"
         metrics_cls = ServeMetrics if use_ray_metrics else NullMetrics
@@ -138,6 +147,9 @@ class ServerCore:
             except Exception:
                 self.backend.close()
                 raise
+        self.chat_format = ChatFormat.from_tokenizer(self.backend.tokenizer, tool_call_markers=s.tool_call_markers,
+                                                     reasoning_markers=s.reasoning_markers)
+        self.token_text = TokenText(self.backend.tokenizer)
         self.run_self_test()
 
     # ---- health
@@ -210,8 +222,8 @@ class ServerCore:
 
     def check_ready(self) -> None:
         if not self.healthy:
-            raise APIError(503, self._unavailable_reason(),
-                           code="shutting_down" if self.shutting_down else "unhealthy")
+            raise APIError(503, self._unavailable_reason(), code="shutting_down" if self.shutting_down else "unhealthy",
+                           retry_after=RETRY_AFTER_S)
 
     def check_model(self, model: str) -> None:
         if model != self.model_name:
@@ -223,9 +235,11 @@ class ServerCore:
         n = len(prompt_ids)
         if n == 0:
             raise APIError(400, "the prompt is empty", param="prompt")
-        if n > s.max_prompt_tokens:
-            raise APIError(413, f"the prompt has {n} tokens, more than this server's limit of {s.max_prompt_tokens} "
-                                f"(serve.max_prompt_tokens); shorten it", param="messages", code="prompt_too_long")
+        if n > s.max_prompt_tokens:  # 400 + context_length_exceeded: what clients' truncation fallbacks key on
+            raise APIError(400, f"This model's maximum context length is {s.max_prompt_tokens} prompt tokens "
+                                f"(serve.max_prompt_tokens). However, your messages resulted in {n} tokens. Please "
+                                f"reduce the length of the messages.", param="messages",
+                           code="context_length_exceeded")
         ctx = self.backend.info.max_position_embeddings
         if ctx and n + sampling.max_tokens > ctx:
             raise APIError(400, f"prompt ({n} tokens) + max_tokens ({sampling.max_tokens}) exceed the model's context "
@@ -236,7 +250,8 @@ class ServerCore:
         limit = self.cfg.serve.max_concurrent_requests
         if self.inflight >= limit:
             raise APIError(429, f"too many concurrent requests: this replica runs at most {limit} "
-                                f"(serve.max_concurrent_requests); retry shortly", code="too_many_requests")
+                                f"(serve.max_concurrent_requests); retry shortly", code="too_many_requests",
+                           retry_after=RETRY_AFTER_BUSY_S)
         self.inflight += 1
 
     def release(self) -> None:
@@ -244,11 +259,13 @@ class ServerCore:
 
     # ---- generation
     async def generate(self, prompt_ids: list[int], sampling: SamplingRequest, out: Outcome, *,
-                       stream: bool = True) -> AsyncIterator[str]:
+                       stream: bool = True, decode: Any = None) -> AsyncIterator[str]:
         """Yield text pieces as they become final; ``out`` holds the finish reason, counts and stats at the end.
 
         The decoder thread only appends to a buffer and wakes the event loop when no wake-up is pending (for a
         non-streamed request: only at the end), so decoding does not ping-pong the GIL with the loop per token.
+        ``decode`` (default: the tokenizer's, special tokens skipped) turns the ids into text. When a drain's
+        deadline passes the request is cancelled and ends with a 503 ``shutting_down`` error.
         """
         loop = asyncio.get_running_loop()
         buf: deque[DecodeEvent] = deque()
@@ -261,15 +278,23 @@ class ServerCore:
                 signalled[0] = True
                 loop.call_soon_threadsafe(wake.set)
 
+        expired = [False]
+
+        def on_deadline() -> None:  # drain timer thread
+            expired[0] = True
+            loop.call_soon_threadsafe(wake.set)
+
         sp = SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p,
                             max_new_tokens=sampling.max_tokens, seed=sampling.seed, stop=sampling.stop,
-                            ignore_eos=sampling.ignore_eos)
+                            ignore_eos=sampling.ignore_eos, top_k=sampling.top_k, min_p=sampling.min_p,
+                            repetition_penalty=sampling.repetition_penalty, logprobs=sampling.logprobs)
         job = Job(prompt_ids, sp, sink)
-        text = StreamText(self.backend.decode, sampling.stop)
+        text = StreamText(decode or self.backend.decode, sampling.stop)
         try:
             self.backend.submit(job)
         except RuntimeError as e:
-            raise APIError(503, str(e), code="unhealthy") from e
+            raise APIError(503, str(e), code="unhealthy", retry_after=RETRY_AFTER_S) from e
+        self.drain.register(on_deadline)
         try:
             interval = self.cfg.serve.stream_interval_s
             sent_at = 0.0
@@ -293,6 +318,7 @@ class ServerCore:
                     out.last_token_at = timed[-1]
                     ids = [t for e in batch for t in e.token_ids]
                     out.completion_tokens += len(ids)
+                    out.logprobs.extend(lp for e in batch for lp in (e.logprobs or ()))
                     piece = text.feed(ids)
                     if piece:
                         yield piece
@@ -302,11 +328,17 @@ class ServerCore:
                     out.finish_reason = "stop" if text.stopped else str(ev.finish_reason)
                     out.stats = ev.stats or SpecStats()
                     break
+                if expired[0]:
+                    raise APIError(503, f"the server is shutting down and this request did not finish within "
+                                        f"serve.drain_timeout_s ({self.cfg.serve.drain_timeout_s:g} s); it was "
+                                        f"cancelled after {out.completion_tokens} tokens", code="shutting_down",
+                                   retry_after=RETRY_AFTER_S)
             tail = text.finish()
             if tail:
                 yield tail
             out.text = text.text
         finally:
+            self.drain.unregister(on_deadline)
             if not job.finished:
                 job.cancel()
 
@@ -322,7 +354,8 @@ class ServerCore:
         self.metrics.finished(RequestStats(
             completion_tokens=out.completion_tokens, ttft_s=ttft, decode_s=decode,
             accept_length=out.stats.accept_length, draft_tokens=out.stats.draft_tokens,
-            accepted_tokens=out.stats.accepted_tokens, speculative=self.backend.speculative))
+            accepted_tokens=out.stats.accepted_tokens, speculative=self.backend.speculative,
+            verify_steps=out.stats.verify_steps))
 
     # ---- routes
     async def parse(self, request: Request, model: type) -> Any:
@@ -360,12 +393,35 @@ class ServerCore:
         except APIError as e:
             return self.error(CHAT_ROUTE, e)
         rid, created = new_id("chatcmpl"), now()
+        parser = self._chat_parser(req, prompt_ids)
+        decode = self._chat_decode(parser)
         if req.stream:
-            return StreamingResponse(self._chat_stream(req, rid, created, prompt_ids, sampling, arrived),
+            return StreamingResponse(self._chat_stream(req, rid, created, prompt_ids, sampling, arrived, parser),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        return await self._complete(CHAT_ROUTE, prompt_ids, sampling, arrived,
-                                    lambda out: chat_response(rid, self.model_name, out.text, out.finish_reason,
-                                                              self.usage(len(prompt_ids), out), created))
+
+        def build(out: Outcome) -> dict[str, Any]:
+            parsed = parse_all(parser, out.text) if parser is not None else None
+            message = chat_message(parsed) if parsed is not None else {"content": out.text}
+            lps = chat_logprobs(out.logprobs, self.token_text) if sampling.logprobs is not None else None
+            return chat_response(rid, self.model_name, message, finish_reason(parsed, out.finish_reason),
+                                 self.usage(len(prompt_ids), out), created, logprobs=lps)
+
+        return await self._complete(CHAT_ROUTE, prompt_ids, sampling, arrived, build, decode=decode)
+
+    def _chat_parser(self, req: ChatCompletionRequest, prompt_ids: list[int]) -> ChatParser | None:
+        """A parser when the target's template defines reasoning, or tool calls and the request offers tools."""
+        fmt = self.chat_format
+        tools = bool(req.tools) and req.tool_choice != "none" and fmt.tool_call is not None
+        if fmt.reasoning is None and not tools:
+            return None
+        return fmt.parser(tools=tools, prompt_text=fmt.decode(prompt_ids[-16:], tools=tools))
+
+    def _chat_decode(self, parser: ChatParser | None) -> Any:
+        """The text decode of a parsed request: its markers kept (None: plain decoding)."""
+        if parser is None:
+            return None
+        tools = parser.tool_call is not None
+        return lambda ids: self.chat_format.decode(ids, tools=tools)
 
     async def completions(self, request: Request) -> Response:
         arrived = time.perf_counter()
@@ -391,9 +447,13 @@ class ServerCore:
         if req.stream:
             return StreamingResponse(self._completion_stream(req, rid, created, prompt_ids, sampling, arrived),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        return await self._complete(COMPLETIONS_ROUTE, prompt_ids, sampling, arrived,
-                                    lambda out: completion_response(rid, self.model_name, out.text, out.finish_reason,
-                                                                    self.usage(len(prompt_ids), out), created))
+
+        def build(out: Outcome) -> dict[str, Any]:
+            lps = completion_logprobs(out.logprobs, self.token_text) if sampling.logprobs is not None else None
+            return completion_response(rid, self.model_name, out.text, out.finish_reason,
+                                       self.usage(len(prompt_ids), out), created, logprobs=lps)
+
+        return await self._complete(COMPLETIONS_ROUTE, prompt_ids, sampling, arrived, build)
 
     async def _completion_prompt(self, prompt: Any) -> list[int]:
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
@@ -410,16 +470,16 @@ class ServerCore:
         raise APIError(400, "send exactly one prompt per request (a string or a list of token ids)", param="prompt")
 
     async def _complete(self, route: str, prompt_ids: list[int], sampling: SamplingRequest, arrived: float,
-                        build: Any) -> Response:
+                        build: Any, decode: Any = None) -> Response:
         out = Outcome()
         status = 200
         try:
-            async for _ in self.generate(prompt_ids, sampling, out, stream=False):
+            async for _ in self.generate(prompt_ids, sampling, out, stream=False, decode=decode):
                 pass
             return JSONResponse(build(out))
         except APIError as e:
             status = e.status
-            return JSONResponse(e.body(), status_code=e.status)
+            return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
         except Exception as e:
             log.exception("generation failed")
             status = 500
@@ -431,12 +491,15 @@ class ServerCore:
                 self.record(arrived, out)
 
     async def _stream(self, route: str, prompt_ids: list[int], sampling: SamplingRequest, arrived: float,
-                      piece_chunk: Any, final_chunks: Any) -> AsyncIterator[str]:
+                      piece_chunks: Any, final_chunks: Any, decode: Any = None) -> AsyncIterator[str]:
+        """SSE of one generation: ``piece_chunks(piece, out)`` and ``final_chunks(out)`` give the chunks; a failure
+        (or a drain's deadline) ends the stream with an error event, then ``[DONE]``."""
         out = Outcome()
         status = 200
         try:
-            async for piece in self.generate(prompt_ids, sampling, out):
-                yield _sse(piece_chunk(piece))
+            async for piece in self.generate(prompt_ids, sampling, out, decode=decode):
+                for chunk in piece_chunks(piece, out):
+                    yield _sse(chunk)
             for chunk in final_chunks(out):
                 yield _sse(chunk)
             yield _sse("[DONE]")
@@ -444,9 +507,12 @@ class ServerCore:
             status = 499  # the client went away; the decoder is told to stop
             raise
         except Exception as e:
-            log.exception("streaming generation failed")
-            status = e.status if isinstance(e, APIError) else 500
-            yield _sse(error_body(status, str(e), code="generation_failed"))
+            if isinstance(e, APIError):
+                status, code = e.status, e.code
+            else:
+                log.exception("streaming generation failed")
+                status, code = 500, "generation_failed"
+            yield _sse(error_body(status, str(e), code=code))
             yield _sse("[DONE]")
         finally:
             self.release()
@@ -455,30 +521,62 @@ class ServerCore:
                 self.record(arrived, out)
 
     async def _chat_stream(self, req: ChatCompletionRequest, rid: str, created: int, prompt_ids: list[int],
-                           sampling: SamplingRequest, arrived: float) -> AsyncIterator[str]:
+                           sampling: SamplingRequest, arrived: float,
+                           parser: ChatParser | None) -> AsyncIterator[str]:
         yield _sse(chat_chunk(rid, self.model_name, created, delta={"role": "assistant", "content": ""}))
+        sent = [0]
+
+        def new_logprobs(out: Outcome) -> dict[str, Any] | None:
+            """Logprobs of the tokens not reported yet (they ride on the next chunk)."""
+            if sampling.logprobs is None or sent[0] == len(out.logprobs):
+                return None
+            entries, sent[0] = out.logprobs[sent[0]:], len(out.logprobs)
+            return chat_logprobs(entries, self.token_text)
+
+        def chunks(deltas: list[Any], out: Outcome) -> list[dict[str, Any]]:
+            fields = [delta_fields(d, parser.out) for d in deltas] if parser is not None else \
+                [{"content": text} for _, text in deltas]
+            return [chat_chunk(rid, self.model_name, created, delta=f, logprobs=new_logprobs(out)) for f in fields]
+
+        def pieces(piece: str, out: Outcome) -> list[dict[str, Any]]:
+            return chunks(parser.feed(piece) if parser is not None else [("content", piece)], out)
 
         def finals(out: Outcome) -> list[dict[str, Any]]:
-            chunks = [chat_chunk(rid, self.model_name, created, delta={}, finish_reason=out.finish_reason)]
+            out_chunks = chunks(parser.finish(), out) if parser is not None else []
+            reason = finish_reason(parser.out if parser is not None else None, out.finish_reason)
+            out_chunks.append(chat_chunk(rid, self.model_name, created, delta={}, finish_reason=reason,
+                                         logprobs=new_logprobs(out)))
             if req.include_usage:
-                chunks.append(chat_chunk(rid, self.model_name, created, usage=self.usage(len(prompt_ids), out)))
-            return chunks
+                out_chunks.append(chat_chunk(rid, self.model_name, created, usage=self.usage(len(prompt_ids), out)))
+            return out_chunks
 
-        async for s in self._stream(CHAT_ROUTE, prompt_ids, sampling, arrived,
-                                    lambda p: chat_chunk(rid, self.model_name, created, delta={"content": p}),
-                                    finals):
+        decode = self._chat_decode(parser)
+        async for s in self._stream(CHAT_ROUTE, prompt_ids, sampling, arrived, pieces, finals, decode=decode):
             yield s
 
     async def _completion_stream(self, req: CompletionRequest, rid: str, created: int, prompt_ids: list[int],
                                  sampling: SamplingRequest, arrived: float) -> AsyncIterator[str]:
+        sent, offset = [0], [0]
+
+        def new_logprobs(out: Outcome) -> dict[str, Any] | None:
+            if sampling.logprobs is None or sent[0] == len(out.logprobs):
+                return None
+            entries, sent[0] = out.logprobs[sent[0]:], len(out.logprobs)
+            lps = completion_logprobs(entries, self.token_text, offset[0])
+            offset[0] += sum(len(t) for t in lps["tokens"])
+            return lps
+
+        def pieces(piece: str, out: Outcome) -> list[dict[str, Any]]:
+            return [completion_chunk(rid, self.model_name, created, text=piece, logprobs=new_logprobs(out))]
+
         def finals(out: Outcome) -> list[dict[str, Any]]:
-            chunks = [completion_chunk(rid, self.model_name, created, text="", finish_reason=out.finish_reason)]
+            chunks = [completion_chunk(rid, self.model_name, created, text="", finish_reason=out.finish_reason,
+                                       logprobs=new_logprobs(out))]
             if req.include_usage:
                 chunks.append(completion_chunk(rid, self.model_name, created, usage=self.usage(len(prompt_ids), out)))
             return chunks
 
-        async for s in self._stream(COMPLETIONS_ROUTE, prompt_ids, sampling, arrived,
-                                    lambda p: completion_chunk(rid, self.model_name, created, text=p), finals):
+        async for s in self._stream(COMPLETIONS_ROUTE, prompt_ids, sampling, arrived, pieces, finals):
             yield s
 
     def models(self, request: Request) -> Response:
@@ -492,21 +590,29 @@ class ServerCore:
     def health(self) -> Response:
         status, body = self.health_body()
         self.metrics.request(HEALTH_ROUTE, status)
-        return JSONResponse(body, status_code=status)
+        headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 503 else None
+        return JSONResponse(body, status_code=status, headers=headers)
 
     def error(self, route: str, e: APIError) -> Response:
         self.metrics.request(route, e.status)
-        return JSONResponse(e.body(), status_code=e.status)
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
     # ---- lifecycle
-    def shutdown(self, timeout: float = 30.0) -> None:
-        """Refuse new requests, let running ones finish (bounded), then stop the decoder."""
+    def begin_drain(self, timeout: float | None = None) -> None:
+        """Refuse new requests (503 + Retry-After); running ones may finish until ``serve.drain_timeout_s``, then
+        they are cancelled, each ending with an error event (serve.drain). Safe from any thread."""
         self.shutting_down = True
         self.metrics.set_healthy(False)
+        self.drain.begin(self.cfg.serve.drain_timeout_s if timeout is None else timeout)
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        """Drain (bounded by ``timeout``, default ``serve.drain_timeout_s``), then stop the decoder."""
+        self.begin_drain(timeout)
         self.metrics.stop_refresh()
-        deadline = time.monotonic() + timeout
-        while self.inflight and time.monotonic() < deadline:
+        until = (self.drain.deadline or time.monotonic()) + 2.0  # cancelled requests need a moment to end
+        while self.inflight and time.monotonic() < until:
             time.sleep(0.05)
+        self.drain.cancel()
         self.backend.close()
 
 
@@ -534,7 +640,7 @@ def _shared_metrics_request(route: str, status: int) -> None:
 
 
 DEFAULT_DEPLOYMENT_OPTIONS: dict[str, Any] = {
-    "graceful_shutdown_timeout_s": 30.0,
+    "graceful_shutdown_timeout_s": 35.0,  # serve.drain_timeout_s + 5 (deployment_options follows the config)
     "graceful_shutdown_wait_loop_s": 1.0,
     "health_check_period_s": 10.0,
     "health_check_timeout_s": 30.0,
@@ -553,6 +659,10 @@ class EaglenestDeployment:
         cfg = EaglenestConfig.model_validate(config)
         self.core = ServerCore(cfg, drafter, api_key=api_key)
         _CORE = self.core
+        ctx = serve.get_replica_context()
+        rid = f"{ctx.app_name}#{ctx.replica_id.unique_id}"
+        self.drain_watcher = DrainWatcher(rid, self.core.begin_drain, lambda: self.core.inflight,
+                                          self.core.drain).start()
 
     @api.post(CHAT_ROUTE)
     async def chat_completions(self, request: Request) -> Response:
@@ -576,9 +686,13 @@ class EaglenestDeployment:
             raise RuntimeError(f"decoder thread is not running: {self.core.backend.fatal}")
 
     def __del__(self) -> None:
+        """Serve's own shutdown (``serve shutdown``, a redeploy) ends here after waiting for running requests."""
+        watcher = getattr(self, "drain_watcher", None)
+        if watcher is not None:
+            watcher.stop()
         core = getattr(self, "core", None)
         if core is not None:
-            core.shutdown(timeout=DEFAULT_DEPLOYMENT_OPTIONS["graceful_shutdown_timeout_s"])
+            core.shutdown()
 
 
 # ------------------------------------------------------------------------------------------------- building
@@ -587,6 +701,8 @@ def deployment_options(cfg: EaglenestConfig) -> dict[str, Any]:
     s = cfg.serve
     opts: dict[str, Any] = {
         "ray_actor_options": {"num_cpus": s.num_cpus_per_replica, "num_gpus": s.num_gpus_per_replica},
+        # Serve's own shutdown waits this long for running requests before it kills the replica
+        "graceful_shutdown_timeout_s": s.drain_timeout_s + 5.0,
         # a little headroom over our own limit so excess requests reach the replica and get a clear 429
         "max_ongoing_requests": s.max_concurrent_requests + max(4, s.max_concurrent_requests // 8),
     }

@@ -62,6 +62,8 @@ class DecodeEvent:
     error: str | None = None
     at: float = field(default_factory=time.perf_counter)
     """when the decoder committed these tokens (perf_counter)"""
+    logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = None
+    """per token of ``token_ids`` when the request asked for logprobs: (id, logprob, top alternatives)"""
 
     @property
     def final(self) -> bool:
@@ -416,7 +418,8 @@ class _HFGroup:
             stats = SpecStats(verify_steps=r.draft_steps, draft_tokens=r.draft_steps * self.per_step,
                               accepted_tokens=sum(r.accepted_per_step))
         self.jobs[rid].emit(DecodeEvent(list(chunk.token_ids),
-                                        finish_reason=chunk.finish_reason if chunk.finished else None, stats=stats))
+                                        finish_reason=chunk.finish_reason if chunk.finished else None, stats=stats,
+                                        logprobs=chunk.logprobs))
 
     def fail(self, message: str) -> None:
         for job in self.jobs.values():
@@ -481,9 +484,9 @@ class _SGLangGroup:
                 job.emit(DecodeEvent(up.token_ids, error=up.error))
             elif up.result is not None:
                 job.emit(DecodeEvent(up.token_ids, finish_reason=up.result.finish_reason,
-                                     stats=_sglang_stats(up.result)))
+                                     stats=_sglang_stats(up.result), logprobs=up.logprobs))
             elif up.token_ids:
-                job.emit(DecodeEvent(up.token_ids))
+                job.emit(DecodeEvent(up.token_ids, logprobs=up.logprobs))
         for key in [k for k, j in self.jobs.items() if j.finished]:
             del self.jobs[key]
 

@@ -97,10 +97,13 @@ def start_apps(apps: list[AppSpec], *, host: str = "127.0.0.1", port: int = 8000
     return [f"http://{host}:{port}{a.route_prefix.rstrip('/')}" for a in apps]
 
 
-def stop_serve(name: str | None = None) -> None:
-    """Delete one application (``name``) or shut Serve down (graceful: running requests finish first).
+def stop_serve(name: str | None = None, *, drain: bool = True) -> None:
+    """Delete one application (``name``) or shut Serve down.
 
-    Ray itself is shut down too when ``start_serve`` started it.
+    Shutting down drains first (serve.drain): every replica stops admitting (503 + Retry-After) and its running
+    requests finish, up to its ``serve.drain_timeout_s`` after which they end with an error event; only then is
+    Serve stopped (its own shutdown stops the HTTP proxies at once, which would cut open streams). Ray itself is
+    shut down too when ``start_serve`` started it.
     """
     import ray
     from ray import serve
@@ -112,7 +115,16 @@ def stop_serve(name: str | None = None) -> None:
         if name in _STATE["apps"]:
             _STATE["apps"].remove(name)
         return
+    if drain:
+        from serve.drain import clear_drain, drain_serve
+
+        try:
+            drain_serve()
+        except Exception as e:  # no Serve running, or its controller is gone: nothing left to drain
+            print(f"drain skipped: {type(e).__name__}: {e}", flush=True)
     serve.shutdown()
+    if drain:
+        clear_drain()
     _STATE["apps"].clear()
     if _STATE["owns_ray"]:
         ray.shutdown()

@@ -1,7 +1,8 @@
 """Serve metrics through ``ray.util.metrics`` (exported by Ray's per-node metrics agent with a ``ray_`` prefix).
 
 The names are a contract with ``monitoring/alerts.yml`` and the Grafana dashboard; change them only together.
-Accept length counts the bonus token (1.0 = no draft token accepted: the drafter is bypassed).
+Accept length counts the bonus token (1.0 = no draft token accepted: the drafter is bypassed); only requests that
+drafted (at least one verify step) are recorded.
 """
 
 from __future__ import annotations
@@ -40,6 +41,15 @@ class RequestStats:
     draft_tokens: int
     accepted_tokens: int
     speculative: bool
+    verify_steps: int = 0
+    """target verify forwards after the prefill: 0 = the request never drafted (e.g. max_tokens=1)"""
+
+
+def records_accept_length(s: RequestStats) -> bool:
+    """Only requests that drafted have an accept length: a baseline server's, or a request that ended before any
+    verify step (max_tokens=1, EOS first), would read 1.0, a "bypassed drafter", and pull the collapse alert toward
+    a false alarm."""
+    return s.speculative and s.verify_steps > 0
 
 
 class ServeMetrics:
@@ -124,7 +134,7 @@ class ServeMetrics:
         if s.completion_tokens <= 0:
             return
         self.generated.inc(s.completion_tokens, tags=t)
-        if s.speculative:  # a baseline server has no accept length: its 1.0 would read as a bypassed drafter
+        if records_accept_length(s):
             self.accept.observe(s.accept_length, tags=t)
             self._set(self.accept_current, s.accept_length)
         if s.draft_tokens:

@@ -3,15 +3,26 @@ response and stream-chunk builders, and the error body.
 
 Type problems (missing ``messages``, ``max_tokens: "ten"``) are schema errors (HTTP 422); values the server cannot
 honour (``temperature: -1``, ``n: 3``, an unknown argument) are bad parameters (HTTP 400), each naming the param.
+
+OpenAI parameters that do not change what is decoded (:data:`IGNORED_PARAMS`: storage, metadata, billing tier,
+reasoning effort, user ids, cache keys) are accepted and ignored, as other open-model servers do; the open-model
+sampling extensions ``top_k``, ``min_p`` and ``repetition_penalty`` (vLLM's and SGLang's names) are implemented.
 """
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
+
+IGNORED_PARAMS = ("store", "metadata", "service_tier", "reasoning_effort", "user", "prompt_cache_key",
+                  "safety_identifier", "parallel_tool_calls")
+"""accepted and ignored: none of them changes the tokens this server decodes"""
+MAX_TOP_LOGPROBS = {"chat": 20, "completions": 5}
+"""OpenAI's limits: ``top_logprobs`` <= 20 on chat, ``logprobs`` <= 5 on legacy completions"""
 
 # ------------------------------------------------------------------------------------------------------- errors
 ERROR_TYPES = {
@@ -30,12 +41,19 @@ ERROR_TYPES = {
 class APIError(Exception):
     """An error that becomes an OpenAI-style JSON body with an HTTP status."""
 
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None) -> None:
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 retry_after: int | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+        self.retry_after = retry_after
+        """seconds, sent as ``Retry-After`` (429 and 503: clients back off instead of retrying at once)"""
 
     def body(self) -> dict[str, Any]:
         return error_body(self.status, self.message, param=self.param, code=self.code)
+
+    @property
+    def headers(self) -> dict[str, str] | None:
+        return None if self.retry_after is None else {"Retry-After": str(self.retry_after)}
 
 
 def error_body(status: int, message: str, *, param: str | None = None, code: str | None = None) -> dict[str, Any]:
@@ -61,9 +79,22 @@ class _Request(BaseModel):
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     logprobs: bool | int | None = None
-    user: str | None = None
     ignore_eos: bool | None = None
     """extension shared with vLLM and SGLang: decode exactly ``max_tokens`` tokens (benchmarks)"""
+    top_k: int | None = None
+    """extension (vLLM, SGLang): sample from the k most likely tokens; -1 or 0: all"""
+    min_p: float | None = None
+    """extension (vLLM, SGLang): drop tokens below min_p times the most likely one's probability"""
+    repetition_penalty: float | None = None
+    """extension (vLLM, SGLang, transformers): penalise every token of the prompt and output so far; 1: off"""
+    # accepted and ignored (IGNORED_PARAMS)
+    user: str | None = None
+    store: bool | None = None
+    metadata: dict[str, Any] | None = None
+    service_tier: str | None = None
+    reasoning_effort: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
 
     @property
     def unknown_args(self) -> list[str]:
@@ -133,37 +164,41 @@ def now() -> int:
     return int(time.time())
 
 
-def chat_response(rid: str, model: str, text: str, finish_reason: str, usage: Usage,
-                  created: int | None = None) -> dict[str, Any]:
+def chat_response(rid: str, model: str, message: dict[str, Any], finish_reason: str, usage: Usage,
+                  created: int | None = None, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    """``message``: ``{"content"}`` plus ``reasoning_content`` / ``tool_calls`` when the output had them."""
     return {
         "id": rid, "object": "chat.completion", "created": created or now(), "model": model,
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+        "choices": [{"index": 0, "message": {"role": "assistant", **message}, "logprobs": logprobs,
                      "finish_reason": finish_reason}],
         "usage": usage.model_dump(),
     }
 
 
 def completion_response(rid: str, model: str, text: str, finish_reason: str, usage: Usage,
-                        created: int | None = None) -> dict[str, Any]:
+                        created: int | None = None, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
     return {
         "id": rid, "object": "text_completion", "created": created or now(), "model": model,
-        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
+        "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}],
         "usage": usage.model_dump(),
     }
 
 
 def chat_chunk(rid: str, model: str, created: int, *, delta: dict[str, Any] | None = None,
-               finish_reason: str | None = None, usage: Usage | None = None) -> dict[str, Any]:
+               finish_reason: str | None = None, usage: Usage | None = None,
+               logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
     """One ``chat.completion.chunk``; a usage-only chunk has ``choices: []`` (``stream_options.include_usage``)."""
-    choices = [] if delta is None else [{"index": 0, "delta": delta, "logprobs": None,
+    choices = [] if delta is None else [{"index": 0, "delta": delta, "logprobs": logprobs,
                                          "finish_reason": finish_reason}]
     return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": choices,
             "usage": usage.model_dump() if usage is not None else None}
 
 
 def completion_chunk(rid: str, model: str, created: int, *, text: str | None = None,
-                     finish_reason: str | None = None, usage: Usage | None = None) -> dict[str, Any]:
-    choices = [] if text is None else [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]
+                     finish_reason: str | None = None, usage: Usage | None = None,
+                     logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    choices = [] if text is None else [{"index": 0, "text": text, "logprobs": logprobs,
+                                        "finish_reason": finish_reason}]
     return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": choices,
             "usage": usage.model_dump() if usage is not None else None}
 
@@ -181,6 +216,46 @@ class SamplingRequest(BaseModel):
     stop: tuple[str, ...] = ()
     seed: int | None = None
     ignore_eos: bool = False
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None
+    """None: off; k >= 0: each token's logprob and its k most likely alternatives"""
+
+
+def _requested_logprobs(req: _Request) -> int | None:
+    """Chat: ``logprobs: true`` (+ ``top_logprobs`` <= 20); completions: ``logprobs: k`` (k <= 5)."""
+    if isinstance(req, ChatCompletionRequest):
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        if not req.logprobs:
+            return None
+        top = req.top_logprobs or 0
+        if not 0 <= top <= MAX_TOP_LOGPROBS["chat"]:
+            raise APIError(400, f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS['chat']}], got {top}",
+                           param="top_logprobs")
+        return top
+    if req.logprobs is None or req.logprobs is False:
+        return None
+    k = int(req.logprobs)
+    if not 0 <= k <= MAX_TOP_LOGPROBS["completions"]:
+        raise APIError(400, f"logprobs must be in [0, {MAX_TOP_LOGPROBS['completions']}], got {k}", param="logprobs")
+    return k
+
+
+def _extensions(req: _Request) -> dict[str, Any]:
+    """``top_k`` / ``min_p`` / ``repetition_penalty``, checked (vLLM's ranges)."""
+    top_k = 0 if req.top_k in (None, -1) else int(req.top_k)
+    if top_k < 0:
+        raise APIError(400, f"top_k must be -1 (off) or >= 1, got {req.top_k}", param="top_k")
+    min_p = 0.0 if req.min_p is None else float(req.min_p)
+    if not 0.0 <= min_p <= 1.0:
+        raise APIError(400, f"min_p must be in [0, 1], got {req.min_p}", param="min_p")
+    rep = 1.0 if req.repetition_penalty is None else float(req.repetition_penalty)
+    if not 0.0 < rep <= 2.0:
+        raise APIError(400, f"repetition_penalty must be in (0, 2], got {req.repetition_penalty}",
+                       param="repetition_penalty")
+    return {"top_k": top_k, "min_p": min_p, "repetition_penalty": rep}
 
 
 def check_sampling(req: _Request, *, max_tokens: int | None, max_tokens_limit: int,
@@ -200,8 +275,8 @@ def check_sampling(req: _Request, *, max_tokens: int | None, max_tokens_limit: i
                            param=name)
     if req.logit_bias:
         raise APIError(400, "logit_bias is not supported; omit it", param="logit_bias")
-    if req.logprobs not in (None, False, 0):
-        raise APIError(400, "logprobs are not supported; omit them", param="logprobs")
+    logprobs = _requested_logprobs(req)
+    extensions = _extensions(req)
     temperature = 1.0 if req.temperature is None else float(req.temperature)
     if not 0.0 <= temperature <= 2.0:
         raise APIError(400, f"temperature must be in [0, 2], got {req.temperature}", param="temperature")
@@ -223,7 +298,7 @@ def check_sampling(req: _Request, *, max_tokens: int | None, max_tokens_limit: i
         if any(not s for s in stops):
             raise APIError(400, "stop sequences must be non-empty strings", param="stop")
     return SamplingRequest(max_tokens=max_tokens, temperature=temperature, top_p=top_p, stop=stops, seed=req.seed,
-                           ignore_eos=bool(req.ignore_eos))
+                           ignore_eos=bool(req.ignore_eos), logprobs=logprobs, **extensions)
 
 
 def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
@@ -245,12 +320,27 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
             content = "".join(texts)
         role = "system" if m.role == "developer" else m.role
         msg: dict[str, Any] = {"role": role, "content": content or ""}
-        for k in ("name", "tool_calls", "tool_call_id", "reasoning_content"):
+        for k in ("name", "tool_call_id", "reasoning_content"):
             v = getattr(m, k)
             if v is not None:
                 msg[k] = v
+        if m.tool_calls:
+            msg["tool_calls"] = [_template_tool_call(tc) for tc in m.tool_calls]
         out.append(msg)
     return out
+
+
+def _template_tool_call(tc: dict[str, Any]) -> dict[str, Any]:
+    """An assistant tool call as chat templates expect it: ``arguments`` as an object, not OpenAI's JSON string
+    (templates ``tojson`` it; a string would be quoted twice). vLLM does the same."""
+    fn = tc.get("function")
+    if not isinstance(fn, dict) or not isinstance(fn.get("arguments"), str):
+        return tc
+    try:
+        args = json.loads(fn["arguments"])
+    except ValueError:
+        return tc
+    return {**tc, "function": {**fn, "arguments": args}}
 
 
 def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
@@ -264,7 +354,8 @@ def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
 
 
 __all__ = [
-    "APIError", "ChatCompletionRequest", "ChatMessage", "CompletionRequest", "SamplingRequest", "SpecUsage", "Usage",
+    "IGNORED_PARAMS", "APIError",
+    "ChatCompletionRequest", "ChatMessage", "CompletionRequest", "SamplingRequest", "SpecUsage", "Usage",
     "chat_chunk", "chat_messages", "chat_response", "check_sampling", "completion_chunk", "completion_response",
     "error_body", "models_response", "new_id", "validation_message",
 ]

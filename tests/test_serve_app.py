@@ -227,12 +227,17 @@ def test_api_key(served):
     assert r.usage.model_extra["spec"] == {"accept_length": 1.0, "draft_tokens": 0, "accepted_tokens": 0}
 
 
-def test_prompt_too_long_is_413(served):
+def test_prompt_over_the_context_is_400_context_length_exceeded(served):
+    """What OpenAI, vLLM and SGLang answer, and what clients' truncation fallbacks key on."""
     headers = {"Authorization": f"Bearer {API_KEY}"}
     body = {"model": "strict", "messages": [{"role": "user", "content": "word " * 200}], "max_tokens": 4}
     err = _assert_error(httpx.post(f"{served['strict']}/v1/chat/completions", json=body, headers=headers,
-                                   timeout=30), 413)
-    assert "serve.max_prompt_tokens" in err["message"]
+                                   timeout=30), 400, "messages")
+    assert err["code"] == "context_length_exceeded" and "serve.max_prompt_tokens" in err["message"]
+    with pytest.raises(openai.BadRequestError) as info:
+        _client(served["strict"], API_KEY).chat.completions.create(
+            model="strict", messages=[{"role": "user", "content": "word " * 200}], max_tokens=4)
+    assert info.value.code == "context_length_exceeded" and "maximum context length" in info.value.message
     body = {"model": "strict", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 25}
     _assert_error(httpx.post(f"{served['strict']}/v1/chat/completions", json=body, headers=headers, timeout=30), 400,
                   "max_tokens")
@@ -264,6 +269,7 @@ def test_over_the_concurrency_limit_is_429(served):
     assert len(results) == 8 and len(refused) + len(done) == 8, results
     assert refused and done
     assert "max_concurrent_requests" in str(refused[0])
+    assert int(refused[0].response.headers["retry-after"]) >= 1
 
 
 def test_64_concurrent_streams_complete(served, tiny_engine):
@@ -356,3 +362,141 @@ def test_metrics_endpoint_has_accept_length_and_ttft(served, ray_session):
     assert float(sick[-1].rsplit(" ", 1)[1]) == 0.0 and float(main[-1].rsplit(" ", 1)[1]) == 1.0
     assert not [ln for ln in lines if ln.startswith("ray_eaglenest_serve_accept_length") and 'model="strict"' in ln]
     assert any('route="/v1/chat/completions"' in ln for ln in requests)
+
+
+# ------------------------------------------------------------------------- OpenAI compatibility (issue #13)
+WEATHER_TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "current weather of a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+WEATHER_Q = [{"role": "user", "content": "What is the weather in paris?"}]
+
+
+def _raw_output(engine, messages, tools=None, max_tokens=48):
+    """The engine's greedy output with special tokens kept (the markers the server parses)."""
+    from eaglenest.engines.base import render_chat_ids
+
+    ids = render_chat_ids(engine.tokenizer, messages, tools=tools, add_generation_prompt=True)
+    g = _greedy(engine, prompt_ids=ids, max_tokens=max_tokens)
+    return g, engine.tokenizer.decode(g.token_ids, skip_special_tokens=False), len(ids)
+
+
+def test_tool_call_round_trip(served, tiny_engine):
+    """The tiny target learned (from its corpus) to answer a weather question with a get_weather call; the server
+    must return that call as tool_calls (streamed and not) and render the client's tool turn back exactly."""
+    import json
+    import re
+
+    from eaglenest.engines.base import render_chat_ids
+
+    g, raw, _ = _raw_output(tiny_engine, WEATHER_Q, WEATHER_TOOLS)
+    bodies = re.findall(r"<tool_call>(.*?)</tool_call>", raw, flags=re.S)
+    assert bodies, f"the tiny target no longer calls get_weather on its corpus' weather question: {raw!r}"
+    want = [(json.loads(b)["name"], json.loads(b)["arguments"]) for b in bodies]
+    client = _client(served["main"])
+    r = client.chat.completions.create(model="eaglenest", messages=WEATHER_Q, tools=WEATHER_TOOLS, temperature=0,
+                                       max_tokens=48)
+    msg = r.choices[0].message
+    assert r.choices[0].finish_reason == "tool_calls" and not msg.content
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in msg.tool_calls] == want
+    assert all(c.type == "function" and c.id.startswith("call_") for c in msg.tool_calls)
+    assert r.usage.completion_tokens == len(g.token_ids)
+
+    calls: dict[int, dict] = {}
+    finish = []
+    for chunk in client.chat.completions.create(model="eaglenest", messages=WEATHER_Q, tools=WEATHER_TOOLS,
+                                                temperature=0, max_tokens=48, stream=True):
+        if not chunk.choices:
+            continue
+        for d in chunk.choices[0].delta.tool_calls or []:
+            c = calls.setdefault(d.index, {"name": "", "arguments": ""})
+            c["name"] += d.function.name or ""
+            c["arguments"] += d.function.arguments or ""
+        finish += [chunk.choices[0].finish_reason] if chunk.choices[0].finish_reason else []
+    assert finish == ["tool_calls"]
+    assert [(calls[i]["name"], json.loads(calls[i]["arguments"])) for i in sorted(calls)] == want
+
+    # the client sends the call and its result back: the template must see the arguments as an object
+    result = json.dumps({"city": want[0][1].get("city"), "celsius": 21})
+    turn = WEATHER_Q + [msg.model_dump(exclude_none=True),
+                        {"role": "tool", "tool_call_id": msg.tool_calls[0].id, "content": result}]
+    r2 = client.chat.completions.create(model="eaglenest", messages=turn, tools=WEATHER_TOOLS, temperature=0,
+                                        max_tokens=32)
+    expected_turn = WEATHER_Q + [{"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": n, "arguments": a}} for n, a in want]},
+        {"role": "tool", "content": result}]
+    ids = render_chat_ids(tiny_engine.tokenizer, expected_turn, tools=WEATHER_TOOLS, add_generation_prompt=True)
+    assert r2.usage.prompt_tokens == len(ids)
+    assert r2.usage.completion_tokens == len(_greedy(tiny_engine, prompt_ids=ids, max_tokens=32).token_ids)
+
+    # without tools offered, the same output is not parsed into calls
+    r3 = client.chat.completions.create(model="eaglenest", messages=WEATHER_Q, tools=WEATHER_TOOLS,
+                                        tool_choice="none", temperature=0, max_tokens=48)
+    assert r3.choices[0].message.tool_calls is None and r3.choices[0].finish_reason == g.finish_reason
+
+
+def test_reasoning_content(served, tiny_engine):
+    """Whatever the target writes between <think> and </think> comes back as reasoning_content, the rest as
+    content; streamed deltas concatenate to the same."""
+    messages = [{"role": "user", "content": "What is 8 plus 24?"}]
+    g, raw, _ = _raw_output(tiny_engine, messages)
+    assert raw.startswith("<think>"), f"the tiny target no longer reasons on its corpus' arithmetic: {raw!r}"
+    body = raw[len("<think>"):].replace("<|end|>", "")
+    reasoning, _, content = body.partition("</think>")
+    client = _client(served["main"])
+    r = client.chat.completions.create(model="eaglenest", messages=messages, temperature=0, max_tokens=48)
+    m = r.choices[0].message
+    assert m.model_extra["reasoning_content"] == reasoning and m.content == content.lstrip()
+    streamed_reasoning, streamed_content = "", ""
+    for chunk in client.chat.completions.create(model="eaglenest", messages=messages, temperature=0, max_tokens=48,
+                                                stream=True):
+        if chunk.choices:
+            streamed_reasoning += (chunk.choices[0].delta.model_extra or {}).get("reasoning_content") or ""
+            streamed_content += chunk.choices[0].delta.content or ""
+    assert (streamed_reasoning, streamed_content) == (reasoning, content.lstrip())
+
+
+def test_ignored_params_and_sampling_extensions(served, tiny_engine):
+    """store / metadata / service_tier / reasoning_effort / user do not change decoding; top_k=1 and min_p=1 keep
+    only the most likely token, so even at temperature 2 the answer is the greedy one."""
+    messages = [{"role": "user", "content": PROMPTS[1]}]
+    want = _greedy(tiny_engine, messages, max_tokens=32)
+    client = _client(served["main"])
+    r = client.chat.completions.create(model="eaglenest", messages=messages, temperature=0, max_tokens=32,
+                                       store=True, metadata={"team": "eaglenest"}, service_tier="auto",
+                                       reasoning_effort="low", user="u-1", parallel_tool_calls=False)
+    assert r.usage.completion_tokens == len(want.token_ids)
+    for extra in ({"top_k": 1}, {"min_p": 1.0}):
+        r = client.chat.completions.create(model="eaglenest", messages=messages, temperature=2.0, max_tokens=32,
+                                           seed=1, extra_body=extra)
+        assert r.usage.completion_tokens == len(want.token_ids), extra
+    r = client.chat.completions.create(model="eaglenest", messages=messages, temperature=2.0, max_tokens=32, seed=1)
+    hot = client.chat.completions.create(model="eaglenest", messages=messages, temperature=2.0, max_tokens=32,
+                                         seed=2)
+    assert (r.usage.completion_tokens, r.choices[0].message.content) != (len(want.token_ids), want.text) or \
+        (hot.usage.completion_tokens, hot.choices[0].message.content) != (len(want.token_ids), want.text)
+    with pytest.raises(openai.BadRequestError, match="top_k"):
+        client.chat.completions.create(model="eaglenest", messages=messages, extra_body={"top_k": -5})
+
+
+def test_logprobs(served, tiny_engine):
+    """One entry per generated token; greedy picks the most likely token, so it is its own top alternative."""
+    messages = [{"role": "user", "content": PROMPTS[0]}]
+    client = _client(served["main"])
+    r = client.chat.completions.create(model="eaglenest", messages=messages, temperature=0, max_tokens=24,
+                                       logprobs=True, top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    for e in content:
+        assert len(e.top_logprobs) == 3 and e.logprob <= 0.0
+        assert [t.logprob for t in e.top_logprobs] == sorted((t.logprob for t in e.top_logprobs), reverse=True)
+        assert e.top_logprobs[0].token == e.token and abs(e.top_logprobs[0].logprob - e.logprob) < 1e-5
+    streamed = []
+    for chunk in client.chat.completions.create(model="eaglenest", messages=messages, temperature=0, max_tokens=24,
+                                                logprobs=True, top_logprobs=3, stream=True):
+        if chunk.choices and chunk.choices[0].logprobs:
+            streamed += chunk.choices[0].logprobs.content
+    assert [(e.token, round(e.logprob, 4)) for e in streamed] == [(e.token, round(e.logprob, 4)) for e in content]
+    c = client.completions.create(model="eaglenest", prompt="The answer is", temperature=0, max_tokens=8, logprobs=2)
+    lp = c.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == c.usage.completion_tokens
+    assert all(len(t) <= 2 for t in lp.top_logprobs) and lp.text_offset[0] == 0

@@ -190,10 +190,17 @@ class _StreamingSGLang:
         asyncio.get_running_loop()  # sglang's asyncio ZMQ socket sends only from inside the engine's loop
         self.aborted.append(rid)
 
-    async def async_generate(self, *, input_ids, sampling_params, stream, rid):
+    async def async_generate(self, *, input_ids, sampling_params, stream, rid, return_logprob=False,
+                             top_logprobs_num=0, logprob_start_len=-1):
         assert stream is True and isinstance(sampling_params, dict)
         self.opened.append(rid)
         final = self.outputs[tuple(input_ids)]
+
+        def logprobs(ids):  # sglang's cumulative (logprob, token id, text) triples and top alternatives
+            if not return_logprob:
+                return {}
+            return {"output_token_logprobs": [(-0.1 * t, t, None) for t in ids],
+                    "output_top_logprobs": [[(-0.01 * a, a, None) for a in range(top_logprobs_num)] for _ in ids]}
 
         async def chunks():
             import asyncio
@@ -203,9 +210,9 @@ class _StreamingSGLang:
                 await asyncio.sleep(0.001)
                 if rid in self.aborted:
                     return
-                yield {"output_ids": ids[:n], "meta_info": {"finish_reason": None, "id": rid}}
+                yield {"output_ids": ids[:n], "meta_info": {"finish_reason": None, "id": rid, **logprobs(ids[:n])}}
             await asyncio.sleep(0.001)
-            yield final
+            yield {**final, "meta_info": {**final["meta_info"], **logprobs(ids)}}
 
         return chunks()
 
@@ -383,3 +390,20 @@ def test_every_serve_metric_the_monitoring_uses_is_emitted():
     for name in used:
         base = re.sub(r"_(total|bucket|sum|count)$", "", name)
         assert base in METRIC_NAMES or name in METRIC_NAMES, f"monitoring queries {name}, serve emits {METRIC_NAMES}"
+
+
+def test_sglang_adapter_passes_logprobs_through():
+    """A request with logprobs asks SGLang for them (return_logprob, top_logprobs_num) and every token SGLang
+    reported arrives with its logprob and alternatives; the EOS SGLang trimmed (and we put back) has none."""
+    from eaglenest.engines.base import SamplingParams
+    from serve.backends import Job
+
+    dec, _ = _sglang_decoder({(1, 2, 3, 4): _SPEC_OUT})
+    events: list = []
+    sampling = SamplingParams(logprobs=2)
+    group = dec.new_group(sampling)
+    group.add(Job([1, 2, 3, 4], sampling, events.append))
+    _run(group, lambda: group.alive == 0)
+    entries = [e for ev in events for e in (ev.logprobs or [])]
+    assert [t for ev in events for t in ev.token_ids] == [5, 6, 7, 8, 9, 2]
+    assert entries == [(t, -0.1 * t, [(0, -0.0), (1, -0.01)]) for t in [5, 6, 7, 8, 9]]

@@ -83,6 +83,21 @@ def test_sampling_params() -> None:
     assert "sampling_seed" not in per_request_sampling(SamplingParams(temperature=0.7), 1)[0]
     fixed = per_request_sampling(SamplingParams(max_new_tokens=9, ignore_eos=True), 1, stop_token_ids=(2,))[0]
     assert fixed["ignore_eos"] is True and "stop_token_ids" not in fixed
+    ext = per_request_sampling(SamplingParams(temperature=0.7, top_k=20, min_p=0.05, repetition_penalty=1.1), 1)[0]
+    assert (ext["top_k"], ext["min_p"], ext["repetition_penalty"]) == (20, 0.05, 1.1)
+    assert per_request_sampling(SamplingParams(top_k=20), 1)[0]["top_k"] == 1  # greedy stays greedy
+
+
+def test_logprob_arguments_and_output_parsing() -> None:
+    from eaglenest.engines.sglang_args import logprob_kwargs, output_logprobs
+
+    assert logprob_kwargs(SamplingParams()) == {}
+    assert logprob_kwargs(SamplingParams(logprobs=3)) == {"return_logprob": True, "top_logprobs_num": 3,
+                                                          "logprob_start_len": -1}
+    meta = {"output_token_logprobs": [[-0.5, 7, None], [-1.5, 9, None]],
+            "output_top_logprobs": [[[-0.5, 7, None], [-2.0, 3, None]], None]}
+    assert output_logprobs(meta, 0, 3) == [(7, -0.5, [(7, -0.5), (3, -2.0)]), (9, -1.5, [])]
+    assert output_logprobs(meta, 1, 2) == [(9, -1.5, [])] and output_logprobs({}, 0, 2) == []
 
 
 # ------------------------------------------------------------------------------------------------- output parsing

@@ -27,12 +27,28 @@ class SamplingParams:
     ignore_eos: bool = False
     """keep decoding past end-of-sequence tokens up to ``max_new_tokens`` (fixed-length benchmark requests); stop
     strings still apply"""
+    top_k: int = 0
+    """sample from the k most likely tokens only (0: all; the vLLM/SGLang extension)"""
+    min_p: float = 0.0
+    """drop tokens less likely than ``min_p`` times the most likely one (0: off)"""
+    repetition_penalty: float = 1.0
+    """CTRL-style penalty on every token of the prompt and the output so far (1: off; applies to greedy too)"""
+    logprobs: int | None = None
+    """report each generated token's log-probability and the ``logprobs`` most likely alternatives (None: off)"""
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if self.logprobs is not None and self.logprobs < 0:
+            raise ValueError(f"logprobs must be >= 0, got {self.logprobs}")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
 

@@ -146,6 +146,12 @@ def sampling_params_dict(sampling: SamplingParams, *, stop_token_ids: Sequence[i
     }
     if sampling.greedy:
         sp["top_k"] = 1
+    elif sampling.top_k > 0:
+        sp["top_k"] = int(sampling.top_k)
+    if sampling.min_p > 0:
+        sp["min_p"] = float(sampling.min_p)
+    if sampling.repetition_penalty != 1.0:
+        sp["repetition_penalty"] = float(sampling.repetition_penalty)
     if sampling.stop:
         sp["stop"] = list(sampling.stop)
     if stop_token_ids and not sampling.ignore_eos:
@@ -155,6 +161,31 @@ def sampling_params_dict(sampling: SamplingParams, *, stop_token_ids: Sequence[i
     if sampling.ignore_eos:
         sp["ignore_eos"] = True
     return sp
+
+
+def logprob_kwargs(sampling: SamplingParams) -> dict[str, Any]:
+    """The ``Engine.generate`` / ``async_generate`` arguments that make SGLang return output logprobs (none when the
+    request did not ask): ``return_logprob`` and ``top_logprobs_num``; ``logprob_start_len=-1`` skips the prompt."""
+    if sampling.logprobs is None:
+        return {}
+    return {"return_logprob": True, "top_logprobs_num": int(sampling.logprobs), "logprob_start_len": -1}
+
+
+def output_logprobs(meta: Mapping[str, Any], start: int,
+                    end: int) -> list[tuple[int, float, list[tuple[int, float]]]]:
+    """Output positions ``start:end`` of ``meta_info['output_token_logprobs']`` (``(logprob, token_id, text)``
+    triples) with their ``output_top_logprobs`` alternatives, as ``(id, logprob, [(id, logprob), ...])``.
+
+    Positions SGLang did not report (an end-of-turn token it trimmed and we put back) get no entry.
+    """
+    chosen = meta.get("output_token_logprobs") or []
+    tops = meta.get("output_top_logprobs") or []
+    out = []
+    for i in range(start, min(end, len(chosen))):
+        lp, tid = chosen[i][0], chosen[i][1]
+        alts = tops[i] if i < len(tops) and tops[i] else []
+        out.append((int(tid), float(lp), [(int(a[1]), float(a[0])) for a in alts]))
+    return out
 
 
 def per_request_sampling(sampling: SamplingParams, n: int, *, stop_token_ids: Sequence[int] = ()) -> list[dict]:

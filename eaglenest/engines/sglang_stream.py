@@ -7,7 +7,8 @@ least one stream has new tokens (or a short timeout), so a request joins SGLang'
 admitted and its tokens reach the client as they are decoded, instead of a whole batch returning at its end.
 
 Used on the engine: ``Engine.loop``, ``Engine.async_generate(input_ids=, sampling_params=, stream=True, rid=)``
-(awaiting it returns an async generator of cumulative chunks) and ``Engine.tokenizer_manager.abort_request(rid)``.
+(awaiting it returns an async generator of cumulative chunks; a request that asks for logprobs adds
+``return_logprob=, top_logprobs_num=, logprob_start_len=``) and ``Engine.tokenizer_manager.abort_request(rid)``.
 """
 
 from __future__ import annotations
@@ -19,7 +20,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from eaglenest.engines.base import Generation, SamplingParams
-from eaglenest.engines.sglang_args import StreamedRequest, check_prompts, per_request_sampling
+from eaglenest.engines.sglang_args import (
+    StreamedRequest,
+    check_prompts,
+    logprob_kwargs,
+    output_logprobs,
+    per_request_sampling,
+)
 
 
 @dataclass
@@ -30,6 +37,8 @@ class StreamUpdate:
     token_ids: list[int]
     result: Generation | None = None
     error: str | None = None
+    logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = None
+    """per new token when the request asked for logprobs (see ``output_logprobs``)"""
 
 
 @dataclass
@@ -39,6 +48,8 @@ class _Stream:
     sampling: dict[str, Any]
     parser: StreamedRequest
     agen: Any = None
+    extra: dict[str, Any] | None = None
+    """more ``async_generate`` arguments (logprobs)"""
 
 
 class SGLangStreams:
@@ -61,7 +72,8 @@ class SGLangStreams:
         ids = check_prompts([prompt_ids], vocab_size=self.vocab_size)[0]
         sp = per_request_sampling(sampling, 1, stop_token_ids=self.eos_token_ids)[0]
         parser = StreamedRequest(prompt_len=len(ids), decode=self.decode, stop=sampling.stop)
-        self._streams[key] = _Stream(rid=f"eaglenest-{uuid.uuid4().hex}", prompt_ids=ids, sampling=sp, parser=parser)
+        self._streams[key] = _Stream(rid=f"eaglenest-{uuid.uuid4().hex}", prompt_ids=ids, sampling=sp, parser=parser,
+                                     extra=logprob_kwargs(sampling))
         self._to_open.append(key)
 
     def abort(self, key: Hashable) -> None:
@@ -95,7 +107,7 @@ class SGLangStreams:
             s = self._streams[key]
             try:
                 s.agen = await self.engine.async_generate(input_ids=s.prompt_ids, sampling_params=s.sampling,
-                                                          stream=True, rid=s.rid)
+                                                          stream=True, rid=s.rid, **(s.extra or {}))
             except Exception as e:  # refused by the engine: this request fails, the others go on
                 del self._streams[key]
                 updates.append(StreamUpdate(key, [], error=f"{type(e).__name__}: {e}"))
@@ -108,7 +120,8 @@ class SGLangStreams:
             key = self._tasks.pop(task)
             s = self._streams[key]
             try:
-                new = s.parser.feed(task.result())
+                chunk = task.result()
+                new = s.parser.feed(chunk)
             except StopAsyncIteration:
                 del self._streams[key]
                 updates.append(StreamUpdate(key, [], error="sglang ended the stream without a finished chunk"))
@@ -117,11 +130,14 @@ class SGLangStreams:
                 del self._streams[key]
                 updates.append(StreamUpdate(key, [], error=f"{type(e).__name__}: {e}"))
                 continue
+            lps = None
+            if s.extra:
+                lps = output_logprobs(chunk.get("meta_info") or {}, s.parser.sent - len(new), s.parser.sent)
             if s.parser.result is not None:
                 del self._streams[key]
-                updates.append(StreamUpdate(key, new, result=s.parser.result))
+                updates.append(StreamUpdate(key, new, result=s.parser.result, logprobs=lps))
             else:
                 self._tasks[asyncio.ensure_future(s.agen.__anext__())] = key
                 if new:
-                    updates.append(StreamUpdate(key, new))
+                    updates.append(StreamUpdate(key, new, logprobs=lps))
         return updates
