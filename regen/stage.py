@@ -96,6 +96,9 @@ class EngineActor:
 
             torch.set_num_threads(tcfg.cpu_threads or max(1, int(regen["num_cpus_per_actor"])))
         self.engine = load_engine(tcfg)
+        start = getattr(self.engine, "start", None)
+        if start is not None:  # an engine that starts lazily starts with the actor, not inside the first batch:
+            start()  # the batch timeline and generate seconds then measure generation alone (BENCHMARKS.md)
         info = self.engine.info
         layer_ids = list(getattr(self.engine, "aux_layer_ids", identity["aux_layer_ids"]))
         got = {"num_layers": info.num_layers, "hidden_size": info.hidden_size, "aux_layer_ids": layer_ids}

@@ -132,6 +132,8 @@ def test_tiny_build_on_cpu_end_to_end(tmp_path):
         turns = [{"from": "human", "value": f"Question {i}: {q}?"}, {"from": "gpt", "value": f"Answer: {a}."}]
         if i % 7 == 0:
             turns.insert(0, {"from": "gpt", "value": "(continued)"})
+        if i % 10 == 9:  # public dumps repeat prompts: the prompt files must not (regen drops repeats)
+            turns = [dict(t) for t in recs[-1]["conversations"]]
         recs.append({"id": f"rec{i}", "conversations": turns})
     text = _dump_text(recs)
     dump = tmp_path / "dump.json"
@@ -151,6 +153,8 @@ def test_tiny_build_on_cpu_end_to_end(tmp_path):
     assert not {r["id"] for r in train} & {r["id"] for r in held}  # disjoint records
     assert all(int(r["id"][3:]) >= 119 - 30 for r in held)  # held-out part: kept out of pre-training too
     assert train[0]["conversations"][0]["from"] == "human"  # a gpt-first record starts at its user turn
+    prompts = [r["conversations"][0]["value"] for r in train] + [r["messages"][0]["content"] for r in held]
+    assert len(set(prompts)) == len(prompts)
 
     tok = AutoTokenizer.from_pretrained(tmp_path / "out/model")
     base = AutoModelForCausalLM.from_pretrained(tmp_path / "out/base").eval()

@@ -300,12 +300,15 @@ def write_prompt_files(records: list[dict], split: int, tokenizer: Any, out: Pat
     prompts) from records after it. First exchanges whose prompt fits ``max_prompt_tokens``, in dump order."""
     out.mkdir(parents=True, exist_ok=True)
 
+    seen: set[str] = set()  # public dumps repeat prompts; regen would drop the repeats as duplicates
+
     def pick(rs: Iterator[tuple[int, dict]], n: int) -> list[tuple[int, dict, list[dict]]]:
         got = []
         for i, r in rs:
             ex = first_exchange(r)
-            if ex is None:
+            if ex is None or ex[0]["content"].strip() in seen:
                 continue
+            seen.add(ex[0]["content"].strip())
             n_tok = len(render_chat_ids(tokenizer, ex[:1], add_generation_prompt=True))
             if 8 <= n_tok <= max_prompt_tokens:
                 got.append((i, r, ex))
