@@ -22,6 +22,8 @@ SUBCOMMANDS: dict[str, tuple[str, str, str, str]] = {
     "bench": ("serve.bench_cli", "add_arguments", "run", "speculative vs baseline throughput, with a sweep"),
     "preflight": ("serve.preflight_cli", "add_arguments", "run", "check a target + drafter + algorithm before serving"),
     "serve": ("serve.cli", "add_arguments", "run", "serve the OpenAI-compatible API with speculative decoding"),
+    "plan": ("eaglenest.plan_cli", "add_arguments", "run",
+             "size a run: samples, tokens, storage per mode (bf16 / fp8 / online), engine and training hours"),
     "demo": ("eaglenest.demo", "add_arguments", "run", "run the whole loop on the embedded tiny target"),
 }
 

@@ -247,6 +247,18 @@ class ServeConfig(Section):
     )
 
 
+# ------------------------------------------------------------------------------------------------------------ plan
+class PlanConfig(Section):
+    """Inputs of ``eaglenest plan`` that the rest of the config does not hold (measured figures; flags override)."""
+
+    hidden_size: int | None = Field(None, ge=1, description="the target's hidden size when its config.json is not "
+                                                             "local (a hub id)")
+    prompt_tokens: float | None = Field(None, gt=0, description="average prompt tokens per sample")
+    answer_tokens: float | None = Field(None, gt=0, description="average generated tokens per sample")
+    engine_tokens_per_s: float | None = Field(None, gt=0, description="generated tok/s of one regen engine")
+    train_tokens_per_s: float | None = Field(None, gt=0, description="training tok/s of one worker")
+
+
 # ------------------------------------------------------------------------------------------------------------ root
 class EaglenestConfig(Section):
     """Every stage's section; each is optional in the file and defaults sensibly."""
@@ -256,6 +268,7 @@ class EaglenestConfig(Section):
     train: TrainConfig = Field(default_factory=TrainConfig)
     bench: BenchConfig = Field(default_factory=BenchConfig)
     serve: ServeConfig = Field(default_factory=ServeConfig)
+    plan: PlanConfig = Field(default_factory=PlanConfig)
     base_dir: str = Field(".", description="set by load_config: relative paths in the file resolve against it")
 
     @field_validator("base_dir")
