@@ -97,19 +97,11 @@ def prepare_vocab(out: Path, files: list[Path], vocab_size: int, draft_vocab_siz
 
 
 def ensure_ray(num_cpus_needed: float) -> None:
-    """Use a running Ray (``ray job submit`` sets RAY_ADDRESS) or start a local one sized for the workers."""
-    import ray
+    """Use a running Ray (``ray job submit`` sets RAY_ADDRESS, or ``ray start`` ran here) or start a local one sized
+    for the workers."""
+    from eaglenest.runtime import init_ray
 
-    if ray.is_initialized():
-        return
-    for k, v in {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}.items():
-        os.environ.setdefault(k, v)
-    address = os.environ.get("RAY_ADDRESS")
-    if address:
-        ray.init(address=address)
-    else:
-        ray.init(address="local", num_cpus=max(os.cpu_count() or 1, math.ceil(num_cpus_needed)),
-                 include_dashboard=False)
+    init_ray(num_cpus=max(os.cpu_count() or 1, math.ceil(num_cpus_needed)), include_dashboard=False)
 
 
 def _trainer_class():

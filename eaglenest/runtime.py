@@ -7,7 +7,17 @@ its temp dir). Commands that want such options for the local case ask :func:`run
 
 from __future__ import annotations
 
+import os
 from typing import Any
+
+LOCAL_RAY_ENV = {
+    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",  # one machine: keep every Ray process on loopback
+    "RAY_AUTH_MODE": "disabled",
+    "RAY_USAGE_STATS_ENABLED": "0",
+}
+"""Defaults for a Ray that eaglenest starts itself (a user's own environment wins)."""
+TASK_ENV = {"TOKENIZERS_PARALLELISM": "false"}
+"""Every worker's environment: tokenizers' own threads fight Ray's workers for cores (and warn after fork)."""
 
 
 def running_cluster_address() -> str | None:
@@ -24,15 +34,21 @@ def running_cluster_address() -> str | None:
         return "unreachable"
 
 
-def init_ray(*, runtime_env: dict[str, Any] | None = None, **local_only: Any) -> bool:
-    """Attach to the running cluster, or start a local Ray with ``local_only`` options; True when it started one."""
+def init_ray(**local_only: Any) -> bool:
+    """Attach to the running cluster, or start a local Ray with ``local_only`` options; True when it started one.
+
+    The one Ray bootstrap of every command (regen, train, serve): each attaches the same way under
+    ``ray job submit`` or next to ``ray start``, and only a Ray it starts gets driver-only options.
+    """
     import ray
 
     if ray.is_initialized():
         return False
-    kwargs: dict[str, Any] = {"runtime_env": runtime_env} if runtime_env else {}
+    runtime_env = {"env_vars": dict(TASK_ENV)}
     if running_cluster_address() is not None:
-        ray.init(**kwargs)
+        ray.init(runtime_env=runtime_env)
         return False
-    ray.init(**kwargs, **local_only)
+    for k, v in LOCAL_RAY_ENV.items():
+        os.environ.setdefault(k, v)
+    ray.init(runtime_env=runtime_env, **local_only)
     return True

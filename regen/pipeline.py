@@ -31,21 +31,7 @@ from regen.output import (
 )
 from regen.sources import build_plan, check_sources, damage_line, data_context
 
-LOCAL_RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled",
-                 "RAY_USAGE_STATS_ENABLED": "0"}
 WRITE_CPUS = 0.25
-
-
-def ensure_ray() -> None:
-    """Attach to ``RAY_ADDRESS`` (a cluster, or a ``ray job submit`` driver) or start a local Ray."""
-    import ray
-
-    if ray.is_initialized():
-        return
-    if not os.environ.get("RAY_ADDRESS"):
-        for k, v in LOCAL_RAY_ENV.items():
-            os.environ.setdefault(k, v)
-    ray.init(runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
 
 
 def target_identity(cfg: EaglenestConfig) -> dict[str, Any]:
@@ -107,7 +93,9 @@ def _run_locked(cfg: EaglenestConfig, sources: list, out_dir: Path, limit: int |
     if completed.duplicates:
         raise OutputFolderError(f"{out_dir} records {len(completed.duplicates)} sample id(s) twice (e.g. "
                                 f"{completed.duplicates[0]}); the folder was written by something else")
-    ensure_ray()
+    from eaglenest.runtime import init_ray
+
+    init_ray()  # attach to RAY_ADDRESS / a `ray start` cluster, or start a local Ray
     import ray
 
     from regen.progress import ProgressTracker, steady_state

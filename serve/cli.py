@@ -12,11 +12,11 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
+from eaglenest.runtime import LOCAL_RAY_ENV, TASK_ENV
+
 RAY_ENV_DEFAULTS = {
-    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",  # one machine: keep every Ray process on loopback
-    "RAY_AUTH_MODE": "disabled",
-    "RAY_USAGE_STATS_ENABLED": "0",
-    "TOKENIZERS_PARALLELISM": "false",
+    **LOCAL_RAY_ENV,
+    **TASK_ENV,
     # Ray Serve's own throughput settings (read when Serve's processes start, so they must be in the environment of
     # the Ray that runs Serve): proxy -> replica over gRPC, and the replica runs our handlers on its event loop
     # instead of handing every request to a second thread. With the decoder process (serve.decoder_process) they
@@ -84,7 +84,7 @@ def start_apps(apps: list[AppSpec], *, host: str = "127.0.0.1", port: int = 8000
         local: dict[str, Any] = {"log_to_driver": False, "_system_config": {"worker_niceness": 0}}
         if num_cpus is not None:
             local["num_cpus"] = num_cpus
-        _STATE["owns_ray"] = init_ray(runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}}, **local)
+        _STATE["owns_ray"] = init_ray(**local)
     targets = [RunTarget(target=make_app(a.cfg, a.drafter_dir), name=a.name, route_prefix=a.route_prefix)
                for a in apps]  # preflight first: nothing starts for a bad drafter
     client = serve_start(http_options={"host": host, "port": int(port)})
