@@ -16,7 +16,7 @@ import torch
 
 from drafter.target import TargetFacts
 from eaglenest.layers import validate_aux_layer_ids
-from eaglenest.shards import DTYPES, Manifest, bytes_to_tensor
+from eaglenest.shards import DTYPES, FP8, FP8_SCALE_LAYOUT, Manifest, bytes_to_tensor, compute_dtype
 
 COLUMNS = ["id", "input_ids", "loss_mask", "aux_hidden_states", "last_hidden_state"]
 
@@ -36,6 +36,9 @@ def check_manifest(manifest: Manifest, target: TargetFacts, aux_layer_ids: Seque
         problems.append(f"vocab_size: shards {manifest.vocab_size}, target {target.vocab_size}")
     if manifest.dtype not in DTYPES:
         problems.append(f"dtype {manifest.dtype!r} is not one of {sorted(DTYPES)}")
+    elif manifest.dtype == FP8 and getattr(manifest, "scale_layout", None) != FP8_SCALE_LAYOUT:
+        problems.append(f"fp8 shards with scale layout {getattr(manifest, 'scale_layout', None)!r}: this eaglenest "
+                        f"reads only {FP8_SCALE_LAYOUT!r} (regenerate, or use the eaglenest that wrote them)")
     try:
         validate_aux_layer_ids(manifest.aux_layer_ids, target.num_layers)
     except ValueError as e:
@@ -98,14 +101,14 @@ def collate(table: pa.Table, *, dtype: str, hidden_size: int, max_seq_len: int) 
     lasts = table.column("last_hidden_state").to_pylist()
     lengths = [min(len(x), max_seq_len) for x in ids]
     b, t = len(ids), max(lengths)
-    td = DTYPES[dtype]
+    td = compute_dtype(dtype)  # fp8 shards are dequantised here, on the CPU side of the data path
     input_ids = torch.zeros(b, t, dtype=torch.long)
     loss_mask = torch.zeros(b, t, dtype=torch.bool)
     aux = torch.zeros(b, t, 3 * hidden_size, dtype=td)
     last = torch.zeros(b, t, hidden_size, dtype=td)
     for i, n in enumerate(lengths):
         full = len(ids[i])
-        a = bytes_to_tensor(auxes[i], dtype, 3 * hidden_size)
+        a = bytes_to_tensor(auxes[i], dtype, 3 * hidden_size, states=3)
         h = bytes_to_tensor(lasts[i], dtype, hidden_size)
         if a.shape[0] != full or h.shape[0] != full or len(masks[i]) != full:
             sid = table.column("id")[i].as_py()

@@ -58,7 +58,7 @@ def write_quick_shards(
             rows.append({
                 "id": sid, "source": source, "domain": "chat", "input_ids": list(ids),
                 "loss_mask": [int(m) for m in mask], "num_tokens": len(ids),
-                "aux_hidden_states": tensor_to_bytes(cap.aux_hidden_states, dtype),
+                "aux_hidden_states": tensor_to_bytes(cap.aux_hidden_states, dtype, states=3),
                 "last_hidden_state": tensor_to_bytes(cap.last_hidden_state, dtype),
             })
             n_tokens += len(ids)

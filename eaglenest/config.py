@@ -128,7 +128,9 @@ class RegenConfig(Section):
     num_gpus_per_actor: float = Field(0, ge=0)
     min_tokens: int = Field(4, ge=1, description="length filter: shorter samples are quarantined")
     max_tokens: int = Field(2048, ge=16, description="length filter: longer samples are quarantined")
-    storage_dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    storage_dtype: Literal["bfloat16", "float16", "float32", "float8_e4m3fn"] = Field(
+        "bfloat16", description="hidden-state storage: bfloat16 = 8*H bytes/token; float8_e4m3fn = 4*H + 4 (a "
+                                "power-of-two scale per token and state; read back as bf16)")
     rows_per_shard: int = Field(64, ge=1)
 
 

@@ -7,6 +7,13 @@ exactly ``8 * H`` bytes per token in bf16 and reading back needs no float parsin
 ``source_id`` (the record's own id in its dataset, or ``<file>#<index>``) was added after the first shards were
 written: it is the last column, nullable, and readers must not require it (older shards lack it; same
 ``SCHEMA_VERSION``, since nothing that reads hidden states depends on it).
+
+``float8_e4m3fn`` storage (half of bf16: 4·H + 4 bytes per token) scales every token's every state (each aux layer
+and the final state: ``states`` per blob) by its own power of two, 2^e with e = ceil(log2(amax / 448)), so the
+largest value lands at e4m3's maximum and dividing is exact; the blob holds the ``[T, width]`` fp8 values followed
+by the ``[T, states]`` int8 exponents (``FP8_SCALE_LAYOUT``). Reading gives bf16 (:func:`compute_dtype`). Powers of
+two instead of float scales: one byte each and no rounding of their own; the error is e4m3's alone (<= 2^-4
+relative per value).
 """
 
 from __future__ import annotations
@@ -22,7 +29,31 @@ from pydantic import BaseModel, ConfigDict, Field
 
 SCHEMA_VERSION = 1
 
-DTYPES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+DTYPES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
+                                  "float8_e4m3fn": torch.float8_e4m3fn}
+FP8 = "float8_e4m3fn"
+FP8_MAX = 448.0
+FP8_SCALE_LAYOUT = "per_token_state_pow2_int8"
+"""one int8 exponent per token and state, after the values (see the module docstring)"""
+STATES_PER_TOKEN = 4
+"""three aux layers + the final normed state"""
+
+
+def compute_dtype(dtype: str) -> torch.dtype:
+    """The dtype readers get back: the storage dtype, except fp8, which is dequantised to bf16."""
+    return torch.bfloat16 if dtype == FP8 else DTYPES[dtype]
+
+
+def blob_bytes(dtype: str, tokens: int, width: int, states: int = 1) -> int:
+    """Exact size of one sample's blob of ``tokens`` rows of ``width`` values (``states`` scale groups per row)."""
+    if dtype == FP8:
+        return tokens * (width + states)
+    return tokens * width * DTYPES[dtype].itemsize
+
+
+def hidden_bytes_per_token(hidden_size: int, dtype: str) -> int:
+    """Stored hidden-state bytes per token: aux ``[3H]`` + final ``[H]`` (8·H in bf16, 4·H + 4 in fp8)."""
+    return blob_bytes(dtype, 1, 3 * hidden_size, 3) + blob_bytes(dtype, 1, hidden_size, 1)
 
 SHARD_SCHEMA = pa.schema(
     [
@@ -62,25 +93,53 @@ class Manifest(BaseModel):
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+        """What readers get back (fp8 shards are dequantised to bf16)."""
+        return compute_dtype(self.dtype)
 
 
-def tensor_to_bytes(t: torch.Tensor, dtype: str) -> bytes:
-    """Row-major bytes of ``t`` cast to the storage dtype (bf16 goes through int16 views: numpy has no bf16)."""
+def tensor_to_bytes(t: torch.Tensor, dtype: str, states: int = 1) -> bytes:
+    """Row-major bytes of ``t`` (``[T, width]``) in the storage dtype (bf16 goes through int16 views: numpy has no
+    bf16); fp8 quantises each of the ``states`` equal parts of a row with its own power-of-two scale."""
+    if dtype == FP8:
+        return _fp8_bytes(t, states)
     t = t.detach().to("cpu", DTYPES[dtype]).contiguous()
     if t.dtype == torch.bfloat16:
         return t.view(torch.int16).numpy().tobytes()
     return t.numpy().tobytes()
 
 
-def bytes_to_tensor(buf: bytes, dtype: str, width: int) -> torch.Tensor:
-    """Inverse of :func:`tensor_to_bytes`: a ``[T, width]`` tensor in the storage dtype."""
+def bytes_to_tensor(buf: bytes, dtype: str, width: int, states: int = 1) -> torch.Tensor:
+    """Inverse of :func:`tensor_to_bytes`: a ``[T, width]`` tensor in :func:`compute_dtype`."""
+    if dtype == FP8:
+        return _fp8_tensor(buf, width, states)
     td = DTYPES[dtype]
     itemsize = torch.empty((), dtype=td).element_size()
     if len(buf) % (itemsize * width):
         raise ValueError(f"corrupt hidden-state blob: {len(buf)} bytes is not a multiple of {itemsize}*{width}")
     raw = torch.frombuffer(bytearray(buf), dtype=torch.int16 if td == torch.bfloat16 else td)
     return raw.view(td).view(-1, width) if td == torch.bfloat16 else raw.view(-1, width)
+
+
+def _fp8_bytes(t: torch.Tensor, states: int) -> bytes:
+    x = t.detach().to("cpu", torch.float32)
+    rows, width = x.shape
+    if width % states:
+        raise ValueError(f"width {width} does not split into {states} equal states")
+    g = x.reshape(rows, states, width // states)
+    amax = g.abs().amax(dim=-1).clamp_min(1e-30)
+    exp = torch.ceil(torch.log2(amax / FP8_MAX)).clamp(-127, 127)
+    q = (g / torch.exp2(exp).unsqueeze(-1)).to(torch.float8_e4m3fn).reshape(rows, width)
+    return q.view(torch.uint8).numpy().tobytes() + exp.to(torch.int8).numpy().tobytes()
+
+
+def _fp8_tensor(buf: bytes, width: int, states: int) -> torch.Tensor:
+    if len(buf) % (width + states):
+        raise ValueError(f"corrupt fp8 hidden-state blob: {len(buf)} bytes is not a multiple of {width}+{states}")
+    rows = len(buf) // (width + states)
+    raw = torch.frombuffer(bytearray(buf), dtype=torch.uint8)
+    q = raw[:rows * width].view(torch.float8_e4m3fn).view(rows, states, width // states)
+    exp = raw[rows * width:].view(torch.int8).view(rows, states)
+    return (q.float() * torch.exp2(exp.float()).unsqueeze(-1)).reshape(rows, width).to(torch.bfloat16)
 
 
 def write_manifest(out_dir: str | Path, manifest: Manifest) -> Path:

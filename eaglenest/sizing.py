@@ -5,11 +5,11 @@ samples), and the first run had to estimate its 24-55 engine hours by hand. This
 config and from throughputs measured by eaglenest (BENCHMARKS.md, ``eaglenest bench`` / regen's
 ``ray_eaglenest_regen_tokens_per_second``, the trainer's tok/s log), so a run is sized before GPUs are reserved.
 
-Storage modes (hidden-state bytes per token, H = the target's hidden size; the token ids and the loss mask add
-5 bytes per token in every mode):
+Storage modes (hidden-state bytes per token, H = the target's hidden size, as ``eaglenest.shards`` stores them; the
+token ids and the loss mask add 5 bytes per token in every mode):
 - ``bfloat16``: the three aux layers and the final normed state, 2 bytes each: 8·H;
-- ``float8``: 1 byte each plus one float32 scale per token and state (4 scales): 4·H + 16;
-- ``online``: hidden states stream from the engines to the trainer and are never written: 0.
+- ``float8_e4m3fn``: 1 byte each plus one int8 power-of-two exponent per token and state: 4·H + 4;
+- ``online``: hidden states stream from the engines to the trainer and are never written: 0 (not built yet).
 """
 
 from __future__ import annotations
@@ -18,22 +18,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-STATES_PER_TOKEN = 4
-"""three aux layers + the final normed state"""
 IDS_AND_MASK_BYTES = 5
 """int32 token id + one byte of loss mask per token"""
-STORAGE_MODES = ("bfloat16", "float8", "online")
+STORAGE_MODES = ("bfloat16", "float8_e4m3fn", "online")
 
 
 def hidden_bytes_per_token(hidden_size: int, mode: str) -> int:
-    """Hidden-state bytes stored per token in ``mode`` (see the module docstring)."""
-    if mode == "bfloat16":
-        return STATES_PER_TOKEN * 2 * hidden_size
-    if mode == "float8":
-        return STATES_PER_TOKEN * hidden_size + STATES_PER_TOKEN * 4
+    """Hidden-state bytes stored per token in ``mode`` (the shard contract's own figure; 0 online)."""
+    from eaglenest.shards import hidden_bytes_per_token as stored
+
     if mode == "online":
         return 0
-    raise ValueError(f"unknown storage mode {mode!r}; allowed: {', '.join(STORAGE_MODES)}")
+    if mode not in STORAGE_MODES:
+        raise ValueError(f"unknown storage mode {mode!r}; allowed: {', '.join(STORAGE_MODES)}")
+    return stored(hidden_size, mode)
 
 
 @dataclass

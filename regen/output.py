@@ -35,7 +35,15 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from eaglenest.shards import DTYPES, SHARD_SCHEMA, Manifest, shard_files, write_manifest
+from eaglenest.shards import (
+    FP8,
+    FP8_SCALE_LAYOUT,
+    SHARD_SCHEMA,
+    Manifest,
+    hidden_bytes_per_token,
+    shard_files,
+    write_manifest,
+)
 from regen.adapters import QUARANTINE_SCHEMA
 
 SHARDS, QUARANTINE, PLAN = "shards", "quarantine", "plan"
@@ -222,7 +230,7 @@ def write_final_manifest(out_dir: Path, identity: dict[str, Any], engine_version
                          extra: dict[str, Any]) -> Manifest:
     """The manifest over the whole folder; ``bytes_per_token`` is the exact stored hidden-state size."""
     counts = summarize_folder(out_dir)
-    itemsize = DTYPES[identity["dtype"]].itemsize
+    fp8 = {"scale_layout": FP8_SCALE_LAYOUT} if identity["dtype"] == FP8 else {}
     prev_created = None
     old = out_dir / "manifest.json"
     if old.is_file():
@@ -235,8 +243,8 @@ def write_final_manifest(out_dir: Path, identity: dict[str, Any], engine_version
         num_samples=counts.pop("num_samples"), num_tokens=counts.pop("num_tokens"),
         num_loss_tokens=counts.pop("num_loss_tokens"), samples_per_source=counts.pop("samples_per_source"),
         quarantined_per_reason=counts.pop("quarantined_per_reason"),
-        bytes_per_token=float(4 * identity["hidden_size"] * itemsize),
-        **counts, **extra, created_at=prev_created or now, updated_at=now,
+        bytes_per_token=float(hidden_bytes_per_token(identity["hidden_size"], identity["dtype"])),
+        **counts, **extra, **fp8, created_at=prev_created or now, updated_at=now,
     )
     write_manifest(out_dir, m)
     return m

@@ -321,7 +321,8 @@ class Regenerator:
                                       f"{t} tokens (want [{t}, {3 * h}] / [{t}, {h}])")
                 continue
             self.stats.captured_tokens += t
-            captured[id(st)] = (tensor_to_bytes(aux, self.storage_dtype), tensor_to_bytes(last, self.storage_dtype))
+            captured[id(st)] = (tensor_to_bytes(aux, self.storage_dtype, states=3),
+                                tensor_to_bytes(last, self.storage_dtype))
         results: list[Result] = []
         for st in states:
             if st.failure is not None:

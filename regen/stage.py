@@ -156,7 +156,7 @@ class ShardDatasink(Datasink):
     def write(self, blocks: Iterable[Any], ctx: Any) -> dict[str, int]:
         from ray.data.block import BlockAccessor
 
-        from eaglenest.shards import DTYPES
+        from eaglenest.shards import blob_bytes
         from regen.output import write_quarantine, write_shard
 
         tables = [BlockAccessor.for_block(b).to_arrow() for b in blocks]
@@ -166,10 +166,10 @@ class ShardDatasink(Datasink):
         table = pa.concat_tables(tables)
         is_ok = pc.equal(table.column("status"), OK)
         ok, bad = table.filter(is_ok), table.filter(pc.invert(is_ok))
-        itemsize = DTYPES[self.storage_dtype].itemsize
+        h, dt = self.hidden_size, self.storage_dtype
         for n, a, b in zip(ok.column("num_tokens").to_pylist(), pc.binary_length(ok.column("aux_hidden_states"))
                            .to_pylist(), pc.binary_length(ok.column("last_hidden_state")).to_pylist(), strict=True):
-            if a != n * 3 * self.hidden_size * itemsize or b != n * self.hidden_size * itemsize:
+            if a != blob_bytes(dt, n, 3 * h, 3) or b != blob_bytes(dt, n, h):
                 raise RuntimeError(f"hidden-state blob sizes {a}/{b} bytes do not match {n} tokens of "
                                    f"3x{self.hidden_size}/{self.hidden_size} {self.storage_dtype}")
         t0 = time.perf_counter()

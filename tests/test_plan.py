@@ -16,7 +16,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def test_bytes_per_token_per_mode():
     assert hidden_bytes_per_token(7168, "bfloat16") == 57344  # 8*H: 3 aux states + the final one, 2 bytes each
-    assert hidden_bytes_per_token(7168, "float8") == 4 * 7168 + 16  # <= 4.1*H with one fp32 scale per state
+    assert hidden_bytes_per_token(7168, "float8_e4m3fn") == 4 * 7168 + 4  # one int8 exponent per state
     assert hidden_bytes_per_token(7168, "online") == 0
     with pytest.raises(ValueError, match="allowed"):
         hidden_bytes_per_token(7168, "int4")
@@ -28,8 +28,8 @@ def test_plan_arithmetic_on_a_small_config():
                        gpus_per_engine=4, train_tokens_per_s=100, num_workers=1, epochs=2)
     p = plan(inp)
     assert (p["samples"], p["tokens"], p["generated_tokens"]) == (13, 390, 260)
-    assert p["bytes_per_token"] == {"bfloat16": 805, "float8": 421, "online": 5}
-    assert p["storage_bytes"] == {"bfloat16": 390 * 805, "float8": 390 * 421, "online": 390 * 5}
+    assert p["bytes_per_token"] == {"bfloat16": 805, "float8_e4m3fn": 409, "online": 5}
+    assert p["storage_bytes"] == {"bfloat16": 390 * 805, "float8_e4m3fn": 390 * 409, "online": 390 * 5}
     assert p["engine_hours"] == pytest.approx(260 / 100 / 3600)
     assert p["engine_gpu_hours"] == pytest.approx(260 / 100 / 3600 * 8)
     assert p["training_hours"] == pytest.approx(390 * 2 / 100 / 3600)
