@@ -414,32 +414,17 @@ def step_eagle_forced() -> dict[str, Any]:
         return {"skipped": "needs SGLang (GPU)"}
     from transformers import AutoTokenizer
 
-    from eaglenest.config import SpecConfig, load_config
+    from benchmarks.gpu_sglang import forced_eagle_accept_length
+    from eaglenest.config import load_config
     from eaglenest.engines.base import render_chat_ids
-    from eaglenest.engines.sglang import sglang_symbol
-    from eaglenest.engines.sglang_args import spec_meta
-    from eaglenest.engines.sglang_spec import speculative_engine_kwargs
 
-    cfg = load_config(CONFIG)
     tok = AutoTokenizer.from_pretrained(str(MODEL))
     held = [json.loads(x) for x in (PROMPTS / "heldout.jsonl").read_text().splitlines()][:32]
     prompts = [render_chat_ids(tok, r["messages"], add_generation_prompt=True) for r in held]
-    kw, _ = speculative_engine_kwargs(str(MODEL), cfg.target.sglang, EXPORT, SpecConfig(**SPEC), dtype="bfloat16")
-    out: dict[str, Any] = {}
-    for algo in ("EAGLE",):  # what eaglenest refuses and SGLang takes silently (EAGLE3 on the same prompts: bench)
-        kw["speculative_algorithm"] = algo
-        eng = sglang_symbol("sglang:Engine")(**kw)
-        try:
-            outs = eng.generate(input_ids=prompts, sampling_params={"temperature": 0.0, "max_new_tokens": 96})
-        finally:
-            eng.shutdown()
-        metas = [spec_meta(o["meta_info"]) for o in outs]
-        tokens = sum(m.get("completion_tokens", 0) for m in metas)
-        verify = sum(m.get("spec_verify_ct", 0) for m in metas)
-        out[algo] = {"accept_length": round(tokens / verify, 3) if verify else None, "prompts": len(prompts),
-                     "sglang_accepted_launch": True}
-    out["preflight_refusal"] = load("preflight").get("eagle_refusal")
-    return out
+    acc = forced_eagle_accept_length(str(MODEL), load_config(CONFIG).target.sglang, EXPORT, prompts, 96)
+    # EAGLE3 on the same kind of prompts: the bench step
+    return {"EAGLE": {"accept_length": round(acc, 3), "prompts": len(prompts), "sglang_accepted_launch": True},
+            "preflight_refusal": load("preflight").get("eagle_refusal")}
 
 
 def step_jobs() -> dict[str, Any]:

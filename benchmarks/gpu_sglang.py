@@ -360,32 +360,36 @@ def worker_spec(out: Path) -> dict[str, Any]:
     return res
 
 
-def worker_eagle_forced(out: Path) -> dict[str, Any]:
-    """The seed's bug, reproduced outside eaglenest: raw sglang.Engine with EAGLE and the EAGLE-3 drafter."""
+def forced_eagle_accept_length(model: str, engine_cfg: Any, drafter: str | Path, prompts: list[list[int]],
+                                max_new_tokens: int) -> float:
+    """The seed's bug, reproduced outside eaglenest: the EAGLE-3 drafter through raw sglang.Engine under ``EAGLE``
+    (what eaglenest's preflight refuses and SGLang takes silently); pooled accept length over ``prompts``."""
     from eaglenest.config import SpecConfig
     from eaglenest.engines.base import SamplingParams
     from eaglenest.engines.sglang import sglang_symbol
     from eaglenest.engines.sglang_args import per_request_sampling, spec_meta
     from eaglenest.engines.sglang_spec import speculative_engine_kwargs
 
-    path = tiny_target(out)
-    folder = out / "drafter"
-    saved = json.loads((out / "spec_prompts.json").read_text())
-    cfg = _spec_engine_cfg(path)
-    kw, _ = speculative_engine_kwargs(path, cfg.sglang, folder, SpecConfig(), dtype="bfloat16")
-    kw["speculative_algorithm"] = "EAGLE"  # what eaglenest refuses; sglang takes it silently
-    Engine = sglang_symbol("sglang:Engine")
-    eng = Engine(**kw)
+    kw, _ = speculative_engine_kwargs(model, engine_cfg, drafter, SpecConfig(), dtype="bfloat16")
+    kw["speculative_algorithm"] = "EAGLE"
+    eng = sglang_symbol("sglang:Engine")(**kw)
     try:
-        sp = per_request_sampling(SamplingParams(temperature=0.0, max_new_tokens=saved["max_new_tokens"]),
-                                  len(saved["prompts"]))
-        outs = eng.generate(input_ids=saved["prompts"], sampling_params=sp)
+        sp = per_request_sampling(SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens), len(prompts))
+        outs = eng.generate(input_ids=prompts, sampling_params=sp)
     finally:
         eng.shutdown()
     metas = [spec_meta(o["meta_info"]) for o in outs]
     tokens = sum(m.get("completion_tokens", 0) for m in metas)
     verify = sum(m.get("spec_verify_ct", 0) for m in metas)
-    acc = tokens / verify if verify else float("nan")
+    return tokens / verify if verify else float("nan")
+
+
+def worker_eagle_forced(out: Path) -> dict[str, Any]:
+    """Check 3's last part: the drafter trained by ``worker_spec`` forced through raw SGLang under ``EAGLE``."""
+    path = tiny_target(out)
+    saved = json.loads((out / "spec_prompts.json").read_text())
+    acc = forced_eagle_accept_length(path, _spec_engine_cfg(path).sglang, out / "drafter", saved["prompts"],
+                                     saved["max_new_tokens"])
     return {"algorithm_forced": "EAGLE", "sglang_accepted_launch": True, "accept_length": acc,
             "passed": bool(acc == acc and acc < 1.2)}
 

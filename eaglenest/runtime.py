@@ -2,7 +2,8 @@
 
 ``ray.init`` refuses driver-only options (``_system_config``, ``num_cpus``, ...) when it connects to an existing
 cluster: a ``ray job submit`` driver (``RAY_ADDRESS`` set) or a machine where ``ray start`` ran (Ray finds it through
-its temp dir). Commands that want such options for the local case ask :func:`running_cluster_address` first.
+its temp dir). :func:`init_ray` asks :func:`running_cluster_address` first and passes such options only to a Ray it
+starts.
 """
 
 from __future__ import annotations
