@@ -18,7 +18,10 @@ from eaglenest.config import TinyTargetSpec
 # AVX512; no AMX), 2 cores, torch 2.13.0+cpu, transformers 5.24.0, tokenizers 0.23.3. The same digest came out with
 # ATen's AVX2 and default kernels, MKL_CBWR=AVX2 and COMPATIBLE, 1 and 2 threads. It changes with BUILDER_VERSION,
 # TinyTargetSpec's defaults, the corpus, or the token ids (TINY_CORPUS_IDS_SHA256: the tokenizers package's BPE
-# training). tools/tiny_target_hash.py prints both on another machine.
+# training). tools/tiny_target_hash.py prints both on another machine. Second CPU type, same two digests
+# (2026-12-01, `python tools/tiny_target_hash.py` on the lent H200's host): "Intel(R) Xeon(R) Processor", 16 cores,
+# avx2 fma avx512f/bw/vl/vnni/bf16/fp16 and amx_tile/bf16/int8 (torch's CPU capability: AVX512), torch 2.11.0+cu130
+# with CUDA hidden, transformers 5.17.0, tokenizers 0.23.2: weights and corpus ids MATCH.
 TINY_WEIGHTS_SHA256 = "5add247e96dfcc5518be0bb0645f6349ea2ee9d2c8ba09b3da227de8d2725441"
 TINY_CORPUS_IDS_SHA256 = "60c7b5f0b2b262bd9f1aea3dd05aab1bf3b88886c89d27f2c274e50979fa1bdb"
 
