@@ -48,12 +48,12 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     a = parse_args(argv)
     torch.set_num_threads(a.threads)
-    from drafter.evaluate import evaluate_acceptance, load_prompts
-    from drafter.spec_fit import FitConfig, capture_samples, chat_prompt_answer, fit_drafter
     from eaglenest.config import SpecConfig, TargetConfig
+    from eaglenest.drafter.spec_fit import FitConfig, capture_samples, chat_prompt_answer, fit_drafter
     from eaglenest.engines.base import SamplingParams
     from eaglenest.engines.hf import HFEngine
     from eaglenest.engines.tiny import corpus_chats
+    from eaglenest.speculative.evaluate import evaluate_acceptance, load_prompts
 
     engine = HFEngine.from_config(TargetConfig(model=a.target, device=a.device,
                                                dtype="bfloat16" if a.device == "cuda" else "float32"))

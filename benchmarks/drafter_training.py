@@ -25,8 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 def build_shards(out: Path, samples: int, max_new_tokens: int) -> Path:
     """Target-native data: the tiny target regenerates each chat's last answer (greedy), then it is captured."""
-    from drafter.quick_shards import chat_samples, write_quick_shards
     from eaglenest.config import TargetConfig
+    from eaglenest.drafter.quick_shards import chat_samples, write_quick_shards
     from eaglenest.engines.hf import HFEngine
     from eaglenest.engines.tiny import corpus_chats
 
@@ -59,8 +59,8 @@ def main(argv: list[str] | None = None) -> int:
                  "RAY_USAGE_STATS_ENABLED": "0", "TOKENIZERS_PARALLELISM": "false"}.items():
         os.environ.setdefault(k, v)
 
-    from drafter.train import train_drafter
     from eaglenest.config import EaglenestConfig
+    from eaglenest.drafter.train import train_drafter
 
     out = Path(args.out).resolve()
     data = Path(args.data).resolve() if args.data else build_shards(out / "shards", args.samples,

@@ -3,7 +3,7 @@
     python benchmarks/fp8_storage.py [--chats 300] [--steps 150] [--seeds 0,1,2]
 
 The tiny target's chats are regenerated and captured once (as ``eaglenest regen`` does), then stored both ways
-through the shard contract itself (``eaglenest.shards.tensor_to_bytes`` / ``bytes_to_tensor``: bf16, and fp8 with a
+through the shard contract itself (``contracts.shards.tensor_to_bytes`` / ``bytes_to_tensor``: bf16, and fp8 with a
 power-of-two scale per token and state): same samples, same order, same seeds, same steps. Each seed trains one
 drafter per storage; all are evaluated on the same held-out prompts with the reference decoder (greedy, chain
 3-1-4). Prints bytes per token of both and the accept lengths; writes ``fp8_storage.json`` into ``--out``.
@@ -28,7 +28,7 @@ def stored(captured, dtype: str):
     """The captured samples as a trainer reads them back from shards written in ``dtype``."""
     from dataclasses import replace
 
-    from eaglenest.shards import bytes_to_tensor, tensor_to_bytes
+    from eaglenest.contracts.shards import bytes_to_tensor, tensor_to_bytes
 
     out, nbytes, tokens = [], 0, 0
     for c in captured:
@@ -50,12 +50,12 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=str(REPO / "out" / "bench" / "fp8_storage"))
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
-    from drafter.evaluate import evaluate_acceptance, load_prompts
-    from drafter.spec_fit import FitConfig, capture_samples, chat_prompt_answer, fit_drafter
     from eaglenest.config import SpecConfig, TargetConfig
+    from eaglenest.drafter.spec_fit import FitConfig, capture_samples, chat_prompt_answer, fit_drafter
     from eaglenest.engines.base import SamplingParams
     from eaglenest.engines.hf import HFEngine
     from eaglenest.engines.tiny import corpus_chats
+    from eaglenest.speculative.evaluate import evaluate_acceptance, load_prompts
 
     engine = HFEngine.from_config(TargetConfig(model="tiny", device="cpu", dtype="float32"))
     samples = chat_prompt_answer(engine, corpus_chats()[: a.chats], regenerate=True, max_new_tokens=96,

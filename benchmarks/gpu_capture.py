@@ -19,8 +19,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from eaglenest.contracts.layers import LayerIdError, default_aux_layer_ids  # noqa: E402
 from eaglenest.engines.hf import HFEngine  # noqa: E402
-from eaglenest.layers import LayerIdError, default_aux_layer_ids  # noqa: E402
 
 
 class _IdTokenizer:

@@ -98,7 +98,7 @@ def regen_phase(model: Path, source: Path, out_dir: Path, max_new: int, niceness
     import ray
 
     from eaglenest.config import load_config
-    from regen.pipeline import run_regen
+    from eaglenest.regen.pipeline import run_regen
 
     cfg_path = out_dir.parent / f"{out_dir.name}.yaml"
     import yaml

@@ -52,7 +52,7 @@ class Recorder:
 
 
 def submit(backend, prompt, sampling) -> tuple[object, Recorder]:
-    from serve.backends import Job
+    from eaglenest.serve.backends import Job
 
     rec = Recorder()
     job = Job(list(prompt), sampling, rec)
@@ -77,7 +77,7 @@ def main(argv=None) -> int:
 
     from eaglenest.engines.base import SamplingParams
     from eaglenest.engines.sglang import SGLangEngine
-    from serve.backends import Backend, SGLangDecoder
+    from eaglenest.serve.backends import Backend, SGLangDecoder
 
     path = big_target(a.out)
     engine = SGLangEngine(target_cfg(path, "sglang", mem_fraction_static=0.5))

@@ -11,7 +11,7 @@
    overhead; target ratio >= 0.9), in batches of 128 (regen.batch_size of the GPU config) and of 8 (the default).
 3. EAGLE3 serving: a drafter trained by eaglenest (answers regenerated and hidden states captured through SGLang,
    drafter.spec_fit, drafter.export) for the embedded tiny target; accept length through SGLang vs the reference
-   decoder (drafter.spec.SpecDecoder) on the same prompts (target: within 10%); the same drafter under "EAGLE" refused
+   decoder (SpecDecoder) on the same prompts (target: within 10%); the same drafter under "EAGLE" refused
    by our preflight; and, forced through raw sglang.Engine outside eaglenest, its accept length (expected ~1.0).
 4. spec vs baseline output tokens/s on SGLang at batch 1 and 8 with that drafter.
 
@@ -113,9 +113,9 @@ def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
 def worker_capture(out: Path) -> dict[str, Any]:
     import torch
 
+    from eaglenest.contracts.layers import default_aux_layer_ids
     from eaglenest.engines.hf import HFEngine
     from eaglenest.engines.sglang import SGLangEngine
-    from eaglenest.layers import default_aux_layer_ids
 
     path = big_target(out)
     sg = SGLangEngine(target_cfg(path, "sglang", mem_fraction_static=0.3, capture_mem_fraction_static=0.3))
@@ -268,8 +268,8 @@ def train_eaglenest_drafter(sg: Any, out: Path, *, steps: int) -> tuple[Any, Pat
     Integration point with the drafter package: fit_drafter (in-process TTT training) and export_drafter (SGLang
     folder + sidecar). The Ray Train path (`eaglenest train`) trains the same model on shards; the device has no Ray.
     """
-    from drafter.export import export_drafter
-    from drafter.spec_fit import FitConfig, fit_drafter
+    from eaglenest.drafter.export import export_drafter
+    from eaglenest.drafter.spec_fit import FitConfig, fit_drafter
     from eaglenest.engines.base import SamplingParams
 
     prompts, _ = chat_prompts(sg, 512)
@@ -286,11 +286,11 @@ def train_eaglenest_drafter(sg: Any, out: Path, *, steps: int) -> tuple[Any, Pat
 
 
 def reference_accept_length(path: str, drafter: Any, prompts: list[list[int]], max_new: int) -> dict[str, Any]:
-    """Integration point with drafter.spec: the reference decoder's accept length on the same prompts."""
-    from drafter.spec import SpecDecoder
+    """Integration point with speculative.decoder: the reference decoder's accept length on the same prompts."""
     from eaglenest.config import SpecConfig
     from eaglenest.engines.base import SamplingParams
     from eaglenest.engines.hf import HFEngine
+    from eaglenest.speculative.decoder import SpecDecoder
 
     hf = HFEngine.from_config(target_cfg(path, "hf"))
     dec = SpecDecoder.from_engine(hf, drafter, SpecConfig(num_steps=3, topk=1, num_draft_tokens=4))

@@ -42,7 +42,7 @@ for _k, _v in {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disab
 def write_source(path: Path, n: int) -> int:
     """The first ``n`` distinct prompts of the tiny target's corpus, as an OpenAI-messages jsonl source."""
     from eaglenest.engines.tiny import corpus_chats
-    from regen.adapters import normalize_record
+    from eaglenest.regen.adapters import normalize_record
 
     seen, rows = set(), []
     for chat in corpus_chats():
@@ -76,10 +76,10 @@ def loop(cfg, source: Path, out: Path, start_at: float | None = None) -> dict:
     import torch
 
     from eaglenest.engines import SamplingParams, load_engine
-    from regen.adapters import normalize_record
-    from regen.output import write_quarantine, write_shard
-    from regen.regenerate import Regenerator, Sample
-    from regen.stage import results_table
+    from eaglenest.regen.adapters import normalize_record
+    from eaglenest.regen.output import write_quarantine, write_shard
+    from eaglenest.regen.regenerate import Regenerator, Sample
+    from eaglenest.regen.stage import results_table
 
     torch.set_num_threads(1)
     rows = [normalize_record(line, "openai", source="bench", domain="chat")
@@ -141,9 +141,9 @@ def concurrent_loops(cfg, source: Path, out: Path, engines: int) -> dict:
 def pipeline(cfg, out: Path, actors: int) -> dict:
     import pyarrow.parquet as pq
 
-    from eaglenest.shards import shard_files
-    from regen.pipeline import run_regen
-    from regen.progress import steady_state
+    from eaglenest.contracts.shards import shard_files
+    from eaglenest.regen.pipeline import run_regen
+    from eaglenest.regen.progress import steady_state
 
     t0 = time.time()
     summary = run_regen(cfg, out, log=lambda m: None, timeline=True)

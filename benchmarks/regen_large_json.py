@@ -80,7 +80,7 @@ print(json.dumps({"seconds": time.perf_counter() - t, "records": len(data),
 SUBPROCESS_NEW = """
 import json, resource, sys, time
 t = time.perf_counter()
-from regen.readers import iter_file
+from eaglenest.regen.readers import iter_file
 n = sum(1 for _ in iter_file(sys.argv[1], cap=int(sys.argv[2])))
 print(json.dumps({"seconds": time.perf_counter() - t, "records": n,
                   "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
@@ -163,7 +163,7 @@ def read_stage(source: Path, max_samples: int, old: bool) -> dict:
     import ray
 
     from eaglenest.config import SourceConfig
-    from regen.sources import data_context, source_dataset
+    from eaglenest.regen.sources import data_context, source_dataset
 
     with data_context(preserve_order=True, use_datasource_v2=False), WorkerMemory() as mem:
         t0 = time.monotonic()
@@ -185,7 +185,7 @@ def read_stage(source: Path, max_samples: int, old: bool) -> dict:
 
 def run_regen_timed(source: Path, out: Path, max_samples: int) -> dict:
     from eaglenest.config import EaglenestConfig
-    from regen import run_regen
+    from eaglenest.regen import run_regen
 
     cfg = EaglenestConfig.model_validate({
         "target": {"model": "tiny", "engine": "hf", "device": "cpu", "dtype": "float32"},

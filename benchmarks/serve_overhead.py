@@ -76,7 +76,7 @@ def in_process(backend, prompt_ids: list[list[int]], max_tokens: int, concurrenc
                ignore_eos: bool) -> tuple[float, list[Sample]]:
     """``concurrency`` client threads submitting streamed jobs to the backend (no HTTP, no Ray)."""
     from eaglenest.engines.base import SamplingParams
-    from serve.backends import Job
+    from eaglenest.serve.backends import Job
 
     sp = SamplingParams(temperature=0.0, max_new_tokens=max_tokens, ignore_eos=ignore_eos)
     samples: list[Sample] = []
@@ -184,9 +184,9 @@ def main(argv: list[str] | None = None) -> int:
     import yaml
 
     from eaglenest.config import load_config
-    from serve.app import resolve_drafter
-    from serve.backends import make_local_backend
-    from serve.cli import start_serve, stop_serve
+    from eaglenest.serve.app import resolve_drafter
+    from eaglenest.serve.backends import make_local_backend
+    from eaglenest.serve.cli import start_serve, stop_serve
 
     overrides = {"serve.max_tokens_limit": max(args.max_tokens, 16), "serve.max_batch_size": max(args.levels)}
     for item in args.set:

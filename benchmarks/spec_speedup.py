@@ -134,16 +134,16 @@ def main(argv=None) -> int:
     out = Path(a.out) if a.out else REPO / "out" / "bench" / f"spec_speedup_{a.device}_{a.cpu_kernels}"
     out.mkdir(parents=True, exist_ok=True)
 
-    from drafter.evaluate import load_prompts, prompt_ids
-    from drafter.export import export_drafter, load_drafter
-    from drafter.spec_fit import FitConfig, chat_prompt_answer, fit_drafter
     from eaglenest.config import TargetConfig
+    from eaglenest.drafter.export import export_drafter, load_drafter
+    from eaglenest.drafter.spec_fit import FitConfig, chat_prompt_answer, fit_drafter
     from eaglenest.engines.base import SamplingParams
     from eaglenest.engines.hf import HFEngine
     from eaglenest.engines.tiny import corpus_chats
     from eaglenest.kernels import PackedLinear
-    from serve.bench import plot_bench, report_markdown, run_bench
-    from serve.bench_cli import parse_sweep
+    from eaglenest.serve.bench import plot_bench, report_markdown, run_bench
+    from eaglenest.serve.bench_cli import parse_sweep
+    from eaglenest.speculative.evaluate import load_prompts, prompt_ids
 
     shape = {"layers": a.layers, "hidden": a.hidden, "heads": a.heads, "kv": a.kv_heads, "inter": a.intermediate,
              "steps": target_steps, "device": a.device, "v": 1}

@@ -5,7 +5,7 @@ engine layer. Stage packages (``regen``, ``drafter``, ``serve``) build on it; it
 """
 
 from eaglenest.config import ConfigError, EaglenestConfig, TargetConfig, TinyTargetSpec, load_config
-from eaglenest.layers import (
+from eaglenest.contracts.layers import (
     LayerIdError,
     default_aux_layer_ids,
     sglang_captured_layers,

@@ -91,7 +91,7 @@ def _target_stage(cfg: Any) -> dict[str, Any]:
 
 
 def _regen_stage(cfg: Any, folder: Path) -> dict[str, Any]:
-    from regen import run_regen
+    from eaglenest.regen import run_regen
 
     s = run_regen(cfg, folder / "data")
     return {k: s.get(k) for k in ("output", "num_samples", "num_tokens", "num_loss_tokens", "samples_per_source",
@@ -100,7 +100,7 @@ def _regen_stage(cfg: Any, folder: Path) -> dict[str, Any]:
 
 
 def _train_stage(cfg: Any, data_dir: Path, folder: Path) -> dict[str, Any]:
-    from drafter import train_drafter
+    from eaglenest.drafter import train_drafter
 
     s = train_drafter(cfg, data_dir, folder)
     s.setdefault("export", str(folder / "export"))
@@ -108,7 +108,7 @@ def _train_stage(cfg: Any, data_dir: Path, folder: Path) -> dict[str, Any]:
 
 
 def _heldout_prompts(cfg: Any) -> list[dict[str, Any]]:
-    from drafter.evaluate import load_prompts
+    from eaglenest.speculative.evaluate import load_prompts
 
     path = cfg.resolve(cfg.bench.prompts)
     if not path:
@@ -120,9 +120,9 @@ def _eval_stage(cfg: Any, drafter_dir: str, folder: Path) -> dict[str, Any]:
     """Accept length of the trained drafter vs the same drafter freshly initialised, on held-out prompts."""
     import torch
 
-    from drafter.evaluate import evaluate_acceptance, plot_acceptance
-    from drafter.export import load_drafter
+    from eaglenest.drafter.export import load_drafter
     from eaglenest.engines import load_engine
+    from eaglenest.speculative.evaluate import evaluate_acceptance, plot_acceptance
 
     engine = load_engine(cfg.target)
     prompts = _heldout_prompts(cfg)
@@ -148,7 +148,7 @@ def _eval_stage(cfg: Any, drafter_dir: str, folder: Path) -> dict[str, Any]:
 def _serve_stage(cfg: Any, drafter_dir: str, folder: Path, port: int | None) -> dict[str, Any]:
     from openai import OpenAI
 
-    from serve.cli import start_serve, stop_serve
+    from eaglenest.serve.cli import start_serve, stop_serve
 
     url = start_serve(cfg, drafter_dir, port=port)
     print(f"serving on {url}/v1 (OpenAI-compatible)")
@@ -180,9 +180,9 @@ def _serve_stage(cfg: Any, drafter_dir: str, folder: Path, port: int | None) -> 
 
 def _bench_stage(cfg: Any, drafter_dir: str, folder: Path) -> dict[str, Any]:
     """Speculative vs baseline decoding on the same engine and prompts, measured side by side."""
-    from drafter.evaluate import prompt_ids
     from eaglenest.engines import load_engine
-    from serve.bench import plot_bench, report_markdown, run_bench
+    from eaglenest.serve.bench import plot_bench, report_markdown, run_bench
+    from eaglenest.speculative.evaluate import prompt_ids
 
     engine = load_engine(cfg.target)
     prompts = [prompt_ids(engine.tokenizer, p) for p in _heldout_prompts(cfg)]

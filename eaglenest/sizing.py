@@ -5,7 +5,7 @@ samples), and the first run had to estimate its 24-55 engine hours by hand. This
 config and from throughputs measured by eaglenest (BENCHMARKS.md, ``eaglenest bench`` / regen's
 ``ray_eaglenest_regen_tokens_per_second``, the trainer's tok/s log), so a run is sized before GPUs are reserved.
 
-Storage modes (hidden-state bytes per token, H = the target's hidden size, as ``eaglenest.shards`` stores them; the
+Storage modes (hidden-state bytes per token, H = the target's hidden size, as ``contracts.shards`` stores them; the
 token ids and the loss mask add 5 bytes per token in every mode):
 - ``bfloat16``: the three aux layers and the final normed state, 2 bytes each: 8·H;
 - ``float8_e4m3fn``: 1 byte each plus one int8 power-of-two exponent per token and state: 4·H + 4;
@@ -25,7 +25,7 @@ STORAGE_MODES = ("bfloat16", "float8_e4m3fn", "online")
 
 def hidden_bytes_per_token(hidden_size: int, mode: str) -> int:
     """Hidden-state bytes stored per token in ``mode`` (the shard contract's own figure; 0 online)."""
-    from eaglenest.shards import hidden_bytes_per_token as stored
+    from eaglenest.contracts.shards import hidden_bytes_per_token as stored
 
     if mode == "online":
         return 0

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from serve.cli import RAY_ENV_DEFAULTS  # light: Ray is imported later, after the environment is set
+from eaglenest.serve.cli import RAY_ENV_DEFAULTS  # light: Ray is imported later, after the environment is set
 
 for _k, _v in RAY_ENV_DEFAULTS.items():  # loopback Ray, no auth or usage stats, Serve's throughput settings
     os.environ.setdefault(_k, _v)

@@ -13,11 +13,11 @@ def tiny_target_facts(target: Path) -> dict[str, Any]:
 
 def make_drafter(out: Path, target: Path, *, aux_layer_ids: tuple[int, int, int] = (2, 4, 5), hidden: int | None = None,
                  draft_vocab: int = 512, seed: int = 0, max_position_embeddings: int | None = None) -> Path:
-    """Export a randomly initialised EAGLE-3 drafter for ``target`` (float32) with drafter.export."""
+    """Export a randomly initialised EAGLE-3 drafter for ``target`` (float32) with eaglenest.drafter.export."""
     import torch
 
-    from drafter.export import export_drafter
-    from drafter.model import DrafterModelConfig, Eagle3Drafter
+    from eaglenest.drafter.export import export_drafter
+    from eaglenest.drafter.model import DrafterModelConfig, Eagle3Drafter
 
     t = tiny_target_facts(target)
     h = hidden or int(t["hidden_size"])
@@ -30,7 +30,7 @@ def make_drafter(out: Path, target: Path, *, aux_layer_ids: tuple[int, int, int]
     torch.manual_seed(seed)
     model = Eagle3Drafter(cfg)
     if h == int(t["hidden_size"]):  # the drafter's frozen embedding is the target's (preflight samples it)
-        from drafter.target import load_target_embed_and_head
+        from eaglenest.drafter.target import load_target_embed_and_head
 
         embed, _ = load_target_embed_and_head(target)
         with torch.no_grad():

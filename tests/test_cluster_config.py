@@ -122,7 +122,7 @@ def test_serve_deploy_config_passes_rays_schema(serve_deploy):
     schema = ServeDeploySchema.model_validate(serve_deploy)
     assert schema.http_options.host == "127.0.0.1" and schema.http_options.port == 8000
     (app,) = schema.applications
-    assert app.import_path == "serve.app:build_app"
+    assert app.import_path == "eaglenest.serve.app:build_app"
     assert app.args == {"config": "configs/demo.yaml"}
     assert (REPO / app.args["config"]).is_file()
     assert not app.runtime_env  # no local working_dir: Serve configs reject it

@@ -85,7 +85,7 @@ def test_cli_reports_config_error(tmp_path):
 
 
 def test_gpu_example_configs_load_and_tap_the_default_layers():
-    from eaglenest.layers import default_aux_layer_ids, validate_aux_layer_ids
+    from eaglenest.contracts.layers import default_aux_layer_ids, validate_aux_layer_ids
 
     cfg = load_config(REPO / "configs" / "gpu-small.yaml")
     assert cfg.target.engine == "sglang" and cfg.regen.num_gpus_per_actor == cfg.target.sglang.tp_size

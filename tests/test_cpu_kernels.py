@@ -94,9 +94,9 @@ def test_pack_linears_swaps_every_linear_and_can_copy(kernel):
 
 def _greedy_identity(engine, prompts, drafts) -> None:
     """Speculative greedy == the engine's own greedy, chain and tree, batch 1 and 3."""
-    from drafter.spec import SpecDecoder
     from eaglenest.config import SpecConfig
     from eaglenest.engines.base import SamplingParams
+    from eaglenest.speculative.decoder import SpecDecoder
 
     sampling = SamplingParams(max_new_tokens=24)
     want = [g.token_ids for g in engine.generate_ids(prompts, sampling)]
@@ -111,10 +111,10 @@ def _greedy_identity(engine, prompts, drafts) -> None:
 
 
 def test_engine_packs_big_linears_by_default_and_off_keeps_torch(kernel):
-    from drafter.spec_draft import TargetSelfDraft
     from eaglenest.config import TargetConfig, TinyTargetSpec
     from eaglenest.engines.hf import HFEngine
     from eaglenest.engines.tiny import ensure_tiny_target
+    from eaglenest.speculative.draft import TargetSelfDraft
 
     wide = ensure_tiny_target(TinyTargetSpec(hidden_size=512, num_heads=8, num_kv_heads=4, intermediate_size=1024,
                                              train_steps=0))
@@ -136,11 +136,11 @@ def test_engine_packs_big_linears_by_default_and_off_keeps_torch(kernel):
 
 def test_spec_greedy_identity_with_every_linear_packed(kernel, tiny_target_path, tiny_engine):
     """The tiny target's layers are below the packing threshold; packed anyway, speculation stays exact."""
-    from drafter.model import Eagle3Drafter
-    from drafter.spec_draft import TargetSelfDraft
-    from drafter.spec_fit import drafter_config_for
     from eaglenest.config import TargetConfig
+    from eaglenest.drafter.model import Eagle3Drafter
+    from eaglenest.drafter.spec_fit import drafter_config_for
     from eaglenest.engines.hf import HFEngine
+    from eaglenest.speculative.draft import TargetSelfDraft
 
     engine = HFEngine.from_config(TargetConfig(model=str(tiny_target_path), device="cpu", dtype="float32"))
     _, n = pack_linears(engine.model, min_elements=0)

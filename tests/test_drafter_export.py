@@ -8,19 +8,19 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from drafter.checkpoint import load_training_checkpoint, save_training_checkpoint
-from drafter.export import (
+from eaglenest.config import EaglenestConfig
+from eaglenest.drafter.checkpoint import load_training_checkpoint, save_training_checkpoint
+from eaglenest.drafter.export import (
     ExportError,
     export_checkpoint,
     export_drafter,
     export_tensors,
     load_drafter,
 )
-from drafter.model import Eagle3Drafter
-from drafter.target import load_target_embed_and_head, read_target_facts
-from drafter.train import resolve_model_config
-from drafter.vocab import build_vocab_mapping
-from eaglenest.config import EaglenestConfig
+from eaglenest.drafter.model import Eagle3Drafter
+from eaglenest.drafter.target import load_target_embed_and_head, read_target_facts
+from eaglenest.drafter.train import resolve_model_config
+from eaglenest.drafter.vocab import build_vocab_mapping
 
 # the weight names SGLang's LlamaForCausalLMEagle3.load_weights maps (reference/sglang.md §D.2)
 SGLANG_NAMES = {

@@ -21,7 +21,7 @@ RUN = "resume-test"
 
 @pytest.fixture(scope="module")
 def tiny_shards(tmp_path_factory, tiny_engine) -> Path:
-    from drafter.quick_shards import chat_samples, write_quick_shards
+    from eaglenest.drafter.quick_shards import chat_samples, write_quick_shards
 
     out = tmp_path_factory.mktemp("shards")
     samples = chat_samples(tiny_engine, corpus_chats()[:96], regenerate=False)
@@ -56,9 +56,9 @@ def sha(path: Path) -> str:
 
 
 def test_train_refuses_shards_from_another_target(tiny_shards, tmp_path) -> None:
-    from drafter.data import DataMismatchError
-    from drafter.train import train_drafter
     from eaglenest.config import load_config
+    from eaglenest.drafter.data import DataMismatchError
+    from eaglenest.drafter.train import train_drafter
 
     bad = tmp_path / "bad"
     (bad / "shards").mkdir(parents=True)
@@ -74,7 +74,7 @@ def test_train_refuses_shards_from_another_target(tiny_shards, tmp_path) -> None
 def test_kill_mid_training_then_rerun_resumes(ray_session, tiny_shards, tmp_path) -> None:
     cfg = write_config(tmp_path / "train.yaml")
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "drafter.cli", "train", "--config", str(cfg), "--data", str(tiny_shards),
+    cmd = [sys.executable, "-m", "eaglenest.drafter.cli", "train", "--config", str(cfg), "--data", str(tiny_shards),
            "--output", str(out)]
     env = dict(os.environ, RAY_ADDRESS=ray_session.get_runtime_context().gcs_address)
     ckpts = out / "ray" / RUN
@@ -118,7 +118,7 @@ def test_kill_mid_training_then_rerun_resumes(ray_session, tiny_shards, tmp_path
     assert evals[-1]["sim_accept_length"] > evals[0]["sim_accept_length"]
 
     # the export is there and loads as an SGLang drafter for the target's layers
-    from drafter.export import load_drafter
+    from eaglenest.drafter.export import load_drafter
 
     exported = json.loads((out / "export" / "config.json").read_text())
     assert exported["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from drafter.data import DataMismatchError, check_manifest, collate, is_eval_sample
-from drafter.target import read_target_facts
-from drafter.train import prepare_vocab
-from drafter.vocab import VocabMapping, build_vocab_mapping, count_tokens
-from eaglenest.shards import Manifest, tensor_to_bytes
+from eaglenest.contracts.shards import Manifest, tensor_to_bytes
+from eaglenest.drafter.data import DataMismatchError, check_manifest, collate, is_eval_sample
+from eaglenest.drafter.target import read_target_facts
+from eaglenest.drafter.train import prepare_vocab
+from eaglenest.drafter.vocab import VocabMapping, build_vocab_mapping, count_tokens
 
 
 def test_counts_only_loss_masked_tokens() -> None:
@@ -51,7 +51,7 @@ def test_vocab_is_never_rebuilt(tmp_path, monkeypatch) -> None:
     def boom(*a, **k):
         raise AssertionError("counted the data again")
 
-    monkeypatch.setattr("drafter.vocab.count_tokens_in_shards", boom)
+    monkeypatch.setattr("eaglenest.drafter.vocab.count_tokens_in_shards", boom)
     again, built = prepare_vocab(tmp_path, [], 4, 2, 0.1, 0)
     assert not built and again.fingerprint() == m.fingerprint()
     with pytest.raises(ValueError, match="never rebuilt"):

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from eaglenest.contracts.layers import LayerIdError, default_aux_layer_ids
 from eaglenest.engines import SamplingParams
-from eaglenest.layers import LayerIdError, default_aux_layer_ids
 
 PROMPTS = [
     "What is 12 plus 7?",

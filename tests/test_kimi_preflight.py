@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from drafter.export import SIDECAR, WEIGHTS, expected_shapes, hf_config
-from drafter.model import DrafterModelConfig
 from eaglenest.config import load_config
-from eaglenest.layers import default_aux_layer_ids
-from serve.preflight import TargetSummary, run_preflight
+from eaglenest.contracts.layers import default_aux_layer_ids
+from eaglenest.drafter.export import SIDECAR, WEIGHTS, expected_shapes, hf_config
+from eaglenest.drafter.model import DrafterModelConfig
+from eaglenest.serve.preflight import TargetSummary, run_preflight
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -15,10 +15,10 @@ import torch
 import yaml
 
 from eaglenest.config import load_config
+from eaglenest.contracts.shards import SHARD_SCHEMA, bytes_to_tensor, read_manifest, shard_files
 from eaglenest.engines import render_chat_text
-from eaglenest.shards import SHARD_SCHEMA, bytes_to_tensor, read_manifest, shard_files
-from regen.adapters import normalize_record, template_messages
-from regen.output import quarantine_files
+from eaglenest.regen.adapters import normalize_record, template_messages
+from eaglenest.regen.output import quarantine_files
 
 REPO = Path(__file__).resolve().parents[1]
 FIX = REPO / "tests" / "fixtures" / "sources"
@@ -51,7 +51,7 @@ def read_output(out: Path):
 
 @pytest.fixture(scope="module")
 def demo_run(ray_session, tmp_path_factory):
-    from regen import run_regen
+    from eaglenest.regen import run_regen
 
     cfg = load_config(REPO / "configs" / "demo.yaml")
     out = tmp_path_factory.mktemp("regen") / "out"
@@ -179,7 +179,7 @@ def test_quarantine_keeps_reason_and_raw_row(demo_run):
 
 
 def test_rerun_finds_everything_done(demo_run):
-    from regen import run_regen
+    from eaglenest.regen import run_regen
 
     cfg, out, first, _ = demo_run
     before = sorted(p.name for p in out.rglob("*.parquet") if "plan" not in p.parts)
@@ -225,9 +225,9 @@ def test_metrics_reach_prometheus_under_the_alerting_names(demo_run):
 
 def test_limit_caps_every_source(ray_session, tmp_path):
     """--limit N reads at most N rows of every source (on top of max_samples); planning is where it applies."""
-    from regen.output import Completed
-    from regen.pipeline import _resolved_sources
-    from regen.sources import build_plan
+    from eaglenest.regen.output import Completed
+    from eaglenest.regen.pipeline import _resolved_sources
+    from eaglenest.regen.sources import build_plan
 
     cfg = load_config(REPO / "configs" / "demo.yaml")
     plan = build_plan(_resolved_sources(cfg), tmp_path, limit=2, completed=Completed(), rows_per_file=4)
@@ -242,8 +242,8 @@ def test_limit_caps_every_source(ray_session, tmp_path):
 
 def test_refusals_name_the_problem_and_the_fix(tmp_path):
     from eaglenest.config import ConfigError
-    from regen import run_regen
-    from regen.output import OutputFolderError, check_identity, output_lock
+    from eaglenest.regen import run_regen
+    from eaglenest.regen.output import OutputFolderError, check_identity, output_lock
 
     cfg = load_config(REPO / "configs" / "demo.yaml")
     with output_lock(tmp_path), pytest.raises(OutputFolderError, match="another regen job"):
@@ -269,7 +269,7 @@ def test_refusals_name_the_problem_and_the_fix(tmp_path):
 def test_json_array_dumps_are_read_per_element(ray_session, tmp_path):
     """ShareGPT ships JSON-array dumps (.json): each element is a row, a bad element is one quarantined row."""
     from eaglenest.config import SourceConfig
-    from regen.sources import data_context, source_dataset
+    from eaglenest.regen.sources import data_context, source_dataset
 
     rows = [{"id": "a", "conversations": [{"from": "human", "value": "What is 2 plus 3?"},
                                           {"from": "gpt", "value": "5"}]},

@@ -12,11 +12,11 @@ import pytest
 import torch
 import yaml
 
+from eaglenest.contracts.shards import bytes_to_tensor
 from eaglenest.engines import SamplingParams, TargetEngine, render_chat_text
 from eaglenest.engines.hf import HFEngine
-from eaglenest.shards import bytes_to_tensor
-from regen.adapters import OK, conversation_tokens, normalize_record, template_messages
-from regen.regenerate import Quarantined, Regenerated, Regenerator, Sample
+from eaglenest.regen.adapters import OK, conversation_tokens, normalize_record, template_messages
+from eaglenest.regen.regenerate import Quarantined, Regenerated, Regenerator, Sample
 
 FIX = Path(__file__).resolve().parent / "fixtures" / "sources"
 SOURCES = {s["name"]: s for s in yaml.safe_load((FIX / "sources.yaml").read_text())["sources"]}

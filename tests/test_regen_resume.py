@@ -20,9 +20,9 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from eaglenest.shards import read_manifest, shard_files
-from regen.adapters import Deduplicator, normalize_record
-from regen.output import quarantine_files
+from eaglenest.contracts.shards import read_manifest, shard_files
+from eaglenest.regen.adapters import Deduplicator, normalize_record
+from eaglenest.regen.output import quarantine_files
 
 REPO = Path(__file__).resolve().parents[1]
 FIX = REPO / "tests" / "fixtures" / "sources"

@@ -15,8 +15,8 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from regen.adapters import normalize_record
-from regen.readers import Damage, Record, iter_file
+from eaglenest.regen.adapters import normalize_record
+from eaglenest.regen.readers import Damage, Record, iter_file
 
 
 def chat(cid: str, *turns: tuple[str, str]) -> dict:
@@ -246,8 +246,8 @@ def test_public_dump_quirks_end_to_end_then_resume(quirk_run, capsys):
 
 def test_shards_without_source_id_still_resume_and_train(quirk_run, capsys, ray_session):
     """An older shard (written before source_id existed) is read back by resume and by training's reader."""
-    from drafter.data import build_datasets
-    from eaglenest.shards import shard_files
+    from eaglenest.contracts.shards import shard_files
+    from eaglenest.drafter.data import build_datasets
 
     d, _, main = quirk_run
     out = d / "out"
@@ -264,7 +264,7 @@ def test_shards_without_source_id_still_resume_and_train(quirk_run, capsys, ray_
 
 
 def test_the_quarantine_alert_says_which_reasons_point_at_data_and_which_at_the_adapter():
-    from regen.adapters import REASON_GROUPS, REASONS
+    from eaglenest.regen.adapters import REASON_GROUPS, REASONS
 
     grouped = [r for rs in REASON_GROUPS.values() for r in rs]
     assert sorted(grouped) == sorted(REASONS)  # every reason in exactly one group

@@ -44,7 +44,7 @@ def _cfg(target, **serve) -> EaglenestConfig:
 
 @pytest.fixture(scope="module")
 def served(ray_session, tiny_target_path, tmp_path_factory):
-    from serve.cli import AppSpec, start_apps, stop_serve
+    from eaglenest.serve.cli import AppSpec, start_apps, stop_serve
 
     drafter = make_drafter(tmp_path_factory.mktemp("serve") / "drafter", tiny_target_path)
     t = tiny_target_path
@@ -329,7 +329,7 @@ def test_metrics_endpoint_has_accept_length_and_ttft(served, ray_session):
                  {"model": "eaglenest", "messages": [{"role": "user", "content": "hi"}], "n": 2}):
         assert httpx.post(f"{served['main']}/v1/chat/completions", json=body, timeout=30).status_code >= 400
     port = ray_session.nodes()[0]["MetricsExportPort"]
-    from serve.metrics import METRIC_NAMES
+    from eaglenest.serve.metrics import METRIC_NAMES
 
     suffix = {"eaglenest_serve_accept_length": "_bucket", "eaglenest_serve_ttft_seconds": "_bucket",
               "eaglenest_serve_inter_token_latency_seconds": "_bucket", "eaglenest_serve_generated_tokens": "_total",

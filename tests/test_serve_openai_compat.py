@@ -11,7 +11,7 @@ import torch
 
 from eaglenest.config import SpecConfig
 from eaglenest.engines.base import SamplingParams, render_chat_ids
-from serve.chat_parsing import ChatFormat, ChatParser, chat_message, finish_reason, parse_all
+from eaglenest.serve.chat_parsing import ChatFormat, ChatParser, chat_message, finish_reason, parse_all
 
 TOOL_TURN = [
     {"role": "user", "content": "What is the weather in rome?"},
@@ -82,7 +82,13 @@ def test_markers_from_config_and_a_template_that_opens_reasoning(tiny_engine):
 
 
 def test_openai_params_accepted_ignored_or_checked():
-    from serve.openai_protocol import IGNORED_PARAMS, APIError, ChatCompletionRequest, CompletionRequest, check_sampling
+    from eaglenest.serve.openai_protocol import (
+        IGNORED_PARAMS,
+        APIError,
+        ChatCompletionRequest,
+        CompletionRequest,
+        check_sampling,
+    )
 
     base = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
     ignored = {"store": True, "metadata": {"a": "b"}, "service_tier": "auto", "reasoning_effort": "low", "user": "u",
@@ -106,7 +112,7 @@ def test_openai_params_accepted_ignored_or_checked():
 
 
 def test_sampling_filters_keep_the_most_likely_token():
-    from drafter.spec_sampling import target_probs
+    from eaglenest.speculative.sampling import target_probs
 
     logits = torch.tensor([[2.0, 1.0, 0.5, -1.0]])
     p = target_probs(logits, 1.0, 1.0, top_k=2)
@@ -116,8 +122,8 @@ def test_sampling_filters_keep_the_most_likely_token():
 
 
 def _decoders(engine):
-    from drafter.spec import BaselineDecoder, SpecDecoder
-    from drafter.spec_draft import TargetSelfDraft
+    from eaglenest.speculative.decoder import BaselineDecoder, SpecDecoder
+    from eaglenest.speculative.draft import TargetSelfDraft
 
     chain = SpecDecoder.from_engine(engine, TargetSelfDraft(engine.model), SpecConfig(num_steps=3, topk=1,
                                                                                       num_draft_tokens=4))
@@ -164,7 +170,7 @@ def test_repetition_penalty_matches_transformers(tiny_engine, kind):
 
 
 def test_accept_length_is_recorded_only_for_requests_that_drafted():
-    from serve.metrics import RequestStats, records_accept_length
+    from eaglenest.serve.metrics import RequestStats, records_accept_length
 
     def stats(verify_steps: int, speculative: bool = True) -> RequestStats:
         return RequestStats(completion_tokens=1 + verify_steps, ttft_s=0.1, decode_s=0.1, accept_length=1.0,
@@ -176,7 +182,7 @@ def test_accept_length_is_recorded_only_for_requests_that_drafted():
 
 
 def test_drain_deadline_wakes_running_requests():
-    from serve.drain import Drain
+    from eaglenest.serve.drain import Drain
 
     d = Drain()
     woke = threading.Event()

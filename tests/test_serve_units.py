@@ -5,8 +5,14 @@ from __future__ import annotations
 import pytest
 
 from eaglenest.config import EaglenestConfig
-from serve.openai_protocol import APIError, ChatCompletionRequest, CompletionRequest, chat_messages, check_sampling
-from serve.text import StreamText
+from eaglenest.serve.openai_protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    chat_messages,
+    check_sampling,
+)
+from eaglenest.serve.text import StreamText
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +80,7 @@ def test_messages_accept_text_parts_and_refuse_images():
 
 
 def test_deployment_options_follow_the_config():
-    from serve.app import deployment_options
+    from eaglenest.serve.app import deployment_options
 
     cfg = EaglenestConfig.model_validate({"serve": {"num_replicas": 3, "num_cpus_per_replica": 2,
                                                     "num_gpus_per_replica": 1, "max_concurrent_requests": 32}})
@@ -90,8 +96,8 @@ def test_deployment_options_follow_the_config():
 def test_build_app_refuses_unknown_args_and_a_bad_drafter(tmp_path, tiny_target_path):
     from serve_helpers import make_drafter
 
-    from serve.app import build_app
-    from serve.preflight import PreflightError
+    from eaglenest.serve.app import build_app
+    from eaglenest.serve.preflight import PreflightError
 
     cfg = tmp_path / "serve.yaml"
     cfg.write_text(f"target:\n  model: {tiny_target_path}\n  device: cpu\nserve:\n  spec:\n    algorithm: EAGLE\n")
@@ -111,7 +117,7 @@ def test_build_app_refuses_unknown_args_and_a_bad_drafter(tmp_path, tiny_target_
 def spec_backend(request, tiny_target_path, tmp_path_factory):
     from serve_helpers import make_drafter
 
-    from serve.backends import make_backend
+    from eaglenest.serve.backends import make_backend
 
     drafter = make_drafter(tmp_path_factory.mktemp("units") / "drafter", tiny_target_path)
     cfg = EaglenestConfig.model_validate({"target": {"model": str(tiny_target_path), "device": "cpu",
@@ -128,7 +134,7 @@ def test_scheduler_lets_late_requests_in_and_keeps_greedy_exact(spec_backend, ti
     import time
 
     from eaglenest.engines.base import SamplingParams
-    from serve.backends import Job
+    from eaglenest.serve.backends import Job
 
     prompts = {"long": ("Count from 1 to 50.", 80), "b": ("List three colors.", 32), "c": ("Hello! Who are you?", 32)}
     events: dict[str, list] = {k: [] for k in prompts}
@@ -219,7 +225,7 @@ class _StreamingSGLang:
 
 def _sglang_decoder(outputs):
     from eaglenest.engines.sglang_stream import SGLangStreams
-    from serve.backends import SGLangDecoder
+    from eaglenest.serve.backends import SGLangDecoder
 
     fake = _StreamingSGLang(outputs)
 
@@ -250,7 +256,7 @@ def _run(group, until, limit=500):
 def test_sglang_adapter_streams_tokens_and_maps_meta_to_usage_spec():
     """SGLang cannot run here: the adapter runs on a stand-in with SGLang's streaming contract."""
     from eaglenest.engines.base import SamplingParams
-    from serve.backends import Job
+    from eaglenest.serve.backends import Job
 
     dec, fake = _sglang_decoder({(1, 2, 3, 4): _SPEC_OUT, (1, 2): _LEN_OUT})
     assert dec.speculative and dec.algorithm == "EAGLE3"
@@ -274,7 +280,7 @@ def test_sglang_adapter_streams_tokens_and_maps_meta_to_usage_spec():
 
 def test_sglang_adapter_admits_mid_stream_cancels_and_refuses_bad_prompts():
     from eaglenest.engines.base import SamplingParams
-    from serve.backends import Job
+    from eaglenest.serve.backends import Job
 
     long = {"output_ids": list(range(10, 60)), "meta_info": {"finish_reason": {"type": "length"},
                                                             "prompt_tokens": 1, "completion_tokens": 50}}
@@ -303,7 +309,7 @@ def test_engine_starts_with_the_backend_and_a_failed_start_marks_it_dead():
     import time
 
     from eaglenest.engines.base import SamplingParams
-    from serve.backends import Backend, Job, SGLangDecoder
+    from eaglenest.serve.backends import Backend, Job, SGLangDecoder
 
     class Engine:  # SGLangEngine's lazily started ``engine`` property, failing the way a GPU-less start does
         launch = None
@@ -349,7 +355,7 @@ def test_a_cancelled_request_leaves_the_batch_and_the_others_stay_exact(spec_bac
     import threading
 
     from eaglenest.engines.base import SamplingParams
-    from serve.backends import Job
+    from eaglenest.serve.backends import Job
 
     sp = SamplingParams(temperature=0.0, max_new_tokens=120, ignore_eos=True)  # the long one runs long
     prompts = ["Count from 1 to 50.", "Write a short poem about the sea."]
@@ -380,7 +386,7 @@ def test_every_serve_metric_the_monitoring_uses_is_emitted():
     import re
     from pathlib import Path
 
-    from serve.metrics import METRIC_NAMES
+    from eaglenest.serve.metrics import METRIC_NAMES
 
     root = Path(__file__).resolve().parents[1] / "monitoring"
     used = set()
@@ -396,7 +402,7 @@ def test_sglang_adapter_passes_logprobs_through():
     """A request with logprobs asks SGLang for them (return_logprob, top_logprobs_num) and every token SGLang
     reported arrives with its logprob and alternatives; the EOS SGLang trimmed (and we put back) has none."""
     from eaglenest.engines.base import SamplingParams
-    from serve.backends import Job
+    from eaglenest.serve.backends import Job
 
     dec, _ = _sglang_decoder({(1, 2, 3, 4): _SPEC_OUT})
     events: list = []

@@ -28,6 +28,7 @@ from sglang.srt.server_args import ServerArgs  # noqa: E402
 from sglang_shims.fixtures import export_eagle3_drafter, write_eagle3_drafter, write_target  # noqa: E402
 
 from eaglenest.config import SGLangEngineConfig, SpecConfig  # noqa: E402
+from eaglenest.contracts.layers import default_aux_layer_ids, sglang_captured_layers, to_sglang_ids  # noqa: E402
 from eaglenest.engines.sglang import SGLANG_INTERNALS, installed_sglang_version, require_sglang  # noqa: E402
 from eaglenest.engines.sglang_args import SGLANG_VERSION, capture_server_kwargs, engine_kwargs  # noqa: E402
 from eaglenest.engines.sglang_spec import (  # noqa: E402
@@ -35,7 +36,6 @@ from eaglenest.engines.sglang_spec import (  # noqa: E402
     SpeculativeConfigError,
     speculative_engine_kwargs,
 )
-from eaglenest.layers import default_aux_layer_ids, sglang_captured_layers, to_sglang_ids  # noqa: E402
 
 CPU_ONLY = {"device": "cuda", "skip_tokenizer_init": True}  # §G: explicit device; config-only folders, no tokenizer
 
@@ -134,7 +134,7 @@ ID_CASES = [None, [1, 3, 4], [2, 4, 5], [0, 3, 5], [1, 29, 57], [2, 30, 58], [3,
     ("sglang.srt.models.deepseek_v2", "DeepseekV3ForCausalLM", "DeepseekV3ForCausalLM"),
 ])
 def test_layer_rule_matches_sglang_model_code(module: str, cls: str, arch: str, ids: list[int] | None) -> None:
-    """eaglenest.layers.sglang_captured_layers == what the installed sglang model's own hook sets."""
+    """eaglenest.contracts.layers.sglang_captured_layers == what the installed sglang model's own hook sets."""
     import importlib
 
     model_cls = getattr(importlib.import_module(module), cls)

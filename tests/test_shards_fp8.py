@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from eaglenest.config import load_config
-from eaglenest.shards import (
+from eaglenest.contracts.shards import (
     FP8,
     blob_bytes,
     bytes_to_tensor,
@@ -50,10 +50,10 @@ def test_fp8_halves_the_bytes_per_token():
 def test_regen_and_train_on_fp8_shards(ray_session, tmp_path, tiny_engine):
     """regen writes fp8 shards at 4*H + 4 bytes/token with the scale layout in the manifest; training reads them
     (dequantised) and a manifest with an unknown layout is refused with the fix."""
-    from drafter.data import DataMismatchError, check_manifest
-    from drafter.target import read_target_facts
-    from drafter.train import train_drafter
-    from regen.pipeline import run_regen
+    from eaglenest.drafter.data import DataMismatchError, check_manifest
+    from eaglenest.drafter.target import read_target_facts
+    from eaglenest.drafter.train import train_drafter
+    from eaglenest.regen.pipeline import run_regen
 
     cfg = load_config(REPO / "configs" / "demo.yaml", {"regen.storage_dtype": FP8, "train.max_steps": 3,
                                                        "train.eval_every": 3, "train.checkpoint_every": 3})

@@ -1,6 +1,6 @@
 """A trained EAGLE-3 drafter on the tiny target: real acceptance, the layer-bug class, and the eval / bench CLIs.
 
-The drafter is trained once per session (``drafter.spec_fit``: eaglenest's model, draft vocab and TTT loss, no
+The drafter is trained once per session (``eaglenest.drafter.spec_fit``: eaglenest's model, draft vocab and TTT loss, no
 Ray) on answers the tiny target regenerated for corpus prompts, then evaluated on the held-out prompts of
 ``tests/fixtures/prompts/heldout.jsonl``. The same trained drafter fed the target's hidden states from the wrong
 layers (every aux id + 1) or only the final layer (SGLang's ``EAGLE`` algorithm: no ``fc``, the target's
@@ -14,10 +14,10 @@ import json
 import pytest
 from conftest import FIXTURES
 
-from drafter.evaluate import evaluate_acceptance, load_prompts
 from eaglenest.cli import main as cli_main
 from eaglenest.config import SpecConfig
 from eaglenest.engines.base import SamplingParams
+from eaglenest.speculative.evaluate import evaluate_acceptance, load_prompts
 
 HELDOUT = FIXTURES / "prompts" / "heldout.jsonl"
 SPEC = SpecConfig(num_steps=4, topk=1, num_draft_tokens=5)
@@ -26,7 +26,7 @@ SPEC = SpecConfig(num_steps=4, topk=1, num_draft_tokens=5)
 @pytest.fixture(scope="session")
 def trained_drafter(tiny_engine):
     """~45 s on one core: 160 regenerated corpus chats, 100 TTT steps of 12 sequences."""
-    from drafter.spec_fit import FitConfig, chat_prompt_answer, fit_drafter
+    from eaglenest.drafter.spec_fit import FitConfig, chat_prompt_answer, fit_drafter
     from eaglenest.engines.tiny import corpus_chats
 
     samples = chat_prompt_answer(tiny_engine, corpus_chats()[:160], regenerate=True, max_new_tokens=64,
@@ -65,7 +65,7 @@ def test_wrong_layers_lower_accept_length(mode_reports, mode):
 
 
 def test_outputs_stay_the_targets_in_every_mode(tiny_engine, trained_drafter, heldout):
-    from drafter.spec import SpecDecoder
+    from eaglenest.speculative.decoder import SpecDecoder
 
     prompts = [tiny_engine.render_prompt(r["messages"], r.get("tools")) for r in heldout[::4]]
     sp = SamplingParams(max_new_tokens=24)
@@ -77,7 +77,7 @@ def test_outputs_stay_the_targets_in_every_mode(tiny_engine, trained_drafter, he
 
 
 def test_eval_and_bench_cli(tmp_path, tiny_target_path, tiny_engine, trained_drafter):
-    from drafter.export import export_drafter
+    from eaglenest.drafter.export import export_drafter
 
     export = export_drafter(trained_drafter, tmp_path / "drafter", dtype="float32")
     out = tmp_path / "eval"
@@ -135,7 +135,7 @@ def test_cli_errors_name_the_fix(tmp_path, tiny_target_path, capsys):
 
 def test_untrained_like_accepts_about_nothing(tiny_engine, trained_drafter, heldout):
     """The demo's 'before training' drafter: same shape and vocab, fresh layers -> accept length ~1."""
-    from drafter.spec_fit import untrained_like
+    from eaglenest.drafter.spec_fit import untrained_like
 
     fresh = untrained_like(trained_drafter, tiny_engine.lm_head_weight())
     assert fresh.config == trained_drafter.config

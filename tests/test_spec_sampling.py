@@ -19,11 +19,11 @@ import itertools
 import pytest
 import torch
 
-from drafter.model import DrafterModelConfig, Eagle3Drafter
-from drafter.spec import BaselineDecoder, SpecDecoder
-from drafter.spec_draft import RandomDraft
 from eaglenest.config import SpecConfig
+from eaglenest.drafter.model import DrafterModelConfig, Eagle3Drafter
 from eaglenest.engines.base import SamplingParams
+from eaglenest.speculative.decoder import BaselineDecoder, SpecDecoder
+from eaglenest.speculative.draft import RandomDraft
 
 VOCAB = 8
 N_SAMPLES = 6000

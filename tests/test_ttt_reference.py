@@ -11,9 +11,9 @@ import math
 import pytest
 import torch
 
-from drafter.model import DrafterModelConfig, Eagle3Drafter
-from drafter.ttt import TeacherHead, TTTObjective, step_metrics
-from drafter.vocab import build_vocab_mapping
+from eaglenest.drafter.model import DrafterModelConfig, Eagle3Drafter
+from eaglenest.drafter.ttt import TeacherHead, TTTObjective, step_metrics
+from eaglenest.drafter.vocab import build_vocab_mapping
 
 H, HEADS, KV, D, V, VD = 32, 4, 2, 8, 64, 24
 

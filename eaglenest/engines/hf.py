@@ -8,9 +8,9 @@ from typing import Any
 import torch
 
 from eaglenest.config import TargetConfig
+from eaglenest.contracts.layers import default_aux_layer_ids, validate_aux_layer_ids
 from eaglenest.engines.base import Capture, Generation, SamplingParams, TargetEngine, TargetInfo
 from eaglenest.engines.hf_compat import cache_kwargs, new_dynamic_cache, output_cache
-from eaglenest.layers import default_aux_layer_ids, validate_aux_layer_ids
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from eaglenest.config import SGLangEngineConfig, SpecConfig, TargetConfig
+from eaglenest.contracts.layers import default_aux_layer_ids, validate_aux_layer_ids
 from eaglenest.engines.base import Capture, Generation, SamplingParams, TargetEngine, TargetInfo
 from eaglenest.engines.sglang_args import (
     SGLANG_VERSION,
@@ -59,7 +60,6 @@ from eaglenest.engines.sglang_args import (
     run_generate,
 )
 from eaglenest.engines.sglang_spec import SpeculativeLaunch, TargetFacts, speculative_engine_kwargs
-from eaglenest.layers import default_aux_layer_ids, validate_aux_layer_ids
 
 if TYPE_CHECKING:
     from eaglenest.engines.sglang_stream import SGLangStreams

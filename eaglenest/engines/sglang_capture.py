@@ -114,7 +114,7 @@ class SGLangCaptureRunner:
             raise RuntimeError(
                 f"sglang set layers_to_capture={got} for eagle ids {config_ids}, expected physical {wanted}: the "
                 f"installed sglang's layer numbering differs from 0.5.14's "
-                f"(see eaglenest.layers.sglang_captured_layers)"
+                f"(see eaglenest.contracts.layers.sglang_captured_layers)"
             )
         self._current_layers = wanted
         return wanted

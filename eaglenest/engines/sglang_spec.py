@@ -15,14 +15,14 @@ from pathlib import Path
 from typing import Any
 
 from eaglenest.config import SGLangEngineConfig, SpecConfig
+from eaglenest.contracts.layers import LayerIdError, sglang_captured_layers, validate_aux_layer_ids
 from eaglenest.engines.sglang_args import engine_kwargs
-from eaglenest.layers import LayerIdError, sglang_captured_layers, validate_aux_layer_ids
 
 SIDECAR = "eaglenest_drafter.json"
 """Written next to config.json by eaglenest's exporter; records the physical aux layer ids the drafter trained on."""
 
 _SIDECAR_ID_KEYS = ("aux_layer_ids_physical", "aux_layer_ids")
-"""Where drafter.export records the physical ids (``drafter_config.aux_layer_ids`` is checked too)."""
+"""Where eaglenest.drafter.export records the physical ids (``drafter_config.aux_layer_ids`` is checked too)."""
 
 FIRST_ID_RULE_ARCHS = frozenset({
     # sglang 0.5.14 models whose set_eagle3_layers_to_capture adds 1 only when the first id is 1 (PR #25454):
@@ -93,7 +93,7 @@ def read_drafter(path: str | Path) -> DrafterCheckpoint:
     p = Path(path)
     if not p.is_dir():
         raise SpeculativeConfigError(
-            f"drafter folder {p} does not exist; export one with `eaglenest train` / drafter.export"
+            f"drafter folder {p} does not exist; export one with `eaglenest train` / eaglenest.drafter.export"
         )
     cfg = _read_json(p / "config.json", "drafter")
     archs = cfg.get("architectures") or []
@@ -138,7 +138,7 @@ def derive_algorithm(drafter: DrafterCheckpoint, requested: str | None = None) -
         return "EAGLE3"
     raise SpeculativeConfigError(
         f"drafter {drafter.path} has architecture {drafter.architecture}; eaglenest serves EAGLE-3 drafters only "
-        f"(architectures: [LlamaForCausalLMEagle3]); re-export it with drafter.export"
+        f"(architectures: [LlamaForCausalLMEagle3]); re-export it with eaglenest.drafter.export"
     )
 
 
@@ -219,7 +219,7 @@ def preflight(drafter: DrafterCheckpoint, target: TargetFacts, spec: SpecConfig,
                         f"{captured or '?'}: {e}")
     if recorded is None:
         problems.append(f"the physical layer ids the drafter was trained on are unknown (no {SIDECAR}); re-export "
-                        f"with drafter.export or pass the ids (target.aux_layer_ids)")
+                        f"with eaglenest.drafter.export or pass the ids (target.aux_layer_ids)")
     elif captured and list(recorded) != captured:
         want = sglang_config_ids_for(recorded, target.num_layers, first_id_rule=target.first_id_rule)
         problems.append(f"SGLang 0.5.14 would capture physical layers {captured} for a {target.architecture} target "

@@ -88,8 +88,8 @@ def export_eagle3_drafter(folder: Path, *, physical_ids: Sequence[int], target_l
                           heads: int = 4, kv_heads: int = 2, vocab: int = 1024, draft_vocab: int = 256,
                           context: int = 2048) -> Path:
     """A drafter written by eaglenest's own exporter (drafter.export), untrained weights."""
-    from drafter.export import export_drafter
-    from drafter.model import DrafterModelConfig, Eagle3Drafter
+    from eaglenest.drafter.export import export_drafter
+    from eaglenest.drafter.model import DrafterModelConfig, Eagle3Drafter
 
     cfg = DrafterModelConfig(
         hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=hidden // heads,

@@ -1,0 +1,39 @@
+"""EAGLE-3 drafter: model, draft vocabulary, TTT loss, Ray Train loop, checkpoints and SGLang/vLLM export.
+
+Imports are lazy so ``import drafter`` stays cheap (torch and Ray load on first use).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "DrafterModelConfig": "eaglenest.drafter.model",
+    "Eagle3Drafter": "eaglenest.drafter.model",
+    "DrafterKVCache": "eaglenest.drafter.model",
+    "VocabMapping": "eaglenest.drafter.vocab",
+    "build_vocab_mapping": "eaglenest.drafter.vocab",
+    "count_tokens": "eaglenest.drafter.vocab",
+    "TeacherHead": "eaglenest.drafter.ttt",
+    "TTTObjective": "eaglenest.drafter.ttt",
+    "step_metrics": "eaglenest.drafter.ttt",
+    "train_drafter": "eaglenest.drafter.train",
+    "export_checkpoint": "eaglenest.drafter.export",
+    "export_drafter": "eaglenest.drafter.export",
+    "load_drafter": "eaglenest.drafter.export",
+    "ExportError": "eaglenest.drafter.export",
+    "load_training_checkpoint": "eaglenest.drafter.checkpoint",
+    "find_latest_checkpoint": "eaglenest.drafter.checkpoint",
+    "check_manifest": "eaglenest.drafter.data",
+    "DataMismatchError": "eaglenest.drafter.data",
+    "write_quick_shards": "eaglenest.drafter.quick_shards",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'drafter' has no attribute {name!r}")

@@ -1,0 +1,67 @@
+"""``eaglenest train`` and ``eaglenest export`` (wired into eaglenest.cli). Heavy imports happen inside the runners."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def add_train_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", required=True, help="YAML config (target + train sections)")
+    parser.add_argument("--data", required=True, help="regen output folder (manifest.json + shards/)")
+    parser.add_argument("--output", required=True,
+                        help="training folder: checkpoints, metrics, plot, export/; rerun with the same folder resumes")
+    parser.add_argument("--max-steps", type=int, default=None, help="override train.max_steps")
+
+
+def run_train(args: argparse.Namespace) -> int:
+    from eaglenest.config import load_config
+    from eaglenest.drafter.train import train_drafter
+
+    overrides = {"train.max_steps": args.max_steps} if args.max_steps else None
+    cfg = load_config(args.config, overrides)
+    try:
+        summary = train_drafter(cfg, args.data, args.output)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"eaglenest train: {e}", file=sys.stderr)
+        return 2
+    print(f"eaglenest train: export written to {summary['export']}")
+    return 0
+
+
+def add_export_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--checkpoint", required=True,
+                        help="a training checkpoint folder, or a training output folder (its newest checkpoint)")
+    parser.add_argument("--output", required=True, help="export folder (config.json + model.safetensors)")
+    parser.add_argument("--format", choices=["sglang", "vllm"], default="sglang",
+                        help="layer-id convention of the serving engine (sglang: physical-1, vllm: physical)")
+    parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
+    parser.add_argument("--no-embedding", action="store_true",
+                        help="omit embed_tokens.weight (the engines then share the target's embedding)")
+
+
+def run_export(args: argparse.Namespace) -> int:
+    from eaglenest.drafter.export import export_checkpoint
+
+    try:
+        out = export_checkpoint(args.checkpoint, args.output, fmt=args.format, dtype=args.dtype,
+                                include_embedding=not args.no_embedding)
+    except (ValueError, FileNotFoundError, KeyError) as e:
+        print(f"eaglenest export: {e}", file=sys.stderr)
+        return 2
+    print(f"eaglenest export: wrote {out} ({args.format} layer ids)")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m eaglenest.drafter.cli train|export ...`` (the same as ``eaglenest train|export``)."""
+    parser = argparse.ArgumentParser(prog="python -m eaglenest.drafter.cli")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_train_arguments(sub.add_parser("train"))
+    add_export_arguments(sub.add_parser("export"))
+    args = parser.parse_args(argv)
+    return run_train(args) if args.command == "train" else run_export(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,152 @@
+"""Shards -> training batches: the manifest check, the held-out split, and collation of shard rows.
+
+The held-out split is decided per sample id (a salted hash), so it is stable across reruns, shard orders and
+worker counts. Batches are right-padded: the TTT loss relies on that (padding only ever follows real tokens).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow as pa
+import torch
+
+from eaglenest.contracts.layers import validate_aux_layer_ids
+from eaglenest.contracts.shards import DTYPES, FP8, FP8_SCALE_LAYOUT, Manifest, bytes_to_tensor, compute_dtype
+from eaglenest.drafter.target import TargetFacts
+
+COLUMNS = ["id", "input_ids", "loss_mask", "aux_hidden_states", "last_hidden_state"]
+
+
+class DataMismatchError(ValueError):
+    """Shards that were not captured from this target (or with other layers); training them would be wrong."""
+
+
+def check_manifest(manifest: Manifest, target: TargetFacts, aux_layer_ids: Sequence[int] | None = None) -> None:
+    """Refuse shards whose layer ids, hidden size or vocab disagree with the target (or the requested taps)."""
+    problems = []
+    if manifest.num_layers != target.num_layers:
+        problems.append(f"num_layers: shards {manifest.num_layers}, target {target.num_layers}")
+    if manifest.hidden_size != target.hidden_size:
+        problems.append(f"hidden_size: shards {manifest.hidden_size}, target {target.hidden_size}")
+    if manifest.vocab_size != target.vocab_size:
+        problems.append(f"vocab_size: shards {manifest.vocab_size}, target {target.vocab_size}")
+    if manifest.dtype not in DTYPES:
+        problems.append(f"dtype {manifest.dtype!r} is not one of {sorted(DTYPES)}")
+    elif manifest.dtype == FP8 and getattr(manifest, "scale_layout", None) != FP8_SCALE_LAYOUT:
+        problems.append(f"fp8 shards with scale layout {getattr(manifest, 'scale_layout', None)!r}: this eaglenest "
+                        f"reads only {FP8_SCALE_LAYOUT!r} (regenerate, or use the eaglenest that wrote them)")
+    try:
+        validate_aux_layer_ids(manifest.aux_layer_ids, target.num_layers)
+    except ValueError as e:
+        problems.append(f"aux_layer_ids: {e}")
+    if aux_layer_ids is not None and list(aux_layer_ids) != list(manifest.aux_layer_ids):
+        problems.append(
+            f"aux_layer_ids: shards were captured at physical layers {manifest.aux_layer_ids}, the config asks "
+            f"for {list(aux_layer_ids)}"
+        )
+    if manifest.num_samples == 0:
+        problems.append("the manifest records 0 samples")
+    if problems:
+        raise DataMismatchError(
+            f"the shards in this folder do not match the target {target.path} "
+            f"(shards were captured from {manifest.target!r}): " + "; ".join(problems)
+            + ". Regenerate the shards with this target (eaglenest regen) or point target.model at the model "
+            "the shards came from."
+        )
+
+
+def is_eval_sample(sample_id: str, fraction: float, seed: int = 0) -> bool:
+    """Deterministic held-out membership from the sample id."""
+    if fraction <= 0:
+        return False
+    digest = hashlib.sha256(f"eaglenest-split:{seed}:{sample_id}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2.0**64 < fraction
+
+
+def split_table(table: pa.Table, *, fraction: float, seed: int, want_eval: bool) -> pa.Table:
+    """Keep the rows of one side of the split (a ``map_batches`` function over pyarrow tables)."""
+    keep = [is_eval_sample(i, fraction, seed) == want_eval for i in table.column("id").to_pylist()]
+    return table.filter(pa.array(keep, type=pa.bool_()))
+
+
+@dataclass
+class Batch:
+    """Right-padded tensors of one batch; ``aux``/``last`` stay in the storage dtype until moved."""
+
+    input_ids: torch.Tensor
+    loss_mask: torch.Tensor
+    aux: torch.Tensor
+    last: torch.Tensor
+    lengths: torch.Tensor
+
+    def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> Batch:
+        cast = (lambda t: t.to(device, dtype, non_blocking=True)) if dtype else (lambda t: t.to(device))
+        return Batch(self.input_ids.to(device), self.loss_mask.to(device), cast(self.aux), cast(self.last),
+                     self.lengths.to(device))
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.lengths.sum())
+
+
+def collate(table: pa.Table, *, dtype: str, hidden_size: int, max_seq_len: int) -> Batch:
+    """Decode shard rows (pyarrow) into a right-padded batch, truncating sequences to ``max_seq_len``."""
+    ids = table.column("input_ids").to_pylist()
+    masks = table.column("loss_mask").to_pylist()
+    auxes = table.column("aux_hidden_states").to_pylist()
+    lasts = table.column("last_hidden_state").to_pylist()
+    lengths = [min(len(x), max_seq_len) for x in ids]
+    b, t = len(ids), max(lengths)
+    td = compute_dtype(dtype)  # fp8 shards are dequantised here, on the CPU side of the data path
+    input_ids = torch.zeros(b, t, dtype=torch.long)
+    loss_mask = torch.zeros(b, t, dtype=torch.bool)
+    aux = torch.zeros(b, t, 3 * hidden_size, dtype=td)
+    last = torch.zeros(b, t, hidden_size, dtype=td)
+    for i, n in enumerate(lengths):
+        full = len(ids[i])
+        a = bytes_to_tensor(auxes[i], dtype, 3 * hidden_size, states=3)
+        h = bytes_to_tensor(lasts[i], dtype, hidden_size)
+        if a.shape[0] != full or h.shape[0] != full or len(masks[i]) != full:
+            sid = table.column("id")[i].as_py()
+            raise ValueError(
+                f"sample {sid}: {full} tokens but aux {a.shape[0]} / last {h.shape[0]} / mask {len(masks[i])} rows; "
+                "the shard is corrupt (rerun regen for it)"
+            )
+        input_ids[i, :n] = torch.tensor(ids[i][:n], dtype=torch.long)
+        loss_mask[i, :n] = torch.tensor(masks[i][:n], dtype=torch.bool)
+        aux[i, :n] = a[:n]
+        last[i, :n] = h[:n]
+    return Batch(input_ids, loss_mask, aux, last, torch.tensor(lengths, dtype=torch.long))
+
+
+def count_split_rows(files: Sequence[str | Path], fraction: float, seed: int) -> tuple[int, int]:
+    """(train rows, held-out rows) over the shard files, reading only the id column."""
+    import pyarrow.parquet as pq
+
+    n_train = n_eval = 0
+    for f in files:
+        for sid in pq.read_table(str(f), columns=["id"]).column("id").to_pylist():
+            if is_eval_sample(sid, fraction, seed):
+                n_eval += 1
+            else:
+                n_train += 1
+    return n_train, n_eval
+
+
+def build_datasets(files: Sequence[str | Path], fraction: float, seed: int):
+    """Ray datasets ``{"train": ..., "eval": ...}`` over the shard files (read lazily, streamed to workers)."""
+    import ray.data
+
+    def side(want_eval: bool):
+        ds = ray.data.read_parquet([str(f) for f in files], columns=COLUMNS, num_cpus=0.25)
+        return ds.map_batches(split_table, batch_format="pyarrow", num_cpus=0.25,
+                              fn_kwargs={"fraction": fraction, "seed": seed, "want_eval": want_eval})
+
+    out = {"train": side(False)}
+    if fraction > 0:
+        out["eval"] = side(True)
+    return out

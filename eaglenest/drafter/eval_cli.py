@@ -1,0 +1,97 @@
+"""``eaglenest eval``: accept length of a drafter on held-out prompts (overall, per domain, per position).
+
+    eaglenest eval --target tiny --drafter out/train/export --prompts tests/fixtures/prompts/heldout.jsonl \\
+        --output out/eval [--mode eagle3,off_by_one,eagle]
+
+Several ``--mode`` values evaluate the same drafter fed correctly and fed the way a misconfigured server would
+(``off_by_one`` aux layers, ``eagle`` = SGLang's ``--speculative-algorithm EAGLE``), side by side.
+Writes ``eval.json`` and ``acceptance.png`` into ``--output``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", required=True, help="'tiny', a local HF model folder or a hub id")
+    p.add_argument("--drafter", required=True, help="drafter export folder (eaglenest export / train OUT/export)")
+    p.add_argument("--prompts", required=True, help="JSONL of prompts: {'messages': [...], 'domain': ...} per line")
+    p.add_argument("--output", default=None, help="folder for eval.json and acceptance.png")
+    p.add_argument("--num-steps", type=int, default=3)
+    p.add_argument("--topk", type=int, default=1)
+    p.add_argument("--num-draft-tokens", type=int, default=None, help="default: num_steps + 1 (chain)")
+    p.add_argument("--mode", default="eagle3",
+                   help="comma-separated feed modes: eagle3 (correct), off_by_one, eagle (SGLang's EAGLE algorithm)")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--num-prompts", type=int, default=None, help="use only the first N prompts")
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+
+
+def run(args: argparse.Namespace) -> int:
+    from pydantic import ValidationError
+
+    from eaglenest.config import SpecConfig, TargetConfig
+    from eaglenest.drafter.export import load_drafter
+    from eaglenest.engines.base import SamplingParams
+    from eaglenest.engines.hf import HFEngine
+    from eaglenest.speculative.draft import FEED_MODES
+    from eaglenest.speculative.evaluate import PromptFileError, evaluate_acceptance, load_prompts, plot_acceptance
+
+    modes = [m.strip() for m in args.mode.split(",") if m.strip()]
+    bad = [m for m in modes if m not in FEED_MODES]
+    if bad or not modes:
+        print(f"eaglenest eval: unknown --mode {bad or args.mode!r}; choose from {', '.join(FEED_MODES)}",
+              file=sys.stderr)
+        return 2
+    try:
+        spec = SpecConfig(num_steps=args.num_steps, topk=args.topk,
+                          num_draft_tokens=args.num_draft_tokens or (args.num_steps + 1))
+        prompts = load_prompts(args.prompts, args.num_prompts)
+    except (ValidationError, PromptFileError) as e:
+        print(f"eaglenest eval: {e}", file=sys.stderr)
+        return 2
+    if not Path(args.drafter).is_dir():
+        print(f"eaglenest eval: drafter folder {args.drafter} does not exist (train one with `eaglenest train`)",
+              file=sys.stderr)
+        return 2
+    engine = HFEngine.from_config(TargetConfig(model=args.target, device=args.device, dtype=args.dtype))
+    drafter = load_drafter(args.drafter, device=engine.device, dtype=engine.dtype)
+    sampling = SamplingParams(temperature=args.temperature, max_new_tokens=args.max_new_tokens, seed=0)
+    reports = {}
+    for m in modes:
+        reports[m] = evaluate_acceptance(engine, drafter, prompts, spec, sampling=sampling, mode=m,
+                                         batch_size=args.batch_size, progress=True)
+    _print(reports)
+    if args.output:
+        out = Path(args.output)
+        out.mkdir(parents=True, exist_ok=True)
+        doc = {"target": args.target, "drafter": str(args.drafter), "prompts": str(args.prompts),
+               "num_prompts": len(prompts), "reports": reports}
+        (out / "eval.json").write_text(json.dumps(doc, indent=2) + "\n")
+        png = plot_acceptance(reports, out / "acceptance.png")
+        print(f"wrote {out / 'eval.json'} and {png}")
+    return 0
+
+
+def _print(reports: dict) -> None:
+    for mode, r in reports.items():
+        print(f"[{mode}] accept length {r['accept_length']:.3f} over {r['verify_steps']} verify steps, "
+              f"{r['requests']} prompts")
+        for d, v in r["per_domain"].items():
+            print(f"    {d:<16} {v['accept_length']:.3f}  ({v['requests']} prompts)")
+        pp = r["per_position"]
+        print("    per position (accepted >= depth): "
+              + "  ".join(f"{d}: {a:.2f}" for d, a in zip(pp["depth"], pp["accepted_at_least"], strict=True)))
+    if "eagle3" in reports:
+        ref = reports["eagle3"]["accept_length"]
+        for mode, r in reports.items():
+            if mode != "eagle3" and r["accept_length"] < ref:
+                print(f"  {mode}: {r['accept_length']:.3f} vs {ref:.3f} with the right layers "
+                      f"({100 * (1 - r['accept_length'] / ref):.0f}% lower)")

@@ -1,0 +1,231 @@
+"""Fit an EAGLE-3 drafter in-process, without Ray: tests, benchmarks and GPU boxes that have torch but no Ray.
+
+Same model (:class:`~drafter.model.Eagle3Drafter`), draft vocab (:mod:`eaglenest.drafter.vocab`) and TTT objective
+(:mod:`eaglenest.drafter.ttt`) as ``eaglenest train``; only the plumbing differs: samples are captured from an in-memory
+target engine and held in memory instead of streaming parquet shards through Ray Data into DDP workers.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from eaglenest.drafter.model import DrafterModelConfig, Eagle3Drafter
+from eaglenest.drafter.ttt import TeacherHead, TTTObjective, step_metrics
+from eaglenest.drafter.vocab import VocabMapping, build_vocab_mapping, count_tokens
+
+Sample = tuple[list[int], list[int]]
+"""(input_ids, loss_mask): the mask marks tokens the drafter learns to predict (the answer)."""
+
+
+@dataclass
+class FitConfig:
+    """Training budget and shape of an in-process drafter fit."""
+
+    steps: int = 300
+    batch_size: int = 16
+    learning_rate: float = 3e-3
+    warmup_steps: int = 20
+    ttt_steps: int = 5
+    step_weight_decay: float = 0.8
+    draft_vocab_size: int = 32000
+    max_seq_len: int = 512
+    aux_layer_ids: list[int] | None = None
+    """physical ids; None: the engine's (default [2, N//2, N-3])"""
+    intermediate_size: int | None = None
+    """the drafter's MLP width; None: the target's"""
+    seed: int = 0
+    max_grad_norm: float = 0.5
+
+
+@dataclass
+class FitResult:
+    drafter: Eagle3Drafter
+    mapping: VocabMapping
+    history: list[dict[str, float]] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+@dataclass
+class _Captured:
+    ids: torch.Tensor
+    mask: torch.Tensor
+    aux: torch.Tensor
+    last: torch.Tensor
+
+
+def drafter_config_for(engine: Any, aux_layer_ids: Sequence[int], draft_vocab_size: int,
+                       intermediate_size: int | None = None) -> DrafterModelConfig:
+    """A drafter shaped like one decoder layer of the target (EAGLE-3's default)."""
+    from eaglenest.engines.hf import text_config
+
+    model = getattr(engine, "model", None)  # the hf backend holds the model; SGLang's engine only its folder
+    if model is not None:
+        tc = text_config(model.config)
+    else:
+        from transformers import AutoConfig
+
+        tc = text_config(AutoConfig.from_pretrained(str(engine.info.model)))
+    heads = int(tc.num_attention_heads)
+    return DrafterModelConfig(
+        hidden_size=int(tc.hidden_size),
+        num_attention_heads=heads,
+        num_key_value_heads=int(getattr(tc, "num_key_value_heads", None) or heads),
+        head_dim=int(getattr(tc, "head_dim", None) or tc.hidden_size // heads),
+        intermediate_size=int(intermediate_size or tc.intermediate_size),
+        vocab_size=int(tc.vocab_size),
+        draft_vocab_size=min(int(draft_vocab_size), int(tc.vocab_size)),
+        aux_layer_ids=list(aux_layer_ids),
+        target_hidden_size=int(tc.hidden_size),
+        target_num_layers=int(tc.num_hidden_layers),
+        rope_theta=float(getattr(tc, "rope_theta", None) or (getattr(tc, "rope_parameters", None) or {}).get(
+            "rope_theta", 10000.0)),
+        rms_norm_eps=float(getattr(tc, "rms_norm_eps", 1e-6)),
+        max_position_embeddings=int(getattr(tc, "max_position_embeddings", 2048)),
+        target=str(engine.info.model),
+        bos_token_id=getattr(tc, "bos_token_id", None),
+        eos_token_id=getattr(tc, "eos_token_id", None),
+    )
+
+
+def capture_samples(engine: Any, samples: Sequence[Sample], layer_ids: Sequence[int], *, batch_size: int = 16,
+                    max_seq_len: int = 512, store_dtype: torch.dtype = torch.bfloat16) -> list[_Captured]:
+    """Teacher-forced capture of every sample (aux states + final normed state), kept on the engine's device."""
+    out: list[_Captured] = []
+    for i in range(0, len(samples), batch_size):
+        chunk = [(ids[:max_seq_len], m[:max_seq_len]) for ids, m in samples[i:i + batch_size]]
+        caps = engine.capture([c[0] for c in chunk], list(layer_ids))
+        for (ids, m), cap in zip(chunk, caps, strict=True):
+            out.append(_Captured(torch.tensor(ids), torch.tensor(m, dtype=torch.bool),
+                                 cap.aux_hidden_states.to(engine.device, store_dtype),
+                                 cap.last_hidden_state.to(engine.device, store_dtype)))
+    return out
+
+
+def _collate(items: list[_Captured], device: torch.device, dtype: torch.dtype):
+    b, t = len(items), max(int(x.ids.numel()) for x in items)
+    ids = torch.zeros(b, t, dtype=torch.long, device=device)
+    mask = torch.zeros(b, t, dtype=torch.bool, device=device)
+    aux = torch.zeros(b, t, items[0].aux.shape[-1], dtype=dtype, device=device)
+    last = torch.zeros(b, t, items[0].last.shape[-1], dtype=dtype, device=device)
+    lengths = torch.tensor([int(x.ids.numel()) for x in items], device=device)
+    for i, x in enumerate(items):
+        n = int(x.ids.numel())
+        ids[i, :n], mask[i, :n] = x.ids.to(device), x.mask.to(device)
+        aux[i, :n], last[i, :n] = x.aux.to(device, dtype), x.last.to(device, dtype)
+    return ids, mask, aux, last, lengths
+
+
+def fit_drafter(
+    engine: Any,
+    samples: Sequence[Sample],
+    cfg: FitConfig | None = None,
+    *,
+    captured: list[_Captured] | None = None,
+    progress: Callable[[int, dict[str, float]], None] | None = None,
+) -> FitResult:
+    """Train a drafter for ``engine``'s target on ``samples`` (captured here unless ``captured`` is given)."""
+    cfg = cfg or FitConfig()
+    t0 = time.perf_counter()
+    layers = list(cfg.aux_layer_ids or engine.aux_layer_ids)
+    if not samples:
+        raise ValueError("no training samples: fit_drafter needs (input_ids, loss_mask) pairs")
+    counts = count_tokens(samples, engine.info.vocab_size)
+    if int(counts.sum()) == 0:
+        raise ValueError("no loss-masked tokens in the samples: the drafter would learn nothing")
+    model_cfg = drafter_config_for(engine, layers, cfg.draft_vocab_size, cfg.intermediate_size)
+    mapping = build_vocab_mapping(counts, model_cfg.draft_vocab_size)
+    device = engine.device
+    on_gpu = device.type == "cuda"
+    dtype = torch.bfloat16 if on_gpu else torch.float32
+    torch.manual_seed(cfg.seed)
+    drafter = Eagle3Drafter(model_cfg)
+    lm_head = engine.lm_head_weight().detach().float().cpu()
+    drafter.init_from_target(engine.embed_weight().detach().float().cpu(), lm_head, mapping.d2t, mapping.t2d)
+    drafter.to(device).train()
+    teacher = TeacherHead(lm_head.to(dtype), mapping).to(device)
+    data = captured if captured is not None else capture_samples(
+        engine, samples, layers, max_seq_len=cfg.max_seq_len)
+    objective = TTTObjective(drafter, cfg.ttt_steps, cfg.step_weight_decay)
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.learning_rate, betas=(0.9, 0.95), weight_decay=0.0)
+
+    def lr_at(step: int) -> float:
+        if step < cfg.warmup_steps:
+            return (step + 1) / cfg.warmup_steps
+        prog = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+        return 0.05 + 0.95 * 0.5 * (1.0 + math.cos(math.pi * min(1.0, prog)))
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
+    rng = random.Random(cfg.seed)
+    order: list[int] = []
+    history: list[dict[str, float]] = []
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if on_gpu else torch.autocast("cpu", enabled=False)
+    for step in range(cfg.steps):
+        if len(order) < cfg.batch_size:
+            fresh = list(range(len(data)))
+            rng.shuffle(fresh)
+            order += fresh
+        pick, order = order[: cfg.batch_size], order[cfg.batch_size:]
+        ids, mask, aux, last, lengths = _collate([data[i] for i in pick], device, dtype)
+        with autocast:
+            targets = teacher(last, mask, lengths)
+            out = objective(ids, aux, targets)
+        opt.zero_grad(set_to_none=True)
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
+        opt.step()
+        sched.step()
+        if step % 25 == 0 or step == cfg.steps - 1:
+            rec = {"step": float(step), "loss": float(out.loss.detach()),
+                   **step_metrics(out.ce_sum.cpu(), out.correct.cpu(), out.count.cpu())}
+            history.append(rec)
+            if progress is not None:
+                progress(step, rec)
+    drafter.eval()
+    return FitResult(drafter=drafter, mapping=mapping, history=history, seconds=time.perf_counter() - t0)
+
+
+def untrained_like(drafter: Eagle3Drafter, target_lm_head: torch.Tensor, *, seed: int = 0) -> Eagle3Drafter:
+    """The same drafter before training: same shape, vocab mapping and frozen embedding, ``lm_head`` started from
+    the target's rows (as training starts), ``fc`` and the decoder layer freshly initialised (a demo's baseline)."""
+    torch.manual_seed(seed)
+    fresh = Eagle3Drafter(drafter.config)
+    fresh.init_from_target(drafter.embed_tokens.weight.detach().float().cpu(), target_lm_head.detach().float().cpu(),
+                           drafter.d2t.cpu(), drafter.t2d.cpu())
+    p = next(drafter.parameters())
+    return fresh.to(p.device, p.dtype).eval()
+
+
+def chat_prompt_answer(engine: Any, chats: Sequence[dict[str, Any]], *, regenerate: bool, max_new_tokens: int = 96,
+                       batch_size: int = 16) -> list[Sample]:
+    """(ids, loss_mask) per chat: the last assistant turn regenerated by the target (greedy) or kept as written.
+
+    Prompt = everything before the last assistant turn, mask = the answer. Lives here, not in
+    ``eaglenest.drafter.quick_shards`` (which wraps it), so that GPU images without pyarrow can run the benchmarks.
+    """
+    from eaglenest.engines.base import SamplingParams, render_chat_ids
+
+    prompts, answers = [], []
+    for chat in chats:
+        msgs = chat["messages"]
+        if not msgs or msgs[-1]["role"] != "assistant":
+            raise ValueError("each chat must end with an assistant turn")
+        prompt = engine.render_prompt(msgs[:-1], chat.get("tools"))
+        prompts.append(prompt)
+        if not regenerate:
+            full = render_chat_ids(engine.tokenizer, msgs, tools=chat.get("tools"), add_generation_prompt=False)
+            if full[: len(prompt)] != prompt:
+                raise ValueError("the chat template is not append-only; cannot split prompt and answer")
+            answers.append(full[len(prompt):])
+    if regenerate:
+        sp = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens)
+        for i in range(0, len(prompts), batch_size):
+            answers += [g.token_ids for g in engine.generate_ids(prompts[i:i + batch_size], sp)]
+    return [(p + a, [0] * len(p) + [1] * len(a)) for p, a in zip(prompts, answers, strict=True)]

@@ -1,0 +1,67 @@
+"""regen: dataset sources -> target-regenerated conversations with captured hidden states, on Ray Data.
+
+``run_regen(cfg, output, limit)`` runs or resumes a job and returns its summary (also ``DIR/manifest.json``);
+``Regenerator`` is the per-batch core (any ``TargetEngine``); ``normalize_record`` maps one source row to the
+conversation schema or to a quarantine reason.
+
+Importing the package is light (no torch, no Ray): Ray Data's normalize workers import it for every fresh process.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from eaglenest.regen.adapters import (
+    ADAPTERS,
+    NORMALIZED_SCHEMA,
+    QUARANTINE_SCHEMA,
+    REASONS,
+    BadRow,
+    Deduplicator,
+    conversation_id,
+    normalize_record,
+    normalize_records,
+)
+
+METRIC_NAMES = (
+    "eaglenest_regen_samples_done",
+    "eaglenest_regen_samples_quarantined",
+    "eaglenest_regen_generated_tokens",
+    "eaglenest_regen_tokens_per_second",
+    "eaglenest_regen_eta_seconds",
+)
+
+_LAZY = {
+    "Regenerator": "eaglenest.regen.regenerate",
+    "Sample": "eaglenest.regen.regenerate",
+    "Regenerated": "eaglenest.regen.regenerate",
+    "Quarantined": "eaglenest.regen.regenerate",
+    "TemplateFacts": "eaglenest.regen.regenerate",
+    "run_regen": "eaglenest.regen.pipeline",
+}
+
+__all__ = [
+    "ADAPTERS",
+    "METRIC_NAMES",
+    "NORMALIZED_SCHEMA",
+    "QUARANTINE_SCHEMA",
+    "REASONS",
+    "BadRow",
+    "Deduplicator",
+    "Quarantined",
+    "Regenerated",
+    "Regenerator",
+    "Sample",
+    "TemplateFacts",
+    "conversation_id",
+    "normalize_record",
+    "normalize_records",
+    "run_regen",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'regen' has no attribute {name!r}")

@@ -1,0 +1,213 @@
+"""``run_regen``: sources -> normalize -> plan -> actor pool of target engines -> shards + quarantine + manifest.
+
+A run has two Ray Data executions. The first reads and normalizes every source (CPU tasks) and streams the result
+through the driver, which resolves duplicates, skips ids already in the output folder and writes this run's plan.
+The second reads the plan and runs it through ``map_batches(EngineActor, compute=ActorPoolStrategy(size=n))`` into
+``ShardDatasink``. Kill either at any point and rerun the same command: completed files are scanned first, so every
+input sample ends up exactly once in a shard or in quarantine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from eaglenest.config import EaglenestConfig, SamplingConfig
+from eaglenest.regen.output import (
+    PLAN,
+    OutputFolderError,
+    check_identity,
+    output_lock,
+    remove_stale_temporaries,
+    scan_completed,
+    write_final_manifest,
+)
+from eaglenest.regen.sources import build_plan, check_sources, damage_line, data_context
+
+WRITE_CPUS = 0.25
+
+
+def target_identity(cfg: EaglenestConfig) -> dict[str, Any]:
+    """What the shards will be checked against, from the model's config (no weights are loaded in the driver)."""
+    from transformers import AutoConfig
+
+    from eaglenest.contracts.layers import default_aux_layer_ids, validate_aux_layer_ids
+    from eaglenest.engines.hf import resolve_model_path, text_config
+
+    path = resolve_model_path(cfg.target)
+    mc = text_config(AutoConfig.from_pretrained(path, trust_remote_code=cfg.target.trust_remote_code))
+    n = int(mc.num_hidden_layers)
+    aux = validate_aux_layer_ids(cfg.target.aux_layer_ids or default_aux_layer_ids(n), n)
+    return {"target": str(path), "num_layers": n, "hidden_size": int(mc.hidden_size),
+            "vocab_size": int(mc.vocab_size), "aux_layer_ids": aux, "dtype": cfg.regen.storage_dtype,
+            "engine": cfg.target.engine}
+
+
+def _sampling(s: SamplingConfig) -> dict[str, Any]:
+    return {"temperature": s.temperature, "top_p": s.top_p, "max_new_tokens": s.max_new_tokens, "seed": s.seed}
+
+
+def _resolved_sources(cfg: EaglenestConfig) -> list:
+    out = []
+    for s in cfg.regen.sources:
+        out.append(s.model_copy(update={"path": cfg.resolve(s.path)}) if s.path else s)
+    return out
+
+
+def run_regen(cfg: EaglenestConfig, output: str | Path | None = None, limit: int | None = None, *,
+              log: Callable[[str], None] = print, progress_interval_s: float = 15.0,
+              timeline: bool = False, flush_metrics: bool | None = None) -> dict[str, Any]:
+    """Run (or resume) the regen job; returns the summary that is also written to ``DIR/manifest.json``.
+
+    ``limit`` caps every source at ``limit`` input rows (on top of its ``max_samples``): a quick smoke run over all
+    formats. Bad rows never stop the job; they are counted per source and reason. ``timeline=True`` adds the
+    engine batches' (start, end, pid, generated tokens) to the returned summary (benchmarks). ``flush_metrics``
+    keeps the progress actor alive for one metrics export interval at the end, so Prometheus sees the final
+    counts and ETA 0 (default: when attached to a cluster through RAY_ADDRESS, where someone scrapes it).
+    """
+    t_start = time.monotonic()
+    rc = cfg.regen
+    sources = _resolved_sources(cfg)
+    check_sources(sources)
+    out_dir = Path(output if output is not None else cfg.resolve(rc.output) or rc.output).resolve()
+    with output_lock(out_dir):
+        return _run_locked(cfg, sources, out_dir, limit, log=log, interval=progress_interval_s, timeline=timeline,
+                           flush_metrics=flush_metrics, t_start=t_start)
+
+
+def _run_locked(cfg: EaglenestConfig, sources: list, out_dir: Path, limit: int | None, *,
+                log: Callable[[str], None], interval: float, timeline: bool, flush_metrics: bool | None,
+                t_start: float) -> dict[str, Any]:
+    rc = cfg.regen
+    identity = target_identity(cfg)
+    check_identity(out_dir, identity)
+    stale = remove_stale_temporaries(out_dir)
+    completed = scan_completed(out_dir)
+    if completed.duplicates:
+        raise OutputFolderError(f"{out_dir} records {len(completed.duplicates)} sample id(s) twice (e.g. "
+                                f"{completed.duplicates[0]}); the folder was written by something else")
+    from eaglenest.runtime import init_ray
+
+    init_ray()  # attach to RAY_ADDRESS / a `ray start` cluster, or start a local Ray
+    import ray
+
+    from eaglenest.regen.progress import ProgressTracker, steady_state
+
+    log(f"regen: {len(sources)} sources -> {out_dir} ({len(completed)} samples already recorded"
+        f"{f', {stale} partial files removed' if stale else ''})")
+    tracker = ProgressTracker.remote()
+    try:
+        plan = build_plan(sources, out_dir, limit=limit, completed=completed, rows_per_file=rc.batch_size)
+        q_now = sorted(plan.quarantined_now.items())
+        if q_now:
+            tracker.written.remote({}, [(s, r, n) for (s, r), n in q_now], planned=False)
+        log(f"regen: planned {plan.planned} samples for the engines; {sum(n for _, n in q_now)} rows quarantined while "
+            f"normalizing, {sum(plan.duplicates_per_source.values())} duplicates, "
+            f"{sum(plan.already_done_per_source.values())} already done")
+        for d in plan.damaged:
+            log(f"regen: {damage_line(d)}")
+        totals: dict[str, int] = {}
+        engine_version = None
+        batches: list = []
+        engine_time: dict[str, float] = {}
+        if plan.planned:
+            totals = _run_engine_stage(cfg, plan.files, out_dir, identity, tracker, log, interval)
+            engine_version = (ray.get(tracker.snapshot.remote()).get("engine") or {}).get("engine_version")
+            batches = ray.get(tracker.batch_timeline.remote())
+            engine_time = ray.get(tracker.engine_time.remote())
+        if flush_metrics if flush_metrics is not None else bool(os.environ.get("RAY_ADDRESS")):
+            ray.get(tracker.snapshot.remote())  # final gauges (ETA 0)
+            time.sleep(max(ray._config.metrics_report_interval_ms(), 1000) / 1000 + 1)
+    finally:
+        with contextlib.suppress(Exception):
+            ray.kill(tracker)
+    if engine_version is None:
+        engine_version = _previous_engine_version(out_dir) or f"{identity['engine']} (not started: nothing to do)"
+    wall = time.monotonic() - t_start
+    extra = {
+        "inputs_per_source": plan.inputs_per_source,
+        "duplicates_per_source": plan.duplicates_per_source,
+        "damaged_sources": plan.damaged,
+        "normalize_notes_per_source": plan.notes_per_source,
+        "sources": [{k: v for k, v in s.model_dump().items() if v is not None and k != "sampling"}
+                    for s in sources],
+        "last_run": {"planned": plan.planned, "already_done": sum(plan.already_done_per_source.values()),
+                     "quarantined_while_normalizing": sum(n for _, n in q_now),
+                     "written": totals.get("samples", 0), "quarantined_by_engine_stage": totals.get("quarantined", 0),
+                     "generated_tokens": totals.get("generated_tokens", 0),
+                     "truncated_turns": totals.get("truncated_turns", 0),
+                     "dropped_turns": totals.get("dropped_turns", 0),
+                     "limit": limit, "wall_seconds": round(wall, 1),
+                     # engine start, warm-up and the last shard's write are outside the steady window
+                     "steady": steady_state(batches, rc.num_actors), "engine_seconds": engine_time},
+    }
+    manifest = write_final_manifest(out_dir, identity, engine_version, extra)
+    shutil.rmtree(out_dir / PLAN, ignore_errors=True)  # the work list of a finished run (rebuilt by every run)
+    summary = manifest.model_dump()
+    summary["output"] = str(out_dir)
+    if timeline:
+        summary["timeline"] = batches
+    return summary
+
+
+def _previous_engine_version(out_dir: Path) -> str | None:
+    import json
+
+    p = out_dir / "manifest.json"
+    return json.loads(p.read_text()).get("engine_version") if p.is_file() else None
+
+
+def _run_engine_stage(cfg: EaglenestConfig, files: list[str], out_dir: Path, identity: dict[str, Any], tracker: Any,
+                      log: Callable[[str], None], interval: float) -> dict[str, int]:
+    import ray
+    from ray.data import ActorPoolStrategy
+
+    from eaglenest.regen.progress import format_progress
+    from eaglenest.regen.stage import EngineActor, ShardDatasink
+
+    rc = cfg.regen
+    sampling = {s.name: _sampling(s.sampling or rc.sampling) for s in rc.sources}
+    ray.get(tracker.start.remote(_count_rows(files)))
+    sink = ShardDatasink(out_dir, rows_per_shard=rc.rows_per_shard, hidden_size=identity["hidden_size"],
+                         storage_dtype=rc.storage_dtype, tracker=tracker)
+    stop = threading.Event()
+
+    def report() -> None:
+        while not stop.wait(interval):
+            with contextlib.suppress(Exception):  # progress lines are best effort
+                log(format_progress(ray.get(tracker.snapshot.remote(), timeout=10)))
+
+    thread = threading.Thread(target=report, name="regen-progress", daemon=True)
+    thread.start()
+    # bars on a TTY; on a pipe (ray job logs) Ray Data logs a progress block every few seconds instead
+    try:
+        with data_context(enable_progress_bars=True, enable_operator_progress_bars=sys.stdout.isatty(),
+                          preserve_order=False, use_datasource_v2=False):
+            ds = ray.data.read_parquet(files, num_cpus=WRITE_CPUS, file_extensions=None)
+            ds = ds.map_batches(
+                EngineActor,
+                fn_constructor_kwargs={"target": cfg.target.model_dump(), "regen": rc.model_dump(),
+                                       "sampling": sampling, "identity": identity, "tracker": tracker},
+                batch_size=rc.batch_size, batch_format="pyarrow", zero_copy_batch=True,
+                compute=ActorPoolStrategy(size=rc.num_actors),
+                num_cpus=rc.num_cpus_per_actor, num_gpus=rc.num_gpus_per_actor,
+            )
+            ds.write_datasink(sink, ray_remote_args={"num_cpus": WRITE_CPUS})
+    finally:
+        stop.set()
+        thread.join(timeout=5)
+    log(format_progress(ray.get(tracker.snapshot.remote())))
+    return sink.totals
+
+
+def _count_rows(files: list[str]) -> int:
+    import pyarrow.parquet as pq
+
+    return sum(pq.ParquetFile(f).metadata.num_rows for f in files)

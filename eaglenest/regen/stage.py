@@ -1,0 +1,201 @@
+"""The engine stage of the Ray Data pipeline: one target engine per actor, and the sink that writes its output.
+
+``EngineActor`` is the ``map_batches`` callable class: it loads the engine once (any ``TargetEngine`` through
+``load_engine``) and hands it each batch whole. ``ShardDatasink`` writes the samples of each write task to one shard
+file and the rejected ones to one quarantine file, both atomically, named by the hash of their ids.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+from ray.data import Datasink
+
+from eaglenest.regen.adapters import OK
+from eaglenest.regen.regenerate import Quarantined, Regenerated, Result, Sample
+
+RESULT_SCHEMA = pa.schema([
+    ("id", pa.string()),
+    ("source", pa.string()),
+    ("domain", pa.string()),
+    ("input_ids", pa.list_(pa.int32())),
+    ("loss_mask", pa.list_(pa.int8())),
+    ("num_tokens", pa.int32()),
+    # 64-bit offsets between stages: a batch of long sequences of a large target exceeds 2 GiB of hidden states
+    ("aux_hidden_states", pa.large_binary()),
+    ("last_hidden_state", pa.large_binary()),
+    ("status", pa.string()),
+    ("reason", pa.string()),
+    ("detail", pa.string()),
+    ("raw", pa.string()),
+    ("generated_tokens", pa.int32()),
+    ("truncated_turns", pa.int32()),
+    ("dropped_turns", pa.int32()),
+    ("source_id", pa.string()),
+])
+
+
+def results_table(results: list[Result]) -> pa.Table:
+    rows = []
+    for r in results:
+        s = r.sample
+        if isinstance(r, Regenerated):
+            rows.append({"id": s.id, "source": s.source, "domain": s.domain, "input_ids": r.input_ids,
+                         "loss_mask": r.loss_mask, "num_tokens": len(r.input_ids),
+                         "aux_hidden_states": r.aux_hidden_states, "last_hidden_state": r.last_hidden_state,
+                         "status": OK, "reason": None, "detail": None, "raw": None,
+                         "generated_tokens": r.generated_tokens, "truncated_turns": r.truncated_turns,
+                         "dropped_turns": r.dropped_turns, "source_id": s.source_id})
+        else:
+            assert isinstance(r, Quarantined)
+            rows.append({"id": s.id, "source": s.source, "domain": s.domain, "status": r.reason,
+                         "reason": r.reason, "detail": r.detail, "raw": s.raw, "generated_tokens": 0,
+                         "truncated_turns": 0, "dropped_turns": 0, "source_id": s.source_id})
+    return pa.Table.from_pylist(rows, schema=RESULT_SCHEMA)
+
+
+def samples_from_table(batch: pa.Table) -> list[Sample]:
+    return [Sample(id=r["id"], source=r["source"], domain=r["domain"], messages=r["messages"] or [],
+                   tools=r["tools"], native=bool(r["native"]), native_input_ids=r["native_input_ids"],
+                   native_loss_mask=r["native_loss_mask"], raw=r["raw"] or "", source_id=r.get("source_id"))
+            for r in batch.to_pylist()]
+
+
+def _quiet_model_libraries() -> None:
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
+    except Exception:  # noqa: BLE001 - cosmetics only
+        pass
+
+
+class EngineActor:
+    """``map_batches`` callable: regenerates and captures whole batches with one engine per actor."""
+
+    def __init__(self, target: dict[str, Any], regen: dict[str, Any], sampling: dict[str, dict[str, Any]],
+                 identity: dict[str, Any], tracker: Any = None):
+        _quiet_model_libraries()
+        from eaglenest.config import TargetConfig
+        from eaglenest.engines import SamplingParams, load_engine
+        from eaglenest.regen.regenerate import Regenerator
+
+        tcfg = TargetConfig.model_validate(target)
+        if tcfg.device != "cuda" and tcfg.engine == "hf":
+            import torch
+
+            torch.set_num_threads(tcfg.cpu_threads or max(1, int(regen["num_cpus_per_actor"])))
+        self.engine = load_engine(tcfg)
+        start = getattr(self.engine, "start", None)
+        if start is not None:  # an engine that starts lazily starts with the actor, not inside the first batch:
+            start()  # the batch timeline and generate seconds then measure generation alone (BENCHMARKS.md)
+        info = self.engine.info
+        layer_ids = list(getattr(self.engine, "aux_layer_ids", identity["aux_layer_ids"]))
+        got = {"num_layers": info.num_layers, "hidden_size": info.hidden_size, "aux_layer_ids": layer_ids}
+        bad = {k: (identity[k], v) for k, v in got.items() if identity[k] != v}
+        if bad:
+            raise RuntimeError(f"the engine's target does not match the driver's view of it: {bad} (config "
+                               f"{identity['target']}); check target.model / target.aux_layer_ids")
+        self.regen = Regenerator(self.engine, min_tokens=regen["min_tokens"], max_tokens=regen["max_tokens"],
+                                 storage_dtype=regen["storage_dtype"], layer_ids=layer_ids)
+        self.sampling = {name: SamplingParams(temperature=s["temperature"], top_p=s["top_p"],
+                                              max_new_tokens=s["max_new_tokens"], seed=s["seed"])
+                         for name, s in sampling.items()}
+        self.tracker = tracker
+        if tracker is not None:
+            tracker.engine_info.remote({"engine": info.engine, "engine_version": info.engine_version,
+                                        "model": info.model, "pid": os.getpid()})
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        t0 = time.time()
+        samples = samples_from_table(batch)
+        results = self.regen.run(samples, lambda s: self.sampling[s.source])
+        table = results_table(results)
+        if self.tracker is not None:
+            st = self.regen.stats
+            self.tracker.generated.remote(st.generated_tokens, (t0, time.time(), os.getpid()),
+                                          (st.generate_seconds, st.capture_seconds))
+        return table
+
+
+class ShardDatasink(Datasink):
+    """Writes each write task's rows: samples -> ``shards/part-<hash>.parquet``, rejects -> ``quarantine/``."""
+
+    def __init__(self, out_dir: str | Path, *, rows_per_shard: int, hidden_size: int, storage_dtype: str,
+                 tracker: Any = None):
+        self.out_dir = Path(out_dir)
+        self.rows_per_shard = rows_per_shard
+        self.hidden_size = hidden_size
+        self.storage_dtype = storage_dtype
+        self.tracker = tracker
+        self.totals: dict[str, int] = {}
+
+    @property
+    def min_rows_per_write(self) -> int:
+        return self.rows_per_shard
+
+    @property
+    def supports_distributed_writes(self) -> bool:
+        # the output folder is a path on the driver's node (scanned there to resume and for the manifest): write
+        # tasks run there too, whatever node the engines are on
+        return False
+
+    def get_name(self) -> str:
+        return "WriteShards"
+
+    def write(self, blocks: Iterable[Any], ctx: Any) -> dict[str, int]:
+        from ray.data.block import BlockAccessor
+
+        from eaglenest.contracts.shards import blob_bytes
+        from eaglenest.regen.output import write_quarantine, write_shard
+
+        tables = [BlockAccessor.for_block(b).to_arrow() for b in blocks]
+        tables = [t for t in tables if t.num_rows]
+        if not tables:
+            return {}
+        table = pa.concat_tables(tables)
+        is_ok = pc.equal(table.column("status"), OK)
+        ok, bad = table.filter(is_ok), table.filter(pc.invert(is_ok))
+        h, dt = self.hidden_size, self.storage_dtype
+        for n, a, b in zip(ok.column("num_tokens").to_pylist(), pc.binary_length(ok.column("aux_hidden_states"))
+                           .to_pylist(), pc.binary_length(ok.column("last_hidden_state")).to_pylist(), strict=True):
+            if a != blob_bytes(dt, n, 3 * h, 3) or b != blob_bytes(dt, n, h):
+                raise RuntimeError(f"hidden-state blob sizes {a}/{b} bytes do not match {n} tokens of "
+                                   f"3x{self.hidden_size}/{self.hidden_size} {self.storage_dtype}")
+        t0 = time.perf_counter()
+        if ok.num_rows:
+            write_shard(ok, self.out_dir)
+        if bad.num_rows:
+            write_quarantine(bad, self.out_dir, "regen")
+        done: dict[str, int] = {}
+        for s in ok.column("source").to_pylist():
+            done[s] = done.get(s, 0) + 1
+        quarantined: dict[tuple[str, str], int] = {}
+        for s, r in zip(bad.column("source").to_pylist(), bad.column("reason").to_pylist(), strict=True):
+            quarantined[(s, r)] = quarantined.get((s, r), 0) + 1
+        if self.tracker is not None:
+            self.tracker.written.remote(done, [(s, r, n) for (s, r), n in quarantined.items()])
+        return {"samples": ok.num_rows, "quarantined": bad.num_rows,
+                "tokens": int(pc.sum(ok.column("num_tokens")).as_py() or 0),
+                "generated_tokens": int(pc.sum(table.column("generated_tokens")).as_py() or 0),
+                "truncated_turns": int(pc.sum(table.column("truncated_turns")).as_py() or 0),
+                "dropped_turns": int(pc.sum(table.column("dropped_turns")).as_py() or 0),
+                "files": int(ok.num_rows > 0) + int(bad.num_rows > 0),
+                "write_ms": int((time.perf_counter() - t0) * 1000)}
+
+    def on_write_complete(self, write_result: Any) -> None:
+        totals: dict[str, int] = {}
+        for r in write_result.write_returns:
+            for k, v in (r or {}).items():
+                totals[k] = totals.get(k, 0) + int(v)
+        self.totals = totals

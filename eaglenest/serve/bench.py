@@ -1,0 +1,415 @@
+"""Speculative vs baseline throughput on the same engine and prompts, with a sweep over the draft shape.
+
+``run_bench`` decodes every prompt with the plain baseline and with each ``(num_steps, topk, num_draft_tokens)``
+config, at a fixed batch size, for ``repeats`` rounds. With the transformers engine all variants live in one process
+and are interleaved prompt by prompt (the variant order rotates every prompt), so machine noise hits them alike;
+tok/s per variant is the median over rounds of (completion tokens / decode seconds). Speedup = median spec tok/s /
+median baseline tok/s. Greedy outputs of every config are checked against the baseline's, token for token.
+
+The SGLang engine (``engine="sglang"``) starts one ``sglang.Engine`` per variant (a GPU rarely holds several), runs
+them one after another and runs the baseline again at the end to show drift; accept length comes from SGLang's own
+per-request ``spec_verify_ct``. It needs a GPU and ``pip install eaglenest[gpu]``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import statistics
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from eaglenest.config import SpecConfig
+from eaglenest.engines.base import SamplingParams
+
+BASELINE = "baseline"
+
+
+def spec_label(spec: SpecConfig) -> str:
+    """``steps-topk-draft_tokens`` as SGLang's docs write it (e.g. 3-1-4)."""
+    return f"{spec.num_steps}-{spec.topk}-{spec.num_draft_tokens}"
+
+
+@dataclass
+class _Run:
+    tokens: list[list[int]]
+    seconds: float
+    completion_tokens: int
+    verify_steps: int
+    accepted: int
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+
+
+CEILING_ENV = "SGLANG_SIMULATE_ACC_LEN"
+"""SGLang's own knob (read by its scheduler at start) that makes every verify accept the configured number of
+tokens after the real draft and verify forwards ran: the cost of a cycle with a perfect drafter of this shape."""
+
+
+@dataclass
+class VariantStats:
+    """Measurements of one variant (the baseline, one spec config, or a spec config's ceiling) over all rounds."""
+
+    name: str
+    spec: SpecConfig | None
+    rounds: list[_Run] = field(default_factory=list)
+    ceiling: bool = False
+    """every draft token accepted (SGLang only): its speed is the bound for this shape, its text is meaningless"""
+
+    def tok_per_s(self) -> list[float]:
+        return [r.completion_tokens / r.seconds if r.seconds > 0 else 0.0 for r in self.rounds]
+
+    def median_tok_per_s(self) -> float:
+        return statistics.median(self.tok_per_s())
+
+    def accept_length(self) -> float:
+        steps = sum(r.verify_steps for r in self.rounds)
+        acc = sum(r.accepted for r in self.rounds)
+        return 1.0 + acc / steps if steps else 1.0
+
+
+# ------------------------------------------------------------------------------------------------------- runners
+Runner = Callable[[Sequence[Sequence[int]], SamplingParams], _Run]
+
+
+def hf_runner(decoder: Any, batch_size: int) -> Runner:
+    """A variant on the reference decoders (``SpecDecoder`` / ``BaselineDecoder``)."""
+
+    def run(prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> _Run:
+        toks, steps, acc, secs, ds, vs = [], 0, 0, 0.0, 0.0, 0.0
+        for i in range(0, len(prompts), batch_size):
+            t0 = decoder._sync()
+            res = decoder.generate(prompts[i:i + batch_size], sampling)
+            secs += decoder._sync() - t0
+            for r in res:
+                toks.append(r.token_ids)
+                steps += r.draft_steps
+                acc += sum(r.accepted_per_step)
+                ds += r.draft_time_s
+                vs += r.verify_time_s
+        return _Run(toks, secs, sum(len(t) for t in toks), steps, acc, ds, vs)
+
+    return run
+
+
+def sglang_runner(engine: Any, batch_size: int) -> Runner:
+    """A variant on an ``SGLangEngine`` (integration point of the GPU engine; see the module docstring)."""
+
+    def run(prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> _Run:
+        toks, steps, acc, secs = [], 0, 0, 0.0
+        for i in range(0, len(prompts), batch_size):
+            t0 = time.perf_counter()
+            gens = engine.generate_ids(prompts[i:i + batch_size], sampling)
+            secs += time.perf_counter() - t0
+            for g in gens:
+                toks.append(g.token_ids)
+                verify = int(g.meta.get("spec_verify_ct") or 0)
+                steps += verify
+                acc += max(0, int(g.meta.get("completion_tokens", len(g.token_ids))) - verify) if verify else 0
+        return _Run(toks, secs, sum(len(t) for t in toks), steps, acc)
+
+    return run
+
+
+# ---------------------------------------------------------------------------------------------------------- bench
+def run_bench(
+    target: Any,
+    drafter: Any,
+    prompts: Sequence[Sequence[int]],
+    sweep: Sequence[SpecConfig],
+    *,
+    max_new_tokens: int = 64,
+    repeats: int = 3,
+    batch_size: int = 1,
+    temperature: float = 0.0,
+    engine: str = "hf",
+    warmup: int = 1,
+    progress: bool = True,
+    sglang_factory: Callable[[SpecConfig | None], Any] | None = None,
+) -> dict[str, Any]:
+    """Baseline vs every spec config on the same prompts; returns the report dict (see :func:`report_markdown`).
+
+    ``target``: an ``HFEngine`` (engine "hf"). ``drafter``: an ``Eagle3Drafter``, a ``DraftModel`` or an export
+    folder. For engine "sglang", ``sglang_factory(spec_or_None)`` returns a started ``SGLangEngine`` (None =
+    baseline).
+    """
+    return run_bench_batches(target, drafter, prompts, sweep, batch_sizes=[batch_size],
+                             max_new_tokens=max_new_tokens, repeats=repeats, temperature=temperature, engine=engine,
+                             warmup=warmup, progress=progress, sglang_factory=sglang_factory)[0]
+
+
+def run_bench_batches(
+    target: Any,
+    drafter: Any,
+    prompts: Sequence[Sequence[int]],
+    sweep: Sequence[SpecConfig],
+    *,
+    batch_sizes: Sequence[int],
+    max_new_tokens: int = 64,
+    repeats: int = 3,
+    temperature: float = 0.0,
+    engine: str = "hf",
+    warmup: int = 1,
+    progress: bool = True,
+    sglang_factory: Callable[[SpecConfig | None], Any] | None = None,
+    ceiling: bool = False,
+    drift_check: bool = True,
+) -> list[dict[str, Any]]:
+    """:func:`run_bench` at several batch sizes, one report each (in ``batch_sizes`` order).
+
+    With SGLang every variant's engine is started once and measured at every batch size (an engine start costs
+    more than the measurement on a large target); with the transformers engine each batch size is its own bench.
+    ``ceiling`` (SGLang): also run each spec config with every draft token accepted (:data:`CEILING_ENV`), the
+    speedup a perfect drafter of this shape would give. ``drift_check`` (SGLang): run the baseline again at the end.
+    """
+    if not prompts:
+        raise ValueError("no prompts to benchmark")
+    if not sweep:
+        raise ValueError("the sweep is empty: give at least one (num_steps, topk, num_draft_tokens) config")
+    if not batch_sizes or min(batch_sizes) < 1:
+        raise ValueError(f"batch sizes must be >= 1, got {list(batch_sizes)}")
+    sampling = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens, seed=0)
+    prompts = [list(p) for p in prompts]
+    if ceiling and engine != "sglang":
+        raise ValueError("the ceiling run needs the sglang engine (it uses SGLang's own acceptance simulation)")
+    per_bs = {bs: [VariantStats(BASELINE, None)] + [VariantStats(spec_label(s), s) for s in sweep]
+              + ([VariantStats(spec_label(s) + " ceiling", s, ceiling=True) for s in sweep] if ceiling else [])
+              for bs in batch_sizes}
+    if engine == "hf":
+        for bs in batch_sizes:
+            _bench_hf(target, drafter, prompts, per_bs[bs], sampling, repeats, bs, warmup, progress)
+    elif engine == "sglang":
+        if sglang_factory is None:
+            raise ValueError("engine 'sglang' needs sglang_factory (see eaglenest.serve.bench_cli for the launcher)")
+        _bench_sglang(sglang_factory, prompts, per_bs, sampling, repeats, warmup, progress, drift_check)
+    else:
+        raise ValueError(f"unknown engine {engine!r}; allowed: hf, sglang")
+    kernel = None
+    if engine == "hf":  # a CPU speedup depends on it (BENCHMARKS.md): say which one ran
+        from eaglenest.kernels import uses_packed_linears
+
+        kernel = "packed" if uses_packed_linears(target.model) else "torch"
+    return [_report(per_bs[bs], engine=engine, sampling=sampling, repeats=repeats, batch_size=bs,
+                    num_prompts=len(prompts), linear_kernel=kernel) for bs in batch_sizes]
+
+
+def _bench_hf(target, drafter, prompts, variants, sampling, repeats, batch_size, warmup, progress) -> None:
+    from eaglenest.speculative.decoder import BaselineDecoder, SpecDecoder
+
+    if isinstance(drafter, (str, Path)):
+        from eaglenest.drafter.export import load_drafter
+
+        drafter = load_drafter(drafter, device=target.device, dtype=target.dtype)
+    runners: dict[str, Runner] = {}
+    for v in variants:
+        dec = (BaselineDecoder.from_engine(target) if v.spec is None
+               else SpecDecoder.from_engine(target, drafter, v.spec))
+        runners[v.name] = hf_runner(dec, batch_size)
+    groups = [prompts[i:i + batch_size] for i in range(0, len(prompts), batch_size)]
+    for v in variants:  # warm-up: allocator, kernels, caches
+        for g in groups[:warmup]:
+            runners[v.name](g, sampling)
+    total = repeats * len(groups) * len(variants)
+    bar = _bar(total, progress, "bench hf")
+    for _ in range(repeats):
+        per = {v.name: _Run([], 0.0, 0, 0, 0) for v in variants}
+        for gi, group in enumerate(groups):
+            order = variants[gi % len(variants):] + variants[: gi % len(variants)]
+            for v in order:
+                r = runners[v.name](group, sampling)
+                acc = per[v.name]
+                acc.tokens += r.tokens
+                acc.seconds += r.seconds
+                acc.completion_tokens += r.completion_tokens
+                acc.verify_steps += r.verify_steps
+                acc.accepted += r.accepted
+                acc.draft_s += r.draft_s
+                acc.verify_s += r.verify_s
+                bar.update(1)
+        for v in variants:
+            v.rounds.append(per[v.name])
+    bar.close()
+
+
+def _bench_sglang(factory, prompts, per_bs: dict[int, list[VariantStats]], sampling, repeats, warmup,
+                  progress, drift_check: bool = True) -> None:
+    """One engine per variant, measured at every batch size; the baseline may run again at the end (drift)."""
+    sizes = list(per_bs)
+    names = [(v.spec, v.ceiling) for v in per_bs[sizes[0]]] + ([(None, False)] if drift_check else [])
+    ends = {bs: VariantStats(BASELINE + "_end", None) for bs in sizes}
+    bar = _bar(len(names) * repeats * len(sizes), progress, "bench sglang")
+    for i, (spec, ceiling) in enumerate(names):
+        eng = factory(spec)
+        try:
+            # the engine starts lazily: start it now, inside the environment its scheduler process must inherit
+            with _environment(CEILING_ENV, str(spec.num_draft_tokens) if ceiling else None):
+                eng.generate_ids(prompts[:1], SamplingParams(max_new_tokens=1))
+            for bs in sizes:
+                v = ends[bs] if i >= len(per_bs[bs]) else per_bs[bs][i]
+                run = sglang_runner(eng, bs)
+                for _ in range(warmup):
+                    run(prompts[:bs], sampling)
+                for _ in range(repeats):
+                    v.rounds.append(run(prompts, sampling))
+                    bar.update(1)
+        finally:
+            eng.close()
+    bar.close()
+    for bs in sizes:
+        if ends[bs].rounds:
+            per_bs[bs][0].rounds_end = ends[bs].rounds  # type: ignore[attr-defined]
+
+
+@contextlib.contextmanager
+def _environment(name: str, value: str | None) -> Iterator[None]:
+    """``name=value`` in os.environ for the block (nothing when value is None), restored afterwards."""
+    if value is None:
+        yield
+        return
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = old
+
+
+class _NoBar:
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _bar(total: int, enabled: bool, desc: str):
+    try:
+        from tqdm import tqdm
+    except ImportError:  # minimal GPU images: no progress bar, same results
+        return _NoBar()
+    return tqdm(total=total, desc=desc, unit="run", disable=not enabled)
+
+
+def _report(variants: list[VariantStats], **meta: Any) -> dict[str, Any]:
+    base = variants[0]
+    base_tps = base.median_tok_per_s()
+    rows = []
+    for v in variants[1:]:
+        tps = v.median_tok_per_s()
+        ratios = [s / b for s, b in zip(v.tok_per_s(), base.tok_per_s(), strict=False) if b > 0]
+        greedy_match, identical = None, None
+        if meta["sampling"].greedy and not v.ceiling:
+            pairs = [(x, y) for r, b in zip(v.rounds, base.rounds, strict=False)
+                     for x, y in zip(r.tokens, b.tokens, strict=False)]
+            identical = sum(x == y for x, y in pairs) / len(pairs) if pairs else None
+            greedy_match = identical == 1.0
+        draft_s = sum(r.draft_s for r in v.rounds)
+        verify_s = sum(r.verify_s for r in v.rounds)
+        rows.append({
+            "config": v.name,
+            "num_steps": v.spec.num_steps, "topk": v.spec.topk, "num_draft_tokens": v.spec.num_draft_tokens,
+            "tok_per_s": tps,
+            "tok_per_s_rounds": v.tok_per_s(),
+            "accept_length": v.accept_length(),
+            "speedup": tps / base_tps if base_tps > 0 else 0.0,
+            "speedup_median_of_round_ratios": statistics.median(ratios) if ratios else 0.0,
+            "draft_share": draft_s / (draft_s + verify_s) if draft_s + verify_s > 0 else None,
+            "outputs_match_baseline": greedy_match,
+            "identical_outputs_fraction": identical,
+            "ceiling": v.ceiling,
+        })
+    real = [r for r in rows if not r["ceiling"]]
+    best = max(real, key=lambda r: r["speedup"]) if real else None
+    end = getattr(base, "rounds_end", None)
+    sampling = meta.pop("sampling")
+    return {
+        **meta,
+        "max_new_tokens": sampling.max_new_tokens,
+        "temperature": sampling.temperature,
+        "baseline": {"tok_per_s": base_tps, "tok_per_s_rounds": base.tok_per_s(),
+                     "completion_tokens": base.rounds[0].completion_tokens if base.rounds else 0,
+                     **({"tok_per_s_end": statistics.median(
+                         [r.completion_tokens / r.seconds for r in end if r.seconds > 0])} if end else {})},
+        "configs": rows,
+        "best": best,
+        "speculation_wins": bool(best and best["speedup"] > 1.0),
+        "verdict": verdict(best),
+    }
+
+
+def verdict(best: dict[str, Any] | None) -> str:
+    """One plain sentence: does speculation pay off, with which config."""
+    if best is None:
+        return "no speculative config was measured"
+    if best["speedup"] > 1.0:
+        return (f"speculation wins: best config {best['config']} runs {best['speedup']:.2f}x the baseline "
+                f"({best['tok_per_s']:.1f} tok/s, accept length {best['accept_length']:.2f})")
+    return (f"SPECULATION LOSES: even the best config {best['config']} runs at {best['speedup']:.2f}x the baseline "
+            f"(accept length {best['accept_length']:.2f}); serve without speculation, or train the drafter on more "
+            "target-regenerated data and re-run the benchmark")
+
+
+def report_markdown(report: dict[str, Any], title: str = "Speculative decoding benchmark") -> str:
+    """The report as a Markdown page (table per config, the best one, the verdict)."""
+    lines = [f"# {title}", ""]
+    kernel = f" ({report['linear_kernel']} linears)" if report.get("linear_kernel") else ""
+    lines.append(f"Engine `{report['engine']}`{kernel}, {report['num_prompts']} prompts, "
+                 f"batch size {report['batch_size']}, max_new_tokens {report['max_new_tokens']}, "
+                 f"temperature {report['temperature']}, "
+                 f"{report['repeats']} interleaved rounds (medians).")
+    lines.append("")
+    b = report["baseline"]
+    lines.append(f"Baseline (same engine, no drafter): **{b['tok_per_s']:.1f} tok/s**.")
+    if "tok_per_s_end" in b:
+        lines.append(f"Baseline re-run after the sweep: {b['tok_per_s_end']:.1f} tok/s (drift check).")
+    lines += ["", "| config (steps-topk-tokens) | tok/s | accept length | speedup | draft share | greedy == baseline |",
+              "|---|---|---|---|---|---|"]
+    for r in report["configs"]:
+        share = "" if r["draft_share"] is None else f"{100 * r['draft_share']:.0f}%"
+        match = {None: "n/a", True: "yes"}.get(r["outputs_match_baseline"],
+                                              f"**{100 * (r['identical_outputs_fraction'] or 0):.0f}% of prompts**")
+        mark = " **(best)**" if report["best"] and r["config"] == report["best"]["config"] else ""
+        if r.get("ceiling"):
+            match, mark = "n/a (every draft accepted)", " (bound)"
+        lines.append(f"| {r['config']}{mark} | {r['tok_per_s']:.1f} | {r['accept_length']:.2f} | "
+                     f"{r['speedup']:.2f}x | {share} | {match} |")
+    lines += ["", f"**Verdict:** {report['verdict']}", ""]
+    return "\n".join(lines)
+
+
+def plot_bench(report: dict[str, Any], path: str | Path) -> Path:
+    """PNG: tok/s per config against the baseline line, and speedup vs accept length."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = report["configs"]
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
+    names = [r["config"] for r in rows]
+    colors = ["tab:green" if r["speedup"] > 1 else "tab:red" for r in rows]
+    axes[0].bar(names, [r["tok_per_s"] for r in rows], color=colors)
+    axes[0].axhline(report["baseline"]["tok_per_s"], color="black", ls="--", label="baseline")
+    axes[0].set_ylabel("tokens / s")
+    axes[0].set_xlabel("num_steps-topk-num_draft_tokens")
+    axes[0].set_title(f"throughput ({report['engine']}, batch {report['batch_size']})")
+    axes[0].legend()
+    axes[1].scatter([r["accept_length"] for r in rows], [r["speedup"] for r in rows], c=colors)
+    for r in rows:
+        axes[1].annotate(r["config"], (r["accept_length"], r["speedup"]), fontsize=8)
+    axes[1].axhline(1.0, color="black", ls="--")
+    axes[1].set_xlabel("accept length")
+    axes[1].set_ylabel("speedup vs baseline")
+    axes[1].set_title("speedup vs accept length")
+    fig.tight_layout()
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out

@@ -1,0 +1,156 @@
+"""``eaglenest bench``: speculative decoding vs the plain baseline on the same engine, with a sweep.
+
+    eaglenest bench --target tiny --drafter out/train/export --prompts tests/fixtures/prompts/heldout.jsonl \\
+        --sweep 2-1-3,3-1-4,4-3-8 --output out/bench
+    eaglenest bench --config configs/demo.yaml            # target + bench sections (bench.drafter or serve.drafter)
+    eaglenest bench ... --engine sglang                   # same command shape on SGLang (GPU)
+
+Prints tok/s, accept length and speedup per config, the best config, and says plainly when speculation loses.
+Writes ``bench.json``, ``bench.md`` and ``bench.png`` into the output folder. ``--fail-if-slower`` exits 1 when no
+config beats the baseline (for scripts and CI).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", default=None, help="eaglenest YAML (target + bench sections); flags override it")
+    p.add_argument("--target", default=None, help="'tiny', a local HF model folder or a hub id")
+    p.add_argument("--drafter", default=None, help="drafter export folder")
+    p.add_argument("--prompts", default=None, help="JSONL of prompts ({'messages': [...], 'domain': ...})")
+    p.add_argument("--engine", choices=["hf", "sglang"], default=None, help="default: target.engine of the config")
+    p.add_argument("--sweep", default=None,
+                   help="comma-separated num_steps-topk-num_draft_tokens configs, e.g. 2-1-3,3-1-4,4-4-8")
+    p.add_argument("--num-prompts", type=int, default=None)
+    p.add_argument("--max-new-tokens", type=int, default=None)
+    p.add_argument("--repeats", type=int, default=None)
+    p.add_argument("--batch-size", default=None,
+                   help="batch size, or several comma-separated (e.g. 1,8: with SGLang each engine starts once and "
+                        "is measured at each; one report per batch size)")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--device", default=None, choices=["auto", "cpu", "cuda"])
+    p.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--output", default=None, help="folder for bench.json, bench.md and bench.png")
+    p.add_argument("--ceiling", action="store_true",
+                   help="SGLang: also run each config with every draft token accepted (SGLang's own "
+                        "SGLANG_SIMULATE_ACC_LEN): the speedup a perfect drafter of this shape would give")
+    p.add_argument("--no-drift-check", action="store_true",
+                   help="SGLang: skip the baseline's second run after the sweep (saves an engine start)")
+    p.add_argument("--fail-if-slower", action="store_true", help="exit 1 when speculation loses")
+
+
+def parse_sweep(text: str):
+    """``"3-1-4,5-4-8"`` -> SpecConfigs (validated: topk 1 needs steps + 1 tokens, budget fits the tree)."""
+    from eaglenest.config import SpecConfig
+
+    out = []
+    for item in text.split(","):
+        item = item.strip()
+        if not item:
+            continue
+        parts = item.split("-")
+        if len(parts) != 3 or not all(x.isdigit() for x in parts):
+            raise ValueError(f"sweep item {item!r} must be num_steps-topk-num_draft_tokens, e.g. 3-1-4")
+        s, k, n = (int(x) for x in parts)
+        out.append(SpecConfig(num_steps=s, topk=k, num_draft_tokens=n))
+    if not out:
+        raise ValueError("--sweep is empty; e.g. --sweep 3-1-4")
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    from pydantic import ValidationError
+
+    from eaglenest.config import load_config
+    from eaglenest.serve.bench import plot_bench, report_markdown, run_bench_batches
+    from eaglenest.speculative.evaluate import PromptFileError, load_prompts, prompt_ids
+
+    cfg = load_config(args.config)
+    tc, bc = cfg.target, cfg.bench
+    updates = {k: v for k, v in {"model": args.target, "device": args.device, "dtype": args.dtype,
+                                 "engine": args.engine}.items() if v is not None}
+    tc = tc.model_copy(update=updates)
+    drafter = args.drafter or cfg.resolve(bc.drafter) or cfg.resolve(cfg.serve.drafter)
+    prompts_path = args.prompts or cfg.resolve(bc.prompts)
+    if not drafter or not prompts_path:
+        print("eaglenest bench: give --drafter and --prompts (or bench.drafter / bench.prompts in --config)",
+              file=sys.stderr)
+        return 2
+    if not Path(drafter).is_dir():
+        print(f"eaglenest bench: drafter folder {drafter} does not exist", file=sys.stderr)
+        return 2
+    try:
+        sweep = parse_sweep(args.sweep) if args.sweep else list(bc.sweep)
+        records = load_prompts(prompts_path, args.num_prompts or bc.num_prompts)
+    except (ValueError, ValidationError, PromptFileError) as e:
+        print(f"eaglenest bench: {e}", file=sys.stderr)
+        return 2
+    try:
+        batch_sizes = parse_batch_sizes(args.batch_size) if args.batch_size else [bc.batch_size]
+    except ValueError as e:
+        print(f"eaglenest bench: {e}", file=sys.stderr)
+        return 2
+    common = {"max_new_tokens": args.max_new_tokens or bc.max_new_tokens, "repeats": args.repeats or bc.repeats,
+              "batch_sizes": batch_sizes, "temperature": args.temperature}
+    if tc.engine == "hf":
+        if args.ceiling:
+            print("eaglenest bench: --ceiling needs --engine sglang (it uses SGLang's acceptance simulation)",
+                  file=sys.stderr)
+            return 2
+        from eaglenest.engines.hf import HFEngine
+
+        engine = HFEngine.from_config(tc)
+        prompts = [prompt_ids(engine.tokenizer, r) for r in records]
+        reports = run_bench_batches(engine, drafter, prompts, sweep, engine="hf", **common)
+    else:
+        reports = _run_sglang(tc, drafter, records, sweep,
+                              {**common, "ceiling": args.ceiling, "drift_check": not args.no_drift_check})
+    out_dir = args.output or cfg.resolve(bc.output)
+    wins = True
+    for report in reports:
+        report.update({"target": tc.model, "drafter": str(drafter), "prompts": str(prompts_path)})
+        print(report_markdown(report))
+        if out_dir:
+            out = Path(out_dir)
+            out.mkdir(parents=True, exist_ok=True)
+            stem = "bench" if len(reports) == 1 else f"bench-bs{report['batch_size']}"
+            (out / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
+            (out / f"{stem}.md").write_text(report_markdown(report))
+            plot_bench(report, out / f"{stem}.png")
+            print(f"wrote {out / stem}.json, .md, .png")
+        if not report["speculation_wins"]:
+            print(f"batch {report['batch_size']}: {report['verdict']}", file=sys.stderr)
+            wins = False
+    if not wins and args.fail_if_slower:
+        return 1
+    return 0
+
+
+def parse_batch_sizes(text: str) -> list[int]:
+    """``"1,8"`` -> [1, 8]; every size a positive integer, no repeats."""
+    try:
+        sizes = [int(x) for x in str(text).split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--batch-size must be integers separated by commas (e.g. 1,8), got {text!r}") from None
+    if not sizes or min(sizes) < 1 or len(set(sizes)) != len(sizes):
+        raise ValueError(f"--batch-size must list distinct positive integers, got {text!r}")
+    return sizes
+
+
+def _run_sglang(tc, drafter, records, sweep, common):
+    """SGLang integration point: one checked ``SGLangEngine`` per variant (eaglenest.engines.sglang)."""
+    from eaglenest.engines.sglang import SGLangEngine
+    from eaglenest.serve.bench import run_bench_batches
+    from eaglenest.speculative.evaluate import prompt_ids
+
+    def factory(spec):
+        return SGLangEngine(tc) if spec is None else SGLangEngine.speculative(tc, str(drafter), spec)
+
+    probe = SGLangEngine(tc)  # tokenizer + chat template only; the engine itself starts lazily
+    prompts = [prompt_ids(probe.tokenizer, r) for r in records]
+    return run_bench_batches(None, drafter, prompts, sweep, engine="sglang", sglang_factory=factory, **common)
