@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from eaglenest import layers
+from eaglenest.contracts import layers
 from eaglenest.config import EaglenestConfig, SpecConfig, load_config
 
 REPO = Path(__file__).resolve().parents[1]
