@@ -50,6 +50,9 @@ RUNTIME_ENV = {"excludes": [".venv", ".git", ".work", "demo-work", ".gpu", ".whl
 SPEC = {"num_steps": 3, "topk": 1, "num_draft_tokens": 4}
 MAX_NEW_TOKENS = int(os.environ.get("E2E_MAX_NEW_TOKENS", "160" if MODE == "gpu" else "24"))
 REGEN_ACTORS = int(os.environ.get("E2E_REGEN_ACTORS", "1"))
+TRAIN_PROMPTS = int(os.environ.get("E2E_TRAIN_PROMPTS", "3200" if MODE == "gpu" else "24"))
+TTT_STEPS = int(os.environ.get("E2E_TTT_STEPS", "4" if MODE == "gpu" else "3"))
+"""The served chain drafts 3 tokens (3-1-4), so TTT unrolls 4 steps: steps the engine never drafts cost time only."""
 TRAIN_WORKERS = int(os.environ.get("E2E_TRAIN_WORKERS", "1"))
 
 TINY_STANDIN = {  # CPU smoke shape: same code path, seconds instead of minutes
@@ -119,12 +122,13 @@ def step_standin() -> dict[str, Any]:
     dump = os.environ.get("E2E_SHAREGPT") or str(WORK / "data" / "ShareGPT_V3_unfiltered_cleaned_split.json")
     cmd = [sys.executable, "-m", "eaglenest.cli", "standin-target", str(STANDIN), "--sharegpt", dump,
            "--device", "cuda" if gpu() else "cpu"]
+    cmd += ["--train-prompts", str(TRAIN_PROMPTS)]
     if gpu():
         if os.environ.get("E2E_PRETRAIN_STEPS"):
             cmd += ["--steps", os.environ["E2E_PRETRAIN_STEPS"]]
         cmd += ["--max-seconds", os.environ.get("E2E_PRETRAIN_MAX_S", "330")]
     else:
-        cmd += ["--spec-json", json.dumps(TINY_STANDIN), "--train-prompts", "24", "--heldout-prompts", "8"]
+        cmd += ["--spec-json", json.dumps(TINY_STANDIN), "--heldout-prompts", "8"]
     res = sh(cmd, timeout=1200, log_name="standin", check=True)
     report = json.loads((STANDIN / "standin.json").read_text())
     report["log_tail"] = res.stdout[-1500:]
@@ -154,10 +158,10 @@ def write_configs() -> dict[str, Any]:
         },
         "train": {
             "drafter": {"draft_vocab_size": 32000 if gpu() else 256},
-            "ttt_steps": 7 if gpu() else 3,
+            "ttt_steps": TTT_STEPS,
             "batch_size": 8 if gpu() else 4,
             "max_seq_len": 512 if gpu() else 128,
-            "epochs": int(os.environ.get("E2E_EPOCHS", "2" if gpu() else "2")),
+            "epochs": int(os.environ.get("E2E_EPOCHS", "3" if gpu() else "2")),
             "learning_rate": 5e-4 if gpu() else 1e-3,
             "warmup_ratio": 0.03,
             "eval_fraction": 0.05,

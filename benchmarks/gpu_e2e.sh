@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The whole eaglenest loop on the lent H200, through eaglenest's own CLI on Ray and SGLang, on a stand-in target that
 # is a real language model (docs/GPU_STANDIN.md): ShareGPT dump -> pre-train + grow the stand-in -> `ray start` ->
-# `ray job submit -- eaglenest regen` (SGLang, 2,048 real prompts, answers regenerated, hidden states captured) ->
+# `ray job submit -- eaglenest regen` (SGLang, 3,200 real prompts, answers regenerated, hidden states captured) ->
 # `eaglenest train` (Ray Train, GPU, as a Ray job) -> `eaglenest preflight` -> `eaglenest bench` (SGLang, CUDA graphs
 # on, baseline vs EAGLE3 3-1-4 at batch 1 and 8 on held-out prompts) -> `ray job submit -- eaglenest serve` + the
 # official openai client -> the seed's bug (the same drafter through raw SGLang under EAGLE). Plus two references:
@@ -17,7 +17,7 @@
 #   call 1: carry [".gpu/c1", ".gpu/c2", ".gpu/bin", ".whl"]  command: bash benchmarks/gpu_e2e.sh --phase1
 #   call 2: carry [".gpu/r1"]                                  command: bash benchmarks/gpu_e2e.sh --phase2
 # (If the runner is still going when call 2 ends, another `--phase2` call collects the rest.)
-# Knobs: E2E_PRETRAIN_STEPS, E2E_EPOCHS, E2E_MAX_NEW_TOKENS; E2E_REGEN_ACTORS=2 E2E_TRAIN_WORKERS=2 E2E_NUM_GPUS=2 on
+# Knobs: E2E_PRETRAIN_STEPS, E2E_TRAIN_PROMPTS, E2E_EPOCHS, E2E_TTT_STEPS, E2E_MAX_NEW_TOKENS; E2E_REGEN_ACTORS=2 E2E_TRAIN_WORKERS=2 E2E_NUM_GPUS=2 on
 # a 2-GPU machine (regen data parallel, DDP training).
 set -uo pipefail
 ROOT=${E2E_ROOT:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)}  # the runner runs from a copy: E2E_ROOT
