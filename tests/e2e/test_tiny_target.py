@@ -69,7 +69,7 @@ def test_hash_tool_reads_the_spec_without_pydantic():
     code = ("import runpy, sys; sys.modules['pydantic'] = None; sys.argv = ['t', '--spec-only']; "
             "runpy.run_path('tools/tiny_target_hash.py', run_name='__main__')")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                          cwd=Path(__file__).resolve().parents[1])
+                          cwd=Path(__file__).resolve().parents[2])
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout) == TinyTargetSpec().model_dump()
 

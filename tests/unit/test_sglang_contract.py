@@ -18,7 +18,7 @@ import pytest
 if os.environ.get("EAGLENEST_SGLANG_CONTRACT") != "1":
     pytest.skip("sglang contract tests run inside .ci/sglang_contract.sh's venv", allow_module_level=True)
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: sglang_shims
 import sglang_shims  # noqa: E402
 
 sglang_shims.install()
@@ -194,7 +194,7 @@ def test_every_listed_internal_exists_with_the_signature_we_call() -> None:
 
 def test_gpu_check_settings_are_valid_sglang_args(folders: tuple[Path, Path]) -> None:
     """Every engine setting benchmarks/gpu_sglang.py launches with is a ServerArgs field sglang 0.5.14 accepts."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
     import gpu_sglang
 
     target, drafter = folders

@@ -12,7 +12,7 @@ import jsonschema
 import pytest
 import yaml
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CLUSTER = REPO / "cluster.yaml"
 SERVE_DEPLOY = REPO / "configs" / "serve-deploy.yaml"
 
