@@ -9,7 +9,7 @@ export RAY_AUTH_MODE := disabled
 export RAY_USAGE_STATS_ENABLED := 0
 export PYTHONUNBUFFERED := 1
 
-.PHONY: install demo test lint fmt clean
+.PHONY: install demo test test-unit test-component test-e2e lint fmt clean
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -26,8 +26,19 @@ demo: install
 lint: install
 	$(VENV)/bin/ruff check .
 
+# Everything (tests/unit, tests/component, tests/e2e): the README's test command and what CI runs.
 test: install lint
 	$(VENV)/bin/pytest $(PYTEST_ARGS)
+
+# The inner loop: no Ray, no tiny target, no subprocess (< 90 s on 2 cores).
+test-unit: install
+	$(VENV)/bin/pytest tests/unit $(PYTEST_ARGS)
+
+test-component: install
+	$(VENV)/bin/pytest tests/component $(PYTEST_ARGS)
+
+test-e2e: install
+	$(VENV)/bin/pytest tests/e2e $(PYTEST_ARGS)
 
 fmt: install
 	$(VENV)/bin/ruff check --fix .

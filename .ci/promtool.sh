@@ -4,7 +4,7 @@
 #   promtool check config monitoring/prometheus.yml   (scrape config + the rule files it loads)
 #   promtool test rules monitoring/alerts_test.yml    (every alert fires on broken series, stays silent on healthy)
 # Installs Debian's `prometheus` package (which ships promtool) when promtool is missing. Run from anywhere.
-# `bash .ci/promtool.sh install-only` only makes sure promtool is installed (tests/test_monitoring.py runs the checks).
+# `bash .ci/promtool.sh install-only` only makes sure promtool is installed (tests/e2e/test_monitoring.py runs the checks).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 

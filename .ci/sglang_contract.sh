@@ -3,7 +3,7 @@
 #
 # Called by .ci/run as:   bash .ci/sglang_contract.sh
 # It builds (once, then reuses) a separate venv with sglang==0.5.14 --no-deps, the local CPU torch 2.13 wheel and the
-# few packages sglang's ServerArgs / ModelConfig import, then runs tests/test_sglang_contract.py inside it.
+# few packages sglang's ServerArgs / ModelConfig import, then runs tests/unit/test_sglang_contract.py inside it.
 # sglang never enters the main venv. Wheels are cached under ~/.cache/pip, so a rebuild is quick.
 #   SGLANG_CONTRACT_VENV   where the venv lives (default /tmp/eaglenest-sglang-venv)
 #   SGLANG_CONTRACT_REBUILD=1   rebuild it from scratch
@@ -54,4 +54,4 @@ fi
 cd "$ROOT"
 # eaglenest is imported from the source tree (PYTHONPATH), not installed: the venv holds no Ray.
 PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" EAGLENEST_SGLANG_CONTRACT=1 \
-  "$VENV/bin/python" -m pytest -q -p no:cacheprovider tests/test_sglang_contract.py "$@"
+  "$VENV/bin/python" -m pytest -q -p no:cacheprovider tests/unit/test_sglang_contract.py "$@"

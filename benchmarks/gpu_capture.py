@@ -1,8 +1,8 @@
 """Capture check on CUDA in bf16: a randomly initialised ~1B-parameter Llama built on the spot.
 
-Same assertions as tests/test_engine_hf.py (capture == transformers' own output_hidden_states at the physical ids,
-final normed state reproduces the logits, batched == one at a time, out-of-range ids refused), at a size where bf16
-kernels and batching differ from the CPU path. Needs only torch + transformers (no Ray):
+Same assertions as tests/component/test_engine_hf.py (capture == transformers' own output_hidden_states at the
+physical ids, final normed state reproduces the logits, batched == one at a time, out-of-range ids refused), at a size
+where bf16 kernels and batching differ from the CPU path. Needs only torch + transformers (no Ray):
 
     python benchmarks/gpu_capture.py --device cuda --json $OUT/gpu_capture.json
 """

@@ -4,7 +4,7 @@
 
 Prints the CPU model and ISA flags, the torch / transformers / tokenizers versions, the digest of the token ids the
 pre-training reads (the BPE tokenizer's part) and ``weights_digest`` of the built model, and compares both with
-the digests tests/test_tiny_target.py pins; exit status 0 when both match. CUDA is hidden (the build is CPU-only).
+the digests tests/e2e/test_tiny_target.py pins; exit status 0 when both match. CUDA is hidden (the build is CPU-only).
 eaglenest's config needs pydantic; where it is missing, a stand-in just big enough to read the spec's defaults is used.
 """
 
@@ -82,8 +82,8 @@ def cpu_facts() -> tuple[str, list[str]]:
 
 
 def pinned(name: str) -> str | None:
-    """A digest that tests/test_tiny_target.py pins."""
-    m = re.search(rf'^{name} = "([0-9a-f]+)"', (REPO / "tests/test_tiny_target.py").read_text(), re.M)
+    """A digest that tests/e2e/test_tiny_target.py pins."""
+    m = re.search(rf'^{name} = "([0-9a-f]+)"', (REPO / "tests/e2e/test_tiny_target.py").read_text(), re.M)
     return m.group(1) if m else None
 
 

@@ -20,7 +20,7 @@ from eaglenest.engines import render_chat_text
 from eaglenest.regen.adapters import normalize_record, template_messages
 from eaglenest.regen.output import quarantine_files
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 FIX = REPO / "tests" / "fixtures" / "sources"
 EXPECTED = json.loads((FIX / "expected.json").read_text())
 SOURCES = yaml.safe_load((FIX / "sources.yaml").read_text())["sources"]

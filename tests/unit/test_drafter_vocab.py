@@ -1,13 +1,13 @@
-"""Draft vocab mapping, manifest checks and shard collation (no Ray)."""
+"""Draft vocab mapping, vocab persistence, shard collation and the eval split (no Ray, no target; the manifest
+check against the tiny target is tests/component/test_drafter_manifest_check.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from eaglenest.contracts.shards import Manifest, tensor_to_bytes
-from eaglenest.drafter.data import DataMismatchError, check_manifest, collate, is_eval_sample
-from eaglenest.drafter.target import read_target_facts
+from eaglenest.contracts.shards import tensor_to_bytes
+from eaglenest.drafter.data import collate, is_eval_sample
 from eaglenest.drafter.train import prepare_vocab
 from eaglenest.drafter.vocab import VocabMapping, build_vocab_mapping, count_tokens
 
@@ -56,28 +56,6 @@ def test_vocab_is_never_rebuilt(tmp_path, monkeypatch) -> None:
     assert not built and again.fingerprint() == m.fingerprint()
     with pytest.raises(ValueError, match="never rebuilt"):
         prepare_vocab(tmp_path, [], 4, 3, 0.1, 0)
-
-
-def _manifest(**kw) -> Manifest:
-    base = dict(target="t", num_layers=8, hidden_size=128, vocab_size=980, aux_layer_ids=[2, 4, 5],
-                dtype="bfloat16", engine="hf", engine_version="x", num_samples=3)
-    base.update(kw)
-    return Manifest(**base)
-
-
-def test_manifest_check_refuses_mismatches(tiny_target_path) -> None:
-    facts = read_target_facts(tiny_target_path)
-    check_manifest(_manifest(vocab_size=facts.vocab_size), facts)
-    with pytest.raises(DataMismatchError, match="hidden_size: shards 256, target 128"):
-        check_manifest(_manifest(vocab_size=facts.vocab_size, hidden_size=256), facts)
-    with pytest.raises(DataMismatchError, match="vocab_size"):
-        check_manifest(_manifest(vocab_size=facts.vocab_size + 1), facts)
-    with pytest.raises(DataMismatchError, match="num_layers"):
-        check_manifest(_manifest(vocab_size=facts.vocab_size, num_layers=61), facts)
-    with pytest.raises(DataMismatchError, match="out of range"):
-        check_manifest(_manifest(vocab_size=facts.vocab_size, aux_layer_ids=[2, 4, 8]), facts)
-    with pytest.raises(DataMismatchError, match=r"captured at physical layers \[2, 4, 5\], the config asks for"):
-        check_manifest(_manifest(vocab_size=facts.vocab_size), facts, aux_layer_ids=[1, 3, 4])
 
 
 def test_collate_right_pads_and_truncates() -> None:

@@ -19,7 +19,7 @@ from eaglenest.contracts.shards import (
     tensor_to_bytes,
 )
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_fp8_blob_round_trip_per_state_scales():

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from eaglenest.contracts import layers
 from eaglenest.config import EaglenestConfig, SpecConfig, load_config
+from eaglenest.contracts import layers
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 KIMI = REPO / "configs" / "kimi-k25.yaml"
 
 

@@ -18,7 +18,7 @@ import pytest
 if os.environ.get("EAGLENEST_SGLANG_CONTRACT") != "1":
     pytest.skip("sglang contract tests run inside .ci/sglang_contract.sh's venv", allow_module_level=True)
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: sglang_shims
 import sglang_shims  # noqa: E402
 
 sglang_shims.install()
@@ -152,8 +152,12 @@ def test_first_id_rule_table_matches_sglang_sources() -> None:
 
     import sglang.srt.models.deepseek_v2 as ds
 
-    rule_src = inspect.getsource(ds.DeepseekV2ForCausalLM.set_eagle3_layers_to_capture)
-    assert "layer_ids[0] == 1" in rule_src
+    # the rule itself, run: DeepseekV2's own hook shifts the ids only when the first is 1 (Llama's always shifts)
+    for ids, shifted in (([1, 3, 4], True), ([2, 30, 58], False), ([0, 3, 5], False)):
+        fake = _fake_model(61)
+        ds.DeepseekV2ForCausalLM.set_eagle3_layers_to_capture(fake, ids)
+        assert list(fake.model.layers_to_capture) == ([i + 1 for i in ids] if shifted else ids)
+        assert list(fake.model.layers_to_capture) == sglang_captured_layers(ids, 61, deepseek_family=True)
     for arch, module in [("GlmMoeDsaForCausalLM", "glm4_moe"), ("MistralLarge3ForCausalLM", "mistral_large_3")]:
         assert arch in FIRST_ID_RULE_ARCHS
         try:
@@ -194,7 +198,7 @@ def test_every_listed_internal_exists_with_the_signature_we_call() -> None:
 
 def test_gpu_check_settings_are_valid_sglang_args(folders: tuple[Path, Path]) -> None:
     """Every engine setting benchmarks/gpu_sglang.py launches with is a ServerArgs field sglang 0.5.14 accepts."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
     import gpu_sglang
 
     target, drafter = folders

@@ -51,15 +51,18 @@ def test_digests_are_pinned(tiny_target_path, tiny_engine):
 def test_cli_rebuild_on_other_kernels_is_bit_identical(tmp_path, tiny_target_path):
     """A second build (through the CLI, in a fresh process, on other CPU kernels) reproduces the cache byte for byte.
 
-    The kernels stand in for another CPU type: the float32 builder of issue #16 gave different weights here.
+    The kernels stand in for another CPU type: the float32 builder of issue #16 gave different weights here. The
+    build goes into a fresh temporary folder, never the shared cache (which CI keeps between runs), so this is the
+    test that proves the build deterministic from scratch: its digest is the pinned one.
     """
-    from eaglenest.engines.tiny import spec_key
+    from eaglenest.engines.tiny import spec_key, weights_digest
 
     assert tiny_target_path.name.endswith(spec_key(TinyTargetSpec()))
     out = tmp_path / "cli"
     proc = subprocess.run([sys.executable, "-m", "eaglenest.cli", "tiny-target", str(out)], capture_output=True,
                           text=True, timeout=900, env={**os.environ, **_other_kernels()})
     assert proc.returncode == 0, proc.stderr
+    assert weights_digest(out) == TINY_WEIGHTS_SHA256
     assert _digest(out) == _digest(tiny_target_path)
     assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= set(_digest(out))
 
@@ -69,7 +72,7 @@ def test_hash_tool_reads_the_spec_without_pydantic():
     code = ("import runpy, sys; sys.modules['pydantic'] = None; sys.argv = ['t', '--spec-only']; "
             "runpy.run_path('tools/tiny_target_hash.py', run_name='__main__')")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                          cwd=Path(__file__).resolve().parents[1])
+                          cwd=Path(__file__).resolve().parents[2])
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout) == TinyTargetSpec().model_dump()
 

@@ -12,7 +12,7 @@ import jsonschema
 import pytest
 import yaml
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CLUSTER = REPO / "cluster.yaml"
 SERVE_DEPLOY = REPO / "configs" / "serve-deploy.yaml"
 
@@ -86,9 +86,19 @@ def test_metrics_port_fixed_and_dashboard_on_loopback(prepared):
     assert prepared["file_mounts"].get("/home/ray/.ray/auth_token") == "~/.ray/auth_token"
 
 
-def test_no_value_binds_all_interfaces():
-    values = "\n".join(line.split("#", 1)[0] for line in CLUSTER.read_text().splitlines())
-    assert "0.0.0.0" not in values
+def _scalars(node) -> list[str]:
+    """Every key and value of a parsed YAML document, as text (commands included, comments not)."""
+    if isinstance(node, dict):
+        return [str(k) for k in node] + [s for v in node.values() for s in _scalars(v)]
+    if isinstance(node, list):
+        return [s for v in node for s in _scalars(v)]
+    return [str(node)]
+
+
+def test_no_value_binds_all_interfaces(raw):
+    values = _scalars(raw)
+    assert any("--dashboard-host" in v for v in values), "the walk reaches the head's start command"
+    assert not [v for v in values if "0.0.0.0" in v]
 
 
 def test_every_node_installs_eaglenest_with_gpu_extra(prepared):

@@ -20,7 +20,7 @@ from eaglenest.drafter.export import SIDECAR, WEIGHTS, expected_shapes, hf_confi
 from eaglenest.drafter.model import DrafterModelConfig
 from eaglenest.serve.preflight import TargetSummary, run_preflight
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _kimi_target(folder: Path) -> Path:

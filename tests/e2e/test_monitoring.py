@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 MON = REPO / "monitoring"
 ALERTS = MON / "alerts.yml"
 ALERTS_TEST = MON / "alerts_test.yml"

@@ -17,18 +17,15 @@ from collections import Counter
 from pathlib import Path
 
 import pyarrow.parquet as pq
-import pytest
 import yaml
 
 from eaglenest.contracts.shards import read_manifest, shard_files
 from eaglenest.regen.adapters import Deduplicator, normalize_record
 from eaglenest.regen.output import quarantine_files
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 FIX = REPO / "tests" / "fixtures" / "sources"
 EAGLENEST = Path(sys.executable).with_name("eaglenest")
-
-pytestmark = pytest.mark.slow
 
 
 def input_outcomes() -> dict[str, str]:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 RUNTIME_ENV = {"excludes": [".venv", ".git", ".work", "demo-work", ".gpu", ".whl", "out"]}
 
@@ -103,7 +103,6 @@ def ray_head() -> Iterator[Head]:
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
-@pytest.mark.slow
 def test_ray_job_submit_regen_then_train(ray_head, tmp_path):
     out = tmp_path / "regen-out"
     submit = ray_head.submit("eaglenest-regen-test", "eaglenest", "regen", "--config", "configs/demo.yaml",
@@ -124,7 +123,6 @@ def test_ray_job_submit_regen_then_train(ray_head, tmp_path):
     assert (train_out / "export" / "config.json").is_file(), ray_head.logs("eaglenest-train-test")[-3000:]
 
 
-@pytest.mark.slow
 def test_ray_job_submit_serve_attaches_to_the_cluster(ray_head):
     """`eaglenest serve` as a job: attaches (no driver-only options), serves the official client, stops cleanly."""
     from openai import OpenAI

@@ -11,7 +11,7 @@ import yaml
 from eaglenest.cli import main as cli_main
 from eaglenest.sizing import SizingInputs, SourceCount, count_source, hidden_bytes_per_token, plan
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_bytes_per_token_per_mode():

@@ -20,7 +20,7 @@ import yaml
 
 from eaglenest.config import EaglenestConfig
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _free_port() -> int:

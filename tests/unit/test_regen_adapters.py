@@ -1,5 +1,6 @@
 """regen adapters: every fixture format normalizes, every malformed row gets its specific reason, ids are stable
-content hashes, duplicates are counted, the length filter uses the target's tokens."""
+content hashes, duplicates are counted (the length filter, which needs the target's tokenizer:
+tests/component/test_regen_length_filter.py)."""
 
 from __future__ import annotations
 
@@ -14,18 +15,14 @@ from eaglenest.regen.adapters import (
     NORMALIZED_SCHEMA,
     OK,
     REASONS,
-    TOO_LONG,
-    TOO_SHORT,
     Conversation,
     Deduplicator,
     conversation_id,
-    conversation_tokens,
-    length_problem,
     normalize_record,
     normalize_records,
 )
 
-FIX = Path(__file__).resolve().parent / "fixtures" / "sources"
+FIX = Path(__file__).resolve().parents[1] / "fixtures" / "sources"
 EXPECTED = json.loads((FIX / "expected.json").read_text())
 SOURCES = yaml.safe_load((FIX / "sources.yaml").read_text())["sources"]
 # outcomes decided after normalization: by the engine stage (target tokens), the deduplication, the cap
@@ -143,15 +140,3 @@ def test_bad_records_are_quarantined_never_raised(record):
     for adapter in ("sharegpt", "openai", "alpaca", "problem_solution", "tool_use", "native"):
         row = normalize_record(record, adapter, source="s", domain="chat")
         assert row["status"] in REASONS and row["detail"], (adapter, record, row)
-
-
-def test_length_filter_counts_target_tokens(tiny_target_path):
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(tiny_target_path)
-    short = [{"role": "user", "content": "What is 2 plus 2?"}, {"role": "assistant", "content": "4."}]
-    n = conversation_tokens(tok, short, None)
-    assert n == len(tok.encode(tok.apply_chat_template(short, tokenize=False), add_special_tokens=False))
-    assert length_problem(n, 1, n) is None
-    assert length_problem(n, 1, n - 1)[0] == TOO_LONG
-    assert length_problem(n, n + 1, 10_000)[0] == TOO_SHORT

@@ -388,7 +388,7 @@ def test_every_serve_metric_the_monitoring_uses_is_emitted():
 
     from eaglenest.serve.metrics import METRIC_NAMES
 
-    root = Path(__file__).resolve().parents[1] / "monitoring"
+    root = Path(__file__).resolve().parents[2] / "monitoring"
     used = set()
     for f in list(root.glob("*.yml")) + list(root.glob("*.json")):
         used |= set(re.findall(r"ray_(eaglenest_serve_[a-z_]+)", f.read_text()))

@@ -18,7 +18,7 @@ from eaglenest.engines.hf import HFEngine
 from eaglenest.regen.adapters import OK, conversation_tokens, normalize_record, template_messages
 from eaglenest.regen.regenerate import Quarantined, Regenerated, Regenerator, Sample
 
-FIX = Path(__file__).resolve().parent / "fixtures" / "sources"
+FIX = Path(__file__).resolve().parents[1] / "fixtures" / "sources"
 SOURCES = {s["name"]: s for s in yaml.safe_load((FIX / "sources.yaml").read_text())["sources"]}
 GREEDY = SamplingParams(max_new_tokens=40)
 

@@ -70,7 +70,6 @@ def test_train_refuses_shards_from_another_target(tiny_shards, tmp_path) -> None
         train_drafter(cfg, bad, tmp_path / "out")
 
 
-@pytest.mark.slow
 def test_kill_mid_training_then_rerun_resumes(ray_session, tiny_shards, tmp_path) -> None:
     cfg = write_config(tmp_path / "train.yaml")
     out = tmp_path / "out"

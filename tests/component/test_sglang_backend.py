@@ -38,10 +38,10 @@ from eaglenest.engines.sglang_spec import (
     speculative_engine_kwargs,
 )
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: sglang_shims
 from sglang_shims.fixtures import export_eagle3_drafter, write_eagle3_drafter, write_target  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PHYS = default_aux_layer_ids(8)  # [2, 4, 5]
 
 
