@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from eaglenest.config import SpecConfig
+from eaglenest.contracts.metrics import accept_length
 from eaglenest.engines.base import SamplingParams
 
 BASELINE = "baseline"
@@ -68,7 +69,7 @@ class VariantStats:
     def accept_length(self) -> float:
         steps = sum(r.verify_steps for r in self.rounds)
         acc = sum(r.accepted for r in self.rounds)
-        return 1.0 + acc / steps if steps else 1.0
+        return accept_length(steps, acc)
 
 
 # ------------------------------------------------------------------------------------------------------- runners

@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from eaglenest.contracts.metrics import accept_length
 from eaglenest.engines.base import Message, SamplingParams, TargetInfo, render_chat_ids
 
 log = logging.getLogger(__name__)
@@ -33,7 +34,7 @@ class SpecStats:
 
     @property
     def accept_length(self) -> float:
-        return 1.0 + self.accepted_tokens / self.verify_steps if self.verify_steps else 1.0
+        return accept_length(self.verify_steps, self.accepted_tokens)
 
     def __add__(self, other: SpecStats) -> SpecStats:
         return SpecStats(self.verify_steps + other.verify_steps, self.draft_tokens + other.draft_tokens,

@@ -57,6 +57,7 @@ from typing import Any
 import torch
 
 from eaglenest.config import SpecConfig
+from eaglenest.contracts.metrics import accept_length
 from eaglenest.drafter.model import Eagle3Drafter
 from eaglenest.engines.base import SamplingParams
 from eaglenest.engines.hf_compat import cache_kwargs, new_dynamic_cache
@@ -86,9 +87,7 @@ class SpecResult:
     @property
     def accept_length(self) -> float:
         """Tokens per target verify forward, bonus included (1.0 = nothing accepted)."""
-        if not self.accepted_per_step:
-            return 1.0
-        return 1.0 + sum(self.accepted_per_step) / len(self.accepted_per_step)
+        return accept_length(len(self.accepted_per_step), sum(self.accepted_per_step))
 
     @property
     def completion_tokens(self) -> int:
