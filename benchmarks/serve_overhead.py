@@ -184,9 +184,9 @@ def main(argv: list[str] | None = None) -> int:
     import yaml
 
     from eaglenest.config import load_config
-    from eaglenest.serve.app import resolve_drafter
     from eaglenest.serve.backends import make_local_backend
     from eaglenest.serve.cli import start_serve, stop_serve
+    from eaglenest.serve.deployment import resolve_drafter
 
     overrides = {"serve.max_tokens_limit": max(args.max_tokens, 16), "serve.max_batch_size": max(args.levels)}
     for item in args.set:

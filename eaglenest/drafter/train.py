@@ -22,12 +22,6 @@ from typing import Any
 
 from eaglenest.config import EaglenestConfig
 
-METRIC_NAMES = {
-    "loss": "eaglenest_train_loss",
-    "acc0": "eaglenest_train_acc0",
-    "sim": "eaglenest_train_sim_accept_length",
-    "nonfinite": "eaglenest_train_loss_nonfinite_total",
-}
 MAX_CONSECUTIVE_NONFINITE = 20
 EVAL_CACHE_BYTES = 512 << 20
 TRAIN_CACHE_BYTES = 512 << 20
@@ -266,16 +260,10 @@ class _Reporter:
         self.start_step = 0
         if not enabled:
             return
-        from ray.util.metrics import Counter, Gauge
+        from eaglenest.drafter.metrics import TrainMetrics
 
-        tags = {"run": run_name}
-        self.g_loss = Gauge(METRIC_NAMES["loss"], "drafter TTT training loss (weighted over steps)", ("run",))
-        self.g_acc0 = Gauge(METRIC_NAMES["acc0"], "drafter step-0 top-1 agreement with the target", ("run",))
-        self.g_sim = Gauge(METRIC_NAMES["sim"], "simulated accept length 1 + sum_k prod_{j<=k} acc_j", ("run",))
-        self.c_nonfinite = Counter(METRIC_NAMES["nonfinite"], "training steps skipped for a non-finite loss",
-                                   ("run",))
-        for m in (self.g_loss, self.g_acc0, self.g_sim, self.c_nonfinite):
-            m.set_default_tags(tags)
+        m = TrainMetrics.create(run_name)
+        self.g_loss, self.g_acc0, self.g_sim, self.c_nonfinite = m.loss, m.acc0, m.sim_accept_length, m.nonfinite
 
     def truncate_after(self, step: int) -> None:
         """Drop records a killed run wrote past the checkpoint it resumes from (-1: a fresh start, drop all)."""

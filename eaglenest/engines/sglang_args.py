@@ -10,6 +10,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from eaglenest.config import SGLangEngineConfig
+from eaglenest.contracts.metrics import accept_length
 from eaglenest.engines.base import FinishReason, Generation, SamplingParams
 
 CAPTURE_MAX_SEQS = 256
@@ -221,8 +222,9 @@ def map_finish_reason(finish: Any) -> FinishReason:
 def spec_meta(meta_info: Mapping[str, Any]) -> dict[str, Any]:
     """Per-request speculative metrics from ``meta_info``; empty when the request ran without speculation.
 
-    ``accept_length`` = completion_tokens / spec_verify_ct (bonus token counted: 1.0 = no draft accepted), the same
-    definition as the reference decoder, recomputed here rather than trusted from ``spec_accept_length``.
+    ``accept_length`` = completion_tokens / spec_verify_ct (each verify step emits its accepted drafts plus the bonus
+    token, so completion - verify tokens were accepted drafts): :func:`eaglenest.contracts.metrics.accept_length`,
+    recomputed here rather than trusted from ``spec_accept_length``.
     """
     verify = int(meta_info.get("spec_verify_ct") or 0)
     if verify <= 0:
@@ -233,7 +235,7 @@ def spec_meta(meta_info: Mapping[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {
         "spec_verify_ct": verify,
         "completion_tokens": completion,
-        "accept_length": completion / verify,
+        "accept_length": accept_length(verify, completion - verify),
     }
     if "spec_accept_length" in meta_info:
         out["sglang_spec_accept_length"] = float(meta_info["spec_accept_length"])

@@ -24,14 +24,6 @@ from eaglenest.regen.adapters import (
     normalize_records,
 )
 
-METRIC_NAMES = (
-    "eaglenest_regen_samples_done",
-    "eaglenest_regen_samples_quarantined",
-    "eaglenest_regen_generated_tokens",
-    "eaglenest_regen_tokens_per_second",
-    "eaglenest_regen_eta_seconds",
-)
-
 _LAZY = {
     "Regenerator": "eaglenest.regen.regenerate",
     "Sample": "eaglenest.regen.regenerate",
@@ -39,6 +31,7 @@ _LAZY = {
     "Quarantined": "eaglenest.regen.regenerate",
     "TemplateFacts": "eaglenest.regen.regenerate",
     "run_regen": "eaglenest.regen.pipeline",
+    "METRIC_NAMES": "eaglenest.regen.progress",  # the names of eaglenest.contracts.metrics.REGEN
 }
 
 __all__ = [

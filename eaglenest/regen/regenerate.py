@@ -6,7 +6,7 @@ came out of the engine. That keeps the ids the target really conditioned on (re-
 merge tokens across turn boundaries differently). It needs an append-only chat template; every extension checks the
 prefix property, and a sample whose template rewrites earlier text is quarantined with the reason.
 
-Decisions (documented here, tested in tests/test_regen_regenerate.py):
+Decisions (documented here, tested in tests/component/test_regen_regenerate.py):
 
 - Loss mask = the tokens the target generated, including its end-of-turn token. Prompt segments (system, user and
   tool turns, template markup, generation prompts) are 0.

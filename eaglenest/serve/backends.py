@@ -1,10 +1,14 @@
 """Serving backends: a decoder running on one worker thread per replica, fed by a small batching scheduler.
 
-The HTTP layer never touches torch: it submits a :class:`Job` and receives :class:`DecodeEvent` s through a callback
-(called from the worker thread). Jobs with equal sampling settings share one *group*, a running batch that new
-requests join at the next step boundary (continuous batching, :mod:`serve.continuous`); the worker advances every
-group by one decoding step in turn, keeping the rows of all groups within ``max_batch``. When idle it waits a few
-milliseconds after the last arrival so that the requests of a burst are prefilled together.
+The HTTP layer never touches torch: it submits a :class:`~eaglenest.serve.jobs.Job` and receives
+:class:`~eaglenest.serve.jobs.DecodeEvent` s through a callback (called from the worker thread). ``make_backend``
+picks this in-process :class:`Backend` or :class:`~eaglenest.serve.process_backend.ProcessBackend` (the same
+scheduler in a child process, ``serve.decoder_process``).
+
+Jobs with equal sampling settings share one *group*, a running batch that new requests join at the next step
+boundary (continuous batching, :mod:`serve.continuous`); the worker advances every group by one decoding step in
+turn, keeping the rows of all groups within ``max_batch``. When idle it waits a few milliseconds after the last
+arrival so that the requests of a burst are prefilled together.
 
 Backends:
 
@@ -21,86 +25,14 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Hashable
 from typing import Any, Protocol
 
 from eaglenest.config import EaglenestConfig
-from eaglenest.engines.base import Message, SamplingParams, TargetEngine, TargetInfo, render_chat_ids
+from eaglenest.engines.base import SamplingParams, TargetEngine, TargetInfo
+from eaglenest.serve.jobs import BackendBase, DecodeEvent, Job, SpecStats
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class SpecStats:
-    """Speculation counts of one request (target verify forwards after the prefill, draft tokens proposed/accepted).
-
-    ``accept_length`` = mean over verify steps of (accepted + 1): tokens per target forward with the bonus token
-    counted, SGLang's definition; 1.0 means no draft token was ever accepted (and is what plain decoding reports).
-    """
-
-    verify_steps: int = 0
-    draft_tokens: int = 0
-    accepted_tokens: int = 0
-
-    @property
-    def accept_length(self) -> float:
-        return 1.0 + self.accepted_tokens / self.verify_steps if self.verify_steps else 1.0
-
-    def __add__(self, other: SpecStats) -> SpecStats:
-        return SpecStats(self.verify_steps + other.verify_steps, self.draft_tokens + other.draft_tokens,
-                         self.accepted_tokens + other.accepted_tokens)
-
-
-@dataclass
-class DecodeEvent:
-    """Newly committed tokens of one job; the last event of a job has ``finish_reason`` (or ``error``) set."""
-
-    token_ids: list[int]
-    finish_reason: str | None = None
-    stats: SpecStats | None = None
-    error: str | None = None
-    at: float = field(default_factory=time.perf_counter)
-    """when the decoder committed these tokens (perf_counter)"""
-    logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = None
-    """per token of ``token_ids`` when the request asked for logprobs: (id, logprob, top alternatives)"""
-
-    @property
-    def final(self) -> bool:
-        return self.finish_reason is not None or self.error is not None
-
-
-@dataclass
-class Job:
-    """One request inside the scheduler; ``emit`` is called from the worker thread."""
-
-    prompt_ids: list[int]
-    sampling: SamplingParams
-    emit_fn: Callable[[DecodeEvent], None]
-    cancelled: threading.Event = field(default_factory=threading.Event)
-    submitted_at: float = field(default_factory=time.perf_counter)
-    started_at: float | None = None
-    finished: bool = False
-    tokens: int = 0
-    on_cancel: Callable[[], None] | None = None
-    """set by a backend that must pass the cancellation on (the decoder process)"""
-
-    def cancel(self) -> None:
-        """The client went away: the decoder drops the row at its next step."""
-        self.cancelled.set()
-        if self.on_cancel is not None:
-            self.on_cancel()
-
-    def emit(self, ev: DecodeEvent) -> None:
-        if self.finished:
-            return
-        self.tokens += len(ev.token_ids)
-        if ev.final:
-            self.finished = True
-        try:
-            self.emit_fn(ev)
-        except Exception:  # a consumer that went away must not break the batch
-            log.debug("dropping an event for a consumer that is gone", exc_info=True)
 
 
 class Group(Protocol):
@@ -129,85 +61,6 @@ class Decoder(Protocol):
         ...
 
     def new_group(self, sampling: SamplingParams) -> Group: ...
-
-
-# ----------------------------------------------------------------------------------------------------- backend
-class BackendBase:
-    """What the HTTP layer uses: ``submit`` plus text helpers and blocking generation built on it."""
-
-    name: str
-    fatal: str | None
-
-    @property
-    def info(self) -> TargetInfo:
-        raise NotImplementedError
-
-    @property
-    def tokenizer(self) -> Any:
-        raise NotImplementedError
-
-    @property
-    def speculative(self) -> bool:
-        raise NotImplementedError
-
-    @property
-    def algorithm(self) -> str | None:
-        raise NotImplementedError
-
-    @property
-    def alive(self) -> bool:
-        raise NotImplementedError
-
-    def submit(self, job: Job) -> None:
-        raise NotImplementedError
-
-    def close(self, timeout: float = 10.0) -> None:
-        raise NotImplementedError
-
-    # ---- text
-    def render_chat(self, messages: Sequence[Message], tools: Sequence[dict] | None = None) -> list[int]:
-        """The target's chat template, rendered exactly as every engine renders it."""
-        return render_chat_ids(self.tokenizer, messages, tools=tools, add_generation_prompt=True)
-
-    def encode(self, text: str) -> list[int]:
-        """A raw completion prompt, tokenized as the tokenizer does by default (BOS where the model adds one)."""
-        return list(self.tokenizer.encode(text))
-
-    def decode(self, ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
-
-    # ---- blocking use (self-test, benchmarks)
-    def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams,
-                 timeout: float | None = None) -> tuple[list[int], str, SpecStats]:
-        """Blocking generation through the worker: (token ids, finish reason, stats)."""
-        return self.generate_many([prompt_ids], sampling, timeout)[0]
-
-    def generate_many(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams,
-                      timeout: float | None = None) -> list[tuple[list[int], str, SpecStats]]:
-        """Submit every prompt at once (they decode together) and wait for all of them."""
-        collected: list[list[DecodeEvent]] = [[] for _ in prompts]
-        done = [threading.Event() for _ in prompts]
-
-        def sink(i: int) -> Callable[[DecodeEvent], None]:
-            def put(ev: DecodeEvent) -> None:
-                collected[i].append(ev)
-                if ev.final:
-                    done[i].set()
-            return put
-
-        for i, p in enumerate(prompts):
-            self.submit(Job(list(p), sampling, sink(i)))
-        deadline = None if timeout is None else time.monotonic() + timeout
-        out = []
-        for i, d in enumerate(done):
-            if not d.wait(None if deadline is None else max(deadline - time.monotonic(), 0.0)):
-                raise TimeoutError(f"generation did not finish within {timeout} s")
-            last = collected[i][-1]
-            if last.error:
-                raise RuntimeError(last.error)
-            ids = [t for ev in collected[i] for t in ev.token_ids]
-            out.append((ids, str(last.finish_reason), last.stats or SpecStats(verify_steps=max(len(ids) - 1, 0))))
-        return out
 
 
 class Backend(BackendBase):
@@ -512,13 +365,13 @@ def make_backend(cfg: EaglenestConfig, drafter: str | None, *,
     """The configured backend, started; ``drafter`` None serves the plain target (baseline decoding).
 
     ``decoder_process`` (default ``serve.decoder_process``) puts the hf decoder in a child process
-    (:class:`eaglenest.serve.engine_process.ProcessBackend`); False keeps it on a thread of this process.
+    (:class:`eaglenest.serve.process_backend.ProcessBackend`); False keeps it on a thread of this process.
     """
     engine_kind = cfg.target.engine
     if decoder_process is None:
         decoder_process = cfg.serve.decoder_process
     if engine_kind == "hf" and decoder_process:
-        from eaglenest.serve.engine_process import ProcessBackend
+        from eaglenest.serve.process_backend import ProcessBackend
 
         return ProcessBackend(cfg, drafter)
     return make_local_backend(cfg, drafter)
@@ -552,7 +405,7 @@ def make_local_backend(cfg: EaglenestConfig, drafter: str | None, *,
 
 
 def _hf_decoder(engine: Any, drafter: str | None, cfg: EaglenestConfig) -> Decoder:
-    from eaglenest.speculative.decoder import BaselineDecoder, SpecDecoder
+    from eaglenest.speculative import BaselineDecoder, SpecDecoder
 
     spec = cfg.serve.spec
     if drafter is None:

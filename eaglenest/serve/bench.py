@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from eaglenest.config import SpecConfig
+from eaglenest.contracts.metrics import accept_length
 from eaglenest.engines.base import SamplingParams
 
 BASELINE = "baseline"
@@ -68,7 +69,7 @@ class VariantStats:
     def accept_length(self) -> float:
         steps = sum(r.verify_steps for r in self.rounds)
         acc = sum(r.accepted for r in self.rounds)
-        return 1.0 + acc / steps if steps else 1.0
+        return accept_length(steps, acc)
 
 
 # ------------------------------------------------------------------------------------------------------- runners
@@ -81,9 +82,9 @@ def hf_runner(decoder: Any, batch_size: int) -> Runner:
     def run(prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> _Run:
         toks, steps, acc, secs, ds, vs = [], 0, 0, 0.0, 0.0, 0.0
         for i in range(0, len(prompts), batch_size):
-            t0 = decoder._sync()
+            t0 = decoder.clock()
             res = decoder.generate(prompts[i:i + batch_size], sampling)
-            secs += decoder._sync() - t0
+            secs += decoder.clock() - t0
             for r in res:
                 toks.append(r.token_ids)
                 steps += r.draft_steps
@@ -197,7 +198,7 @@ def run_bench_batches(
 
 
 def _bench_hf(target, drafter, prompts, variants, sampling, repeats, batch_size, warmup, progress) -> None:
-    from eaglenest.speculative.decoder import BaselineDecoder, SpecDecoder
+    from eaglenest.speculative import BaselineDecoder, SpecDecoder
 
     if isinstance(drafter, (str, Path)):
         from eaglenest.drafter.export import load_drafter

@@ -74,7 +74,7 @@ def start_apps(apps: list[AppSpec], *, host: str = "127.0.0.1", port: int = 8000
     from ray.serve.api import RunTarget
 
     from eaglenest.runtime import init_ray
-    from eaglenest.serve.app import make_app
+    from eaglenest.serve.deployment import make_app
 
     if not ray.is_initialized():
         # Ray starts workers at nice 15 by default; a serving replica that loses the CPU to any other process on

@@ -1,8 +1,9 @@
 """Serve metrics through ``ray.util.metrics`` (exported by Ray's per-node metrics agent with a ``ray_`` prefix).
 
-The names are a contract with ``monitoring/alerts.yml`` and the Grafana dashboard; change them only together.
-Accept length counts the bonus token (1.0 = no draft token accepted: the drafter is bypassed); only requests that
-drafted (at least one verify step) are recorded.
+Names, types, help texts and buckets are the contract in :mod:`eaglenest.contracts.metrics` (shared with
+``monitoring/alerts.yml`` and the Grafana dashboard); this module only records values. Accept length counts the bonus
+token (1.0 = no draft token accepted: the drafter is bypassed); only requests that drafted (at least one verify step)
+are recorded.
 """
 
 from __future__ import annotations
@@ -11,23 +12,10 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-TTFT_BOUNDARIES = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
-ITL_BOUNDARIES = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5]
-ACCEPT_BOUNDARIES = [1.0, 1.05, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 8.0]
+from eaglenest.contracts import metrics as contract
+from eaglenest.contracts.metrics import ray_metric
 
-METRIC_NAMES = (
-    "eaglenest_serve_requests",
-    "eaglenest_serve_ttft_seconds",
-    "eaglenest_serve_inter_token_latency_seconds",
-    "eaglenest_serve_generated_tokens",
-    "eaglenest_serve_accept_length",
-    "eaglenest_serve_accept_length_current",
-    "eaglenest_serve_draft_tokens_proposed",
-    "eaglenest_serve_draft_tokens_accepted",
-    "eaglenest_serve_speedup_vs_baseline",
-    "eaglenest_serve_replica_healthy",
-    "eaglenest_serve_tokens_per_second",
-)
+METRIC_NAMES = tuple(m.name for m in contract.SERVE)
 
 
 @dataclass
@@ -56,39 +44,23 @@ class ServeMetrics:
     """All serve metrics of one process; ``smoothing`` weights the newest request in the tokens/s gauges."""
 
     def __init__(self, model: str, *, baseline_tokens_per_s: float | None = None, smoothing: float = 0.2) -> None:
-        from ray.util.metrics import Counter, Gauge, Histogram
-
         self.model = model
         self.tags = {"model": model}
         self.baseline = baseline_tokens_per_s
         self.smoothing = smoothing
         self._tps: float | None = None
         self._lock = threading.Lock()
-        m = ("model",)
-        self.requests = Counter("eaglenest_serve_requests", "HTTP requests by route and status code",
-                                tag_keys=("route", "status"))
-        self.ttft = Histogram("eaglenest_serve_ttft_seconds", "time from request arrival to the first generated token",
-                              boundaries=TTFT_BOUNDARIES, tag_keys=m)
-        self.itl = Histogram("eaglenest_serve_inter_token_latency_seconds",
-                             "mean time between output tokens of a request, after the first",
-                             boundaries=ITL_BOUNDARIES, tag_keys=m)
-        self.generated = Counter("eaglenest_serve_generated_tokens", "completion tokens generated", tag_keys=m)
-        self.accept = Histogram("eaglenest_serve_accept_length",
-                                "per-request accept length (tokens per target verify step, bonus token counted)",
-                                boundaries=ACCEPT_BOUNDARIES, tag_keys=m)
-        self.accept_current = Gauge("eaglenest_serve_accept_length_current",
-                                    "accept length of the latest finished request", tag_keys=m)
-        self.proposed = Counter("eaglenest_serve_draft_tokens_proposed", "draft tokens proposed to the target",
-                                tag_keys=m)
-        self.accepted = Counter("eaglenest_serve_draft_tokens_accepted", "draft tokens accepted by the target",
-                                tag_keys=m)
-        self.speedup = Gauge("eaglenest_serve_speedup_vs_baseline",
-                             "decode tokens/s per request over serve.baseline_tokens_per_s (the last benchmark)",
-                             tag_keys=m)
-        self.healthy = Gauge("eaglenest_serve_replica_healthy", "1 when the replica passed its self-test",
-                             tag_keys=m)
-        self.tps = Gauge("eaglenest_serve_tokens_per_second", "decode tokens/s per request (moving average)",
-                         tag_keys=m)
+        self.requests = ray_metric(contract.SERVE_REQUESTS)
+        self.ttft = ray_metric(contract.SERVE_TTFT)
+        self.itl = ray_metric(contract.SERVE_ITL)
+        self.generated = ray_metric(contract.SERVE_GENERATED_TOKENS)
+        self.accept = ray_metric(contract.SERVE_ACCEPT_LENGTH)
+        self.accept_current = ray_metric(contract.SERVE_ACCEPT_LENGTH_CURRENT)
+        self.proposed = ray_metric(contract.SERVE_DRAFT_PROPOSED)
+        self.accepted = ray_metric(contract.SERVE_DRAFT_ACCEPTED)
+        self.speedup = ray_metric(contract.SERVE_SPEEDUP)
+        self.healthy = ray_metric(contract.SERVE_HEALTHY)
+        self.tps = ray_metric(contract.SERVE_TOKENS_PER_SECOND)
 
         self._gauges: dict[int, tuple[Any, float]] = {}
         self._stop = threading.Event()

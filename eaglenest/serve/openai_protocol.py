@@ -1,5 +1,6 @@
 """OpenAI wire format: request models (type-checked only; value checks live in ``check_*`` with a named param),
-response and stream-chunk builders, and the error body.
+response, stream-chunk and error models (pydantic, next to the request models; the builders below fill them), and
+the value checks.
 
 Type problems (missing ``messages``, ``max_tokens: "ten"``) are schema errors (HTTP 422); values the server cannot
 honour (``temperature: -1``, ``n: 3``, an unknown argument) are bad parameters (HTTP 400), each naming the param.
@@ -56,9 +57,21 @@ class APIError(Exception):
         return None if self.retry_after is None else {"Retry-After": str(self.retry_after)}
 
 
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
+
+
 def error_body(status: int, message: str, *, param: str | None = None, code: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "invalid_request_error"), "param": param,
-                      "code": code}}
+    """OpenAI's error body ``{"error": {"message", "type", "param", "code"}}``, ``type`` from the status."""
+    return ErrorResponse(error=ErrorDetail(message=message, type=ERROR_TYPES.get(status, "invalid_request_error"),
+                                           param=param, code=code)).model_dump()
 
 
 # ----------------------------------------------------------------------------------------------------- requests
@@ -164,47 +177,99 @@ def now() -> int:
     return int(time.time())
 
 
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: dict[str, Any]
+    """``{"role": "assistant", "content", ...}`` plus ``reasoning_content`` / ``tool_calls`` when present"""
+    logprobs: dict[str, Any] | None = None
+    finish_reason: str
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChatChunkChoice(BaseModel):
+    index: int = 0
+    delta: dict[str, Any]
+    logprobs: dict[str, Any] | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: dict[str, Any] | None = None
+    finish_reason: str | None = None
+
+
+class Completion(BaseModel):
+    """A legacy completion, and (with ``finish_reason`` None until the last) each of its stream chunks."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
 def chat_response(rid: str, model: str, message: dict[str, Any], finish_reason: str, usage: Usage,
                   created: int | None = None, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
     """``message``: ``{"content"}`` plus ``reasoning_content`` / ``tool_calls`` when the output had them."""
-    return {
-        "id": rid, "object": "chat.completion", "created": created or now(), "model": model,
-        "choices": [{"index": 0, "message": {"role": "assistant", **message}, "logprobs": logprobs,
-                     "finish_reason": finish_reason}],
-        "usage": usage.model_dump(),
-    }
+    return ChatCompletion(id=rid, created=created or now(), model=model, usage=usage, choices=[ChatChoice(
+        message={"role": "assistant", **message}, logprobs=logprobs, finish_reason=finish_reason)]).model_dump()
 
 
 def completion_response(rid: str, model: str, text: str, finish_reason: str, usage: Usage,
                         created: int | None = None, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
-    return {
-        "id": rid, "object": "text_completion", "created": created or now(), "model": model,
-        "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}],
-        "usage": usage.model_dump(),
-    }
+    return Completion(id=rid, created=created or now(), model=model, usage=usage, choices=[CompletionChoice(
+        text=text, logprobs=logprobs, finish_reason=finish_reason)]).model_dump()
 
 
 def chat_chunk(rid: str, model: str, created: int, *, delta: dict[str, Any] | None = None,
                finish_reason: str | None = None, usage: Usage | None = None,
                logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
     """One ``chat.completion.chunk``; a usage-only chunk has ``choices: []`` (``stream_options.include_usage``)."""
-    choices = [] if delta is None else [{"index": 0, "delta": delta, "logprobs": logprobs,
-                                         "finish_reason": finish_reason}]
-    return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": choices,
-            "usage": usage.model_dump() if usage is not None else None}
+    choices = [] if delta is None else [ChatChunkChoice(delta=delta, logprobs=logprobs, finish_reason=finish_reason)]
+    return ChatCompletionChunk(id=rid, created=created, model=model, choices=choices, usage=usage).model_dump()
 
 
 def completion_chunk(rid: str, model: str, created: int, *, text: str | None = None,
                      finish_reason: str | None = None, usage: Usage | None = None,
                      logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
-    choices = [] if text is None else [{"index": 0, "text": text, "logprobs": logprobs,
-                                        "finish_reason": finish_reason}]
-    return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": choices,
-            "usage": usage.model_dump() if usage is not None else None}
+    choices = [] if text is None else [CompletionChoice(text=text, logprobs=logprobs, finish_reason=finish_reason)]
+    return Completion(id=rid, created=created, model=model, choices=choices, usage=usage).model_dump()
 
 
 def models_response(model: str, created: int, owned_by: str = "eaglenest") -> dict[str, Any]:
-    return {"object": "list", "data": [{"id": model, "object": "model", "created": created, "owned_by": owned_by}]}
+    return ModelList(data=[ModelCard(id=model, created=created, owned_by=owned_by)]).model_dump()
 
 
 class SamplingRequest(BaseModel):
@@ -356,6 +421,8 @@ def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
 __all__ = [
     "IGNORED_PARAMS", "APIError",
     "ChatCompletionRequest", "ChatMessage", "CompletionRequest", "SamplingRequest", "SpecUsage", "Usage",
+    "ChatChoice", "ChatChunkChoice", "ChatCompletion", "ChatCompletionChunk", "Completion", "CompletionChoice",
+    "ErrorDetail", "ErrorResponse", "ModelCard", "ModelList",
     "chat_chunk", "chat_messages", "chat_response", "check_sampling", "completion_chunk", "completion_response",
     "error_body", "models_response", "new_id", "validation_message",
 ]

@@ -78,6 +78,44 @@ def commit_block(cache: Any, start: int, index: torch.Tensor) -> None:
     apply_to_cache(cache, fn)
 
 
+def pad_slots(t: torch.Tensor, length: int) -> torch.Tensor:
+    """Right-pad the slot dimension (dim 2 of ``[B, h, L, d]``) with zeros up to ``length``."""
+    extra = length - t.shape[2]
+    return t if extra <= 0 else torch.nn.functional.pad(t, (0, 0, 0, extra))
+
+
+def pad_valid(v: torch.Tensor, length: int) -> torch.Tensor:
+    """Right-pad a validity mask ``[B, L]`` with False up to ``length`` slots."""
+    extra = length - v.shape[1]
+    return v if extra <= 0 else torch.nn.functional.pad(v, (0, extra), value=False)
+
+
+def merge_caches(a: Any, b: Any, length: int) -> Any:
+    """Stack cache ``b``'s rows under ``a``'s (both right-padded to ``length`` slots); returns ``a``, updated.
+
+    Exact because every slot carries a per-row validity flag and RoPE positions are per row: padding slots are
+    never attended to."""
+    if a is None or b is None:
+        if a is None and b is None:
+            return None
+        raise TypeError("cannot merge a batch with a cache into one without")
+    if isinstance(a, DrafterKVCache):
+        if a.k is None or b.k is None:
+            raise ValueError("cannot merge an empty drafter cache")
+        a.k = torch.cat([pad_slots(a.k, length), pad_slots(b.k, length)], dim=0)
+        a.v = torch.cat([pad_slots(a.v, length), pad_slots(b.v, length)], dim=0)
+        return a
+    layers_a, layers_b = getattr(a, "layers", None), getattr(b, "layers", None)
+    if layers_a is None or layers_b is None or len(layers_a) != len(layers_b):
+        raise TypeError(f"unsupported KV cache types {type(a).__name__} / {type(b).__name__}")
+    for la, lb in zip(layers_a, layers_b, strict=True):
+        if getattr(la, "is_sliding", False) or getattr(lb, "is_sliding", False):
+            raise NotImplementedError("sliding-window KV layers cannot be merged")
+        la.keys = torch.cat([pad_slots(la.keys, length), pad_slots(lb.keys, length)], dim=0)
+        la.values = torch.cat([pad_slots(la.values, length), pad_slots(lb.values, length)], dim=0)
+    return a
+
+
 def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Bool ``[B, S, L]`` (True = may attend) -> float ``[B, 1, S, L]`` with 0 / dtype-min (works for SDPA and eager).
 

@@ -2,7 +2,7 @@
 
 Public API::
 
-    from eaglenest.speculative.decoder import SpecDecoder, BaselineDecoder, SpecResult, StreamChunk
+    from eaglenest.speculative import SpecDecoder, BaselineDecoder, SpecResult, StreamChunk
     from eaglenest.config import SpecConfig
     from eaglenest.engines.base import SamplingParams
 
@@ -15,6 +15,15 @@ Public API::
         chunk.finished, chunk.finish_reason, chunk.result   # result: the SpecResult, on the last chunk
 
     base = BaselineDecoder(target_model, tokenizer)      # same interface, same loop, no drafter
+
+Incremental API (``generate``/``stream`` run on it; a continuous-batching server drives it directly, adding rows
+at step boundaries with :func:`eaglenest.speculative.batching.merge_batches`)::
+
+    rows = {7: DecodeRow(prompt=ids)}                     # the caller's table: row id -> DecodeRow
+    batch, chunks = dec.prefill(rows, sampling)            # first token of each row: [(row id, StreamChunk)]
+    while batch is not None:
+        chunks = dec.step(batch, rows, sampling, number)   # one draft -> verify -> commit of every row
+        batch = dec.drop_finished(batch, rows)             # finished (or ``rows[i].cancel()``-ed) rows leave
 
 ``drafter`` is an :class:`~drafter.model.Eagle3Drafter`, a :class:`~eaglenest.speculative.draft.DraftModel`
 (e.g. ``TargetSelfDraft``, ``RandomDraft``) or None (baseline). ``mode`` picks what feeds an Eagle3Drafter:
@@ -41,13 +50,14 @@ per-row slot validity (:mod:`eaglenest.speculative.cache`).
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from eaglenest.config import SpecConfig
+from eaglenest.contracts.metrics import accept_length
 from eaglenest.drafter.model import Eagle3Drafter
 from eaglenest.engines.base import SamplingParams
 from eaglenest.engines.hf_compat import cache_kwargs, new_dynamic_cache
@@ -77,9 +87,7 @@ class SpecResult:
     @property
     def accept_length(self) -> float:
         """Tokens per target verify forward, bonus included (1.0 = nothing accepted)."""
-        if not self.accepted_per_step:
-            return 1.0
-        return 1.0 + sum(self.accepted_per_step) / len(self.accepted_per_step)
+        return accept_length(len(self.accepted_per_step), sum(self.accepted_per_step))
 
     @property
     def completion_tokens(self) -> int:
@@ -118,7 +126,10 @@ class StreamChunk:
 
 
 @dataclass
-class _Row:
+class DecodeRow:
+    """One request's decoding state; a caller (``generate``, a continuous-batching scheduler) owns a table
+    ``{row id: DecodeRow}`` and passes it to :meth:`SpecDecoder.prefill` / :meth:`SpecDecoder.step`."""
+
     prompt: list[int]
     tokens: list[int] = field(default_factory=list)
     finish: str | None = None
@@ -131,10 +142,26 @@ class _Row:
     step_logprobs: list[TokenLogprob] | None = None
     """logprobs of the tokens the last forward proposed for this row (cut to what ``_emit`` took)"""
 
+    @property
+    def finished(self) -> bool:
+        return self.finish is not None
+
+    def cancel(self) -> None:
+        """Stop decoding this row (its client went away): it emits nothing more and leaves the batch at the next
+        :meth:`SpecDecoder.drop_finished`."""
+        if self.finish is None:
+            self.finish = "cancelled"
+
 
 @dataclass
-class _Batch:
-    """Decoding state of the active rows (every tensor's dim 0 is the active row)."""
+class DecodeBatch:
+    """Decoding state of the active rows: ``rows`` holds their ids, every tensor's dim 0 is the active row.
+
+    Target side: KV cache ``t_cache``, slot validity ``t_valid [B, L]``, next RoPE position ``next_pos [B]``, the
+    token to decode next ``pending [B]``, per-row RNGs ``gens``. Drafter side (None without a drafter): its cache,
+    slot validity and the logits / hidden state the next draft tree grows from. Batches of one decoder and one
+    sampling setting can be stacked (:func:`eaglenest.speculative.batching.merge_batches`).
+    """
 
     rows: list[int]
     t_cache: Any
@@ -208,12 +235,74 @@ class SpecDecoder:
         for _, chunk in self._run([prompt_ids], sampling):
             yield chunk
 
-    # --------------------------------------------------------------------------------------------- internals
-    def _sync(self) -> float:
+    # The incremental API (what generate/stream run on, and what a continuous-batching server drives):
+    #   batch, chunks = dec.prefill(new_rows, sampling)        # step 0: one forward for the new rows
+    #   batch = merge_batches(running, batch)                   # eaglenest.speculative.batching
+    #   chunks = dec.step(batch, rows, sampling, number)        # one draft -> verify -> commit of the whole batch
+    #   batch = dec.drop_finished(batch, rows)                  # finished / cancelled rows leave (None: empty)
+    @torch.inference_mode()
+    def prefill(self, rows: Mapping[int, DecodeRow],
+                sampling: SamplingParams) -> tuple[DecodeBatch | None, list[tuple[int, StreamChunk]]]:
+        """One target (and drafter) forward over the prompts of ``rows`` (row id -> new row, in batch order):
+        every row emits its first token (a ``step=0`` chunk each, in row order); returns the batch of the rows still
+        decoding (None when all finished) and the ``(row id, chunk)`` list."""
+        if not rows:
+            return None, []
+        if any(len(r.prompt) == 0 for r in rows.values()):
+            raise ValueError("empty prompt: every prompt needs at least one token")
+        ids = list(rows)
+        table = [rows[i] for i in ids]
+        t0 = self.clock()
+        for r in table:
+            r.start = t0
+        batch, first = self._prefill(table, sampling)
+        batch.rows = ids
+        t1 = self.clock()
+        chunks: list[tuple[int, StreamChunk]] = []
+        for i, (rid, r) in enumerate(zip(ids, table, strict=True)):
+            r.prefill_s = t1 - t0
+            took = self._emit(r, [int(first[i])], sampling)
+            chunks.append((rid, self._chunk(r, took, 0, None, sampling)))
+        return self.drop_finished(batch, rows), chunks
+
+    @torch.inference_mode()
+    def step(self, batch: DecodeBatch, rows: Mapping[int, DecodeRow], sampling: SamplingParams,
+             number: int) -> list[tuple[int, StreamChunk]]:
+        """One draft -> verify -> commit step of ``batch`` (``rows``: a table holding every row id of the batch);
+        one ``(row id, chunk)`` per row that emitted, ``chunk.step == number``. A row finished before the step began
+        (cancelled while in the batch) is decoded along but emits nothing."""
+        return [(ri, self._chunk(r, took, number, accepted, sampling))
+                for ri, r, took, accepted in self._step(batch, rows, sampling) if took is not None]
+
+    @torch.inference_mode()
+    def drop_finished(self, batch: DecodeBatch, rows: Mapping[int, DecodeRow]) -> DecodeBatch | None:
+        """The batch without its finished rows (caches compacted in place); None when no row is left."""
+        keep = [j for j, ri in enumerate(batch.rows) if rows[ri].finish is None]
+        if not keep:
+            return None
+        if len(keep) == len(batch.rows):
+            return batch
+        idx = torch.tensor(keep, dtype=torch.long, device=self.device)
+        select_rows(batch.t_cache, idx)
+        batch.rows = [batch.rows[j] for j in keep]
+        batch.t_valid = batch.t_valid[idx]
+        batch.next_pos = batch.next_pos[idx]
+        batch.pending = batch.pending[idx]
+        batch.gens = [batch.gens[j] for j in keep]
+        if self.draft is not None:
+            self.draft.select_rows(batch.d_cache, idx)
+            batch.d_valid = batch.d_valid[idx]
+            batch.root_logits = batch.root_logits[idx]
+            batch.root_hidden = batch.root_hidden[idx]
+        return batch
+
+    def clock(self) -> float:
+        """``time.perf_counter()`` once the device finished its queued work: phase timings of a GPU are real."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return time.perf_counter()
 
+    # --------------------------------------------------------------------------------------------- internals
     def _target(self, ids: torch.Tensor, pos: torch.Tensor, allowed: torch.Tensor, cache: Any,
                 logits_cols: slice | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One target forward; returns logits (of ``logits_cols``) and the drafter's features for every column."""
@@ -236,7 +325,7 @@ class SpecDecoder:
         out = [int(torch.multinomial(probs[i], 1, generator=gens[i]).item()) for i in range(probs.shape[0])]
         return torch.tensor(out, dtype=torch.long, device=self.device)
 
-    def _emit(self, row: _Row, new: list[int], sampling: SamplingParams) -> list[int]:
+    def _emit(self, row: DecodeRow, new: list[int], sampling: SamplingParams) -> list[int]:
         """Append tokens until a stop; returns what was appended and sets ``row.finish``."""
         took = []
         for tok in new:
@@ -251,7 +340,7 @@ class SpecDecoder:
                 break
         return took
 
-    def _result(self, row: _Row, sampling: SamplingParams) -> SpecResult:
+    def _result(self, row: DecodeRow, sampling: SamplingParams) -> SpecResult:
         text = self.tokenizer.decode(row.tokens, skip_special_tokens=True)
         reason = row.finish or "length"
         for s in sampling.stop:
@@ -264,40 +353,28 @@ class SpecDecoder:
             verify_time_s=row.verify_s, prefill_time_s=row.prefill_s, total_time_s=row.end - row.start,
         )
 
-    @torch.inference_mode()
     def _run(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> Iterator[tuple[int, StreamChunk]]:
-        if not prompts:
-            return
-        if any(len(p) == 0 for p in prompts):
-            raise ValueError("empty prompt: every prompt needs at least one token")
-        t_start = self._sync()
-        rows = [_Row(prompt=list(p), start=t_start) for p in prompts]
-        batch, first = self._prefill(rows, sampling)
-        t_pre = self._sync()
-        for i, r in enumerate(rows):
-            r.prefill_s = t_pre - t_start
-            took = self._emit(r, [int(first[i])], sampling)
-            yield from self._chunk(i, r, took, 0, None, sampling)
-        step = 0
-        while True:
-            batch = self._drop_finished(batch, rows)
-            if batch is None:
-                return
-            step += 1
-            for ri, r, took, accepted in self._step(batch, rows, sampling):
-                yield from self._chunk(ri, r, took or [], step, accepted, sampling)
+        """``generate``/``stream``: one fixed batch through prefill, then steps until every row finished."""
+        rows = {i: DecodeRow(prompt=list(p)) for i, p in enumerate(prompts)}
+        batch, chunks = self.prefill(rows, sampling)
+        yield from chunks
+        number = 0
+        while batch is not None:
+            number += 1
+            yield from self.step(batch, rows, sampling, number)
+            batch = self.drop_finished(batch, rows)
 
-    def _step(self, batch: _Batch, rows: Sequence[_Row] | dict[int, _Row],
-              sampling: SamplingParams) -> list[tuple[int, _Row, list[int] | None, int]]:
+    def _step(self, batch: DecodeBatch, rows: Mapping[int, DecodeRow],
+              sampling: SamplingParams) -> list[tuple[int, DecodeRow, list[int] | None, int]]:
         """One draft -> verify -> commit step of ``batch``; per row: (row id, row, tokens it emitted, draft tokens
         accepted). A row already finished when the step began (cancelled while in the batch) was decoded along
         but emits nothing: its tokens are ``None``."""
-        t0 = self._sync()
+        t0 = self.clock()
         tree = self._draft_tree(batch, sampling) if self.draft is not None else root_only(batch.pending)
-        t1 = self._sync()
+        t1 = self.clock()
         acc, feats, lt = self._verify(batch, tree, sampling, rows)
-        t2 = self._sync()
-        out: list[tuple[int, _Row, list[int] | None, int]] = []
+        t2 = self.clock()
+        out: list[tuple[int, DecodeRow, list[int] | None, int]] = []
         for j, ri in enumerate(batch.rows):
             r = rows[ri]
             r.draft_s += t1 - t0
@@ -310,23 +387,23 @@ class SpecDecoder:
             new = [int(tree.tokens[j, c]) for c in acc.paths[j][1:]] + [acc.bonus[j]]
             out.append((ri, r, self._emit(r, new, sampling), accepted))
         self._commit(batch, tree, acc, feats, lt, rows)
-        t3 = self._sync()
+        t3 = self.clock()
         for _, r, _, _ in out:
             r.draft_s += t3 - t2
         return out
 
-    def _chunk(self, ri: int, r: _Row, took: list[int], step: int, accepted: int | None,
-               sampling: SamplingParams) -> Iterator[tuple[int, StreamChunk]]:
+    def _chunk(self, r: DecodeRow, took: list[int], step: int, accepted: int | None,
+               sampling: SamplingParams) -> StreamChunk:
         result = None
         if r.finish:
-            r.end = self._sync()
+            r.end = self.clock()
             result = self._result(r, sampling)
         lps = None if r.step_logprobs is None else r.step_logprobs[:len(took)]
         r.step_logprobs = None
-        yield ri, StreamChunk(token_ids=took, step=step, accepted=accepted, finished=r.finish is not None,
-                              finish_reason=result.finish_reason if result else None, result=result, logprobs=lps)
+        return StreamChunk(token_ids=took, step=step, accepted=accepted, finished=r.finish is not None,
+                           finish_reason=result.finish_reason if result else None, result=result, logprobs=lps)
 
-    def _prefill(self, rows: list[_Row], sampling: SamplingParams) -> tuple[_Batch, torch.Tensor]:
+    def _prefill(self, rows: Sequence[DecodeRow], sampling: SamplingParams) -> tuple[DecodeBatch, torch.Tensor]:
         b = len(rows)
         longest = max(len(r.prompt) for r in rows)
         ids = torch.full((b, longest), self.pad_id, dtype=torch.long)
@@ -349,7 +426,7 @@ class SpecDecoder:
         if sampling.logprobs is not None:
             for i, r in enumerate(rows):
                 r.step_logprobs = token_logprobs(raw[i:i + 1], [int(first[i])], sampling.logprobs)
-        batch = _Batch(rows=list(range(b)), t_cache=cache, t_valid=valid, next_pos=pos[:, -1] + 1,
+        batch = DecodeBatch(rows=list(range(b)), t_cache=cache, t_valid=valid, next_pos=pos[:, -1] + 1,
                        pending=first, gens=gens)
         if self.draft is not None:
             firsts = torch.tensor([r.prompt[0] for r in rows], dtype=torch.long, device=self.device)
@@ -361,7 +438,7 @@ class SpecDecoder:
             batch.root_logits, batch.root_hidden = d_logits[:, -1], d_hidden[:, -1]
         return batch, first.cpu()
 
-    def _draft_tree(self, batch: _Batch, sampling: SamplingParams) -> DraftTree:
+    def _draft_tree(self, batch: DecodeBatch, sampling: SamplingParams) -> DraftTree:
         spec, draft = self.spec, self.draft
         assert draft is not None and batch.d_valid is not None
         ld = batch.d_valid.shape[1]
@@ -381,8 +458,8 @@ class SpecDecoder:
         draft.truncate(batch.d_cache, ld)  # the speculative slots are re-read from target states after verify
         return tree
 
-    def _verify(self, batch: _Batch, tree: DraftTree, sampling: SamplingParams,
-                rows: Sequence[_Row] | dict[int, _Row]):
+    def _verify(self, batch: DecodeBatch, tree: DraftTree, sampling: SamplingParams,
+                rows: Mapping[int, DecodeRow]):
         lt = batch.t_valid.shape[1]
         pos = batch.next_pos[:, None] + tree.depth
         allowed = block_mask(batch.t_valid, tree.ancestors)
@@ -404,8 +481,8 @@ class SpecDecoder:
                 rows[ri].step_logprobs = token_logprobs(raw[j, path], new, sampling.logprobs)
         return acc, feats, lt
 
-    def _commit(self, batch: _Batch, tree: DraftTree, acc: Acceptance, feats: torch.Tensor | None, lt: int,
-                rows: list[_Row]) -> None:
+    def _commit(self, batch: DecodeBatch, tree: DraftTree, acc: Acceptance, feats: torch.Tensor | None, lt: int,
+                rows: Mapping[int, DecodeRow]) -> None:
         """Keep the accepted path in the target cache; let the drafter re-read it; drop finished rows."""
         b = len(batch.rows)
         lens = [len(p) for p in acc.paths]
@@ -440,26 +517,6 @@ class SpecDecoder:
         last = (lens_t - 1)[:, None, None]
         batch.root_logits = d_logits.gather(1, last.expand(b, 1, d_logits.shape[-1]))[:, 0]
         batch.root_hidden = d_hidden.gather(1, last.expand(b, 1, d_hidden.shape[-1]))[:, 0]
-
-    def _drop_finished(self, batch: _Batch, rows: list[_Row]) -> _Batch | None:
-        keep = [j for j, ri in enumerate(batch.rows) if rows[ri].finish is None]
-        if not keep:
-            return None
-        if len(keep) == len(batch.rows):
-            return batch
-        idx = torch.tensor(keep, dtype=torch.long, device=self.device)
-        select_rows(batch.t_cache, idx)
-        batch.rows = [batch.rows[j] for j in keep]
-        batch.t_valid = batch.t_valid[idx]
-        batch.next_pos = batch.next_pos[idx]
-        batch.pending = batch.pending[idx]
-        batch.gens = [batch.gens[j] for j in keep]
-        if self.draft is not None:
-            self.draft.select_rows(batch.d_cache, idx)
-            batch.d_valid = batch.d_valid[idx]
-            batch.root_logits = batch.root_logits[idx]
-            batch.root_hidden = batch.root_hidden[idx]
-        return batch
 
 
 class BaselineDecoder(SpecDecoder):

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from eaglenest.config import SpecConfig
+from eaglenest.contracts.metrics import accept_length
 from eaglenest.engines.base import SamplingParams
 
 
@@ -71,7 +72,7 @@ def summarize(results: Sequence[Any], domains: Sequence[str], max_depth: int) ->
         steps = sum(r.draft_steps for r in rs)
         acc = sum(sum(r.accepted_per_step) for r in rs)
         return {
-            "accept_length": 1.0 + acc / steps if steps else 1.0,
+            "accept_length": accept_length(steps, acc),
             "requests": len(rs),
             "verify_steps": steps,
             "accepted_tokens": acc,

@@ -80,7 +80,7 @@ def test_messages_accept_text_parts_and_refuse_images():
 
 
 def test_deployment_options_follow_the_config():
-    from eaglenest.serve.app import deployment_options
+    from eaglenest.serve.deployment import deployment_options
 
     cfg = EaglenestConfig.model_validate({"serve": {"num_replicas": 3, "num_cpus_per_replica": 2,
                                                     "num_gpus_per_replica": 1, "max_concurrent_requests": 32}})

@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from eaglenest.contracts.metrics import exported_series
+
 REPO = Path(__file__).resolve().parents[2]
 MON = REPO / "monitoring"
 ALERTS = MON / "alerts.yml"
@@ -24,46 +26,10 @@ DASHBOARD = MON / "grafana-dashboard.json"
 OPERATIONS = REPO / "docs" / "OPERATIONS.md"
 SD_FILE = "/tmp/ray/prom_metrics_service_discovery.json"
 
-# The metric contract: names as passed to ray.util.metrics by serve/regen/drafter. Ray's exporter adds `ray_`, and
-# `_total` to counters, `_bucket/_sum/_count` to histograms. Renaming a metric on either side must break a test.
-COUNTERS = {
-    "eaglenest_serve_requests",
-    "eaglenest_serve_generated_tokens",
-    "eaglenest_serve_draft_tokens_proposed",
-    "eaglenest_serve_draft_tokens_accepted",
-    "eaglenest_regen_samples_done",
-    "eaglenest_regen_samples_quarantined",
-    "eaglenest_regen_generated_tokens",
-    "eaglenest_train_loss_nonfinite",
-}
-HISTOGRAMS = {
-    "eaglenest_serve_ttft_seconds",
-    "eaglenest_serve_inter_token_latency_seconds",
-    "eaglenest_serve_accept_length",
-}
-GAUGES = {
-    "eaglenest_serve_accept_length_current",
-    "eaglenest_serve_speedup_vs_baseline",
-    "eaglenest_serve_replica_healthy",
-    "eaglenest_serve_tokens_per_second",
-    "eaglenest_regen_tokens_per_second",
-    "eaglenest_regen_eta_seconds",
-    "eaglenest_train_loss",
-    "eaglenest_train_acc0",
-    "eaglenest_train_sim_accept_length",
-}
-RAY_OWN = {
-    "ray_serve_num_http_requests_total",
-    "ray_serve_num_http_error_requests_total",
-    "ray_serve_deployment_replica_healthy",
-    "up",
-}
-EXPORTED = (
-    {f"ray_{n}_total" for n in COUNTERS}
-    | {f"ray_{n}_{s}" for n in HISTOGRAMS for s in ("bucket", "sum", "count")}
-    | {f"ray_{n}" for n in GAUGES}
-    | RAY_OWN
-)
+# The metric contract (eaglenest.contracts.metrics): every series Prometheus can scrape from us as Ray exports it
+# (`ray_` prefix, `_total` for counters, `_bucket/_sum/_count` for histograms), plus Ray Serve's own series the alerts
+# use. tests/unit/test_metrics_contract.py checks that the code creates exactly these metrics.
+EXPORTED = exported_series()
 
 REQUIRED_ALERTS = {
     "EaglenestAcceptLengthCollapsed",
@@ -262,33 +228,6 @@ def test_dashboard_references_only_metrics_of_the_contract():
     for title, expr in _dashboard_exprs():
         unknown = metric_names(expr) - EXPORTED - {"ALERTS"}
         assert not unknown, f"dashboard panel {title!r} references unknown metrics: {sorted(unknown)}"
-
-
-def test_contract_metrics_are_defined_by_the_code():
-    """Each metric of the contract is created by serve/regen/drafter code under exactly this name and type."""
-    sources = {
-        p: p.read_text() for pkg in ("eaglenest",) for p in (REPO / pkg).rglob("*.py")
-    }
-    kinds = {
-        **dict.fromkeys(COUNTERS, "Counter"),
-        **dict.fromkeys(HISTOGRAMS, "Histogram"),
-        **dict.fromkeys(GAUGES, "Gauge"),
-    }
-    missing = []
-    for name, kind in sorted(kinds.items()):
-        # a counter may also be created as name_total: prometheus_client exports both as name_total
-        pattern = rf"[\"']{name}(?:_total)?[\"']" if kind == "Counter" else rf"[\"']{name}[\"']"
-        hits = [p for p, text in sources.items() if re.search(pattern, text)]
-        if not hits:
-            missing.append(name)
-            continue
-        for p in hits:
-            for m in re.finditer(rf"\b(Counter|Gauge|Histogram)\(\s*{pattern}", sources[p]):
-                assert m.group(1) == kind, f"{name} is a {kind} in the alerts but a {m.group(1)} in {p}"
-    assert not missing, (
-        f"named by monitoring/alerts.yml or the dashboard but created nowhere in the code: {missing}; emit them with "
-        "ray.util.metrics under exactly these names, or change the code, alerts and dashboard together"
-    )
 
 
 # ------------------------------------------------------------------------------------------------ dashboard

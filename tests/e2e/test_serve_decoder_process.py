@@ -15,8 +15,8 @@ import pytest
 
 from eaglenest.config import EaglenestConfig
 from eaglenest.engines.base import SamplingParams
-from eaglenest.serve.backends import DecodeEvent, Job
-from eaglenest.serve.engine_process import DecoderProcessError, ProcessBackend
+from eaglenest.serve.jobs import DecodeEvent, Job
+from eaglenest.serve.process_backend import DecoderProcessError, ProcessBackend
 
 
 def _cfg(tiny_target_path) -> EaglenestConfig:
@@ -77,7 +77,7 @@ def test_the_decoder_does_not_outlive_its_replica(tiny_target_path, tmp_path):
     script.write_text(textwrap.dedent(f"""
         import os, sys
         from eaglenest.config import EaglenestConfig
-        from eaglenest.serve.engine_process import ProcessBackend
+        from eaglenest.serve.process_backend import ProcessBackend
         cfg = EaglenestConfig.model_validate({{"target": {{"model": {str(tiny_target_path)!r}, "device": "cpu"}}}})
         b = ProcessBackend(cfg, None)
         print(b.pid, flush=True)

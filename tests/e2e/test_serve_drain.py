@@ -94,7 +94,7 @@ def test_sigterm_lets_a_running_stream_finish(tiny_target_path, tmp_path):
 
 
 def test_past_the_deadline_a_running_request_ends_with_an_error(tiny_target_path):
-    from eaglenest.serve.app import Outcome, ServerCore
+    from eaglenest.serve.core import Outcome, ServerCore
     from eaglenest.serve.openai_protocol import APIError, SamplingRequest
 
     cfg = EaglenestConfig.model_validate(_cfg(tiny_target_path, decoder_process=False, drain_timeout_s=0.3))

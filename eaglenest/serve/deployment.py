@@ -1,0 +1,148 @@
+"""The Ray Serve deployment: the FastAPI ingress whose routes delegate to :class:`~eaglenest.serve.routes.Routes`,
+one :class:`~eaglenest.serve.core.ServerCore` per replica, and the bound application (``make_app``).
+
+On SIGTERM / ``stop_serve`` the replica drains (serve.drain). ``eaglenest.serve.app:build_app`` is the
+``serve deploy`` entry point; ``start_serve`` / ``stop_serve`` (serve.cli) run :func:`make_app` from Python.
+"""
+
+# no `from __future__ import annotations` here: Ray Serve's class-based FastAPI views read the route signatures at
+# runtime, and string annotations would turn `request: Request` into a required query parameter.
+import logging
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from ray import serve
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from eaglenest.config import EaglenestConfig
+from eaglenest.serve.core import ServerCore
+from eaglenest.serve.drain import DrainWatcher
+from eaglenest.serve.gates import resolve_api_key
+from eaglenest.serve.openai_protocol import error_body
+from eaglenest.serve.routes import CHAT_ROUTE, COMPLETIONS_ROUTE, HEALTH_ROUTE, MODELS_ROUTE, Routes
+
+DEPLOYMENT_NAME = "eaglenest"
+
+
+# ----------------------------------------------------------------------------------------------- FastAPI app
+api = FastAPI(title="eaglenest", description="OpenAI-compatible API with EAGLE-3 speculative decoding")
+
+
+@api.exception_handler(StarletteHTTPException)
+async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
+    """Unknown routes and wrong methods get OpenAI-style bodies too."""
+    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+    msg = (f"no route {request.method} {request.url.path}; this server has POST {CHAT_ROUTE}, POST "
+           f"{COMPLETIONS_ROUTE}, GET {MODELS_ROUTE}, GET {HEALTH_ROUTE}") if exc.status_code in (404, 405) \
+        else str(exc.detail)
+    _shared_metrics_request("other", exc.status_code)
+    return JSONResponse(error_body(exc.status_code, msg, code=code), status_code=exc.status_code)
+
+
+_CORE: ServerCore | None = None
+
+
+def _shared_metrics_request(route: str, status: int) -> None:
+    if _CORE is not None:
+        _CORE.metrics.request(route, status)
+
+
+DEFAULT_DEPLOYMENT_OPTIONS: dict[str, Any] = {
+    "graceful_shutdown_timeout_s": 35.0,  # serve.drain_timeout_s + 5 (deployment_options follows the config)
+    "graceful_shutdown_wait_loop_s": 1.0,
+    "health_check_period_s": 10.0,
+    "health_check_timeout_s": 30.0,
+    "max_constructor_retry_count": 2,
+}
+
+
+@serve.deployment(name=DEPLOYMENT_NAME, **DEFAULT_DEPLOYMENT_OPTIONS)
+@serve.ingress(api)
+class EaglenestDeployment:
+    """One replica: a ServerCore behind the FastAPI routes."""
+
+    def __init__(self, config: dict[str, Any], drafter: str | None = None, api_key: str | None = None) -> None:
+        global _CORE
+        logging.basicConfig(level=logging.INFO)
+        cfg = EaglenestConfig.model_validate(config)
+        self.core = ServerCore(cfg, drafter, api_key=api_key)
+        self.routes = Routes(self.core)
+        _CORE = self.core
+        ctx = serve.get_replica_context()
+        rid = f"{ctx.app_name}#{ctx.replica_id.unique_id}"
+        self.drain_watcher = DrainWatcher(rid, self.core.begin_drain, lambda: self.core.inflight,
+                                          self.core.drain).start()
+
+    @api.post(CHAT_ROUTE)
+    async def chat_completions(self, request: Request) -> Response:
+        return await self.routes.chat(request)
+
+    @api.post(COMPLETIONS_ROUTE)
+    async def completions(self, request: Request) -> Response:
+        return await self.routes.completions(request)
+
+    @api.get(MODELS_ROUTE)
+    async def models(self, request: Request) -> Response:
+        return self.routes.models(request)
+
+    @api.get(HEALTH_ROUTE)
+    async def health(self) -> Response:
+        return self.routes.health()
+
+    def check_health(self) -> None:
+        """Ray Serve's probe: only a dead decoder restarts the replica (a failed self-test is reported, not looped)."""
+        if not self.core.backend.alive and not self.core.shutting_down:
+            raise RuntimeError(f"decoder thread is not running: {self.core.backend.fatal}")
+
+    def __del__(self) -> None:
+        """Serve's own shutdown (``serve shutdown``, a redeploy) ends here after waiting for running requests."""
+        watcher = getattr(self, "drain_watcher", None)
+        if watcher is not None:
+            watcher.stop()
+        core = getattr(self, "core", None)
+        if core is not None:
+            core.shutdown()
+
+
+# ------------------------------------------------------------------------------------------------- building
+def deployment_options(cfg: EaglenestConfig) -> dict[str, Any]:
+    """Replicas, autoscaling, resources and request limits from ``serve:``."""
+    s = cfg.serve
+    opts: dict[str, Any] = {
+        "ray_actor_options": {"num_cpus": s.num_cpus_per_replica, "num_gpus": s.num_gpus_per_replica},
+        # Serve's own shutdown waits this long for running requests before it kills the replica
+        "graceful_shutdown_timeout_s": s.drain_timeout_s + 5.0,
+        # a little headroom over our own limit so excess requests reach the replica and get a clear 429
+        "max_ongoing_requests": s.max_concurrent_requests + max(4, s.max_concurrent_requests // 8),
+    }
+    if s.autoscaling:  # Serve refuses num_replicas next to autoscaling_config
+        opts["autoscaling_config"] = dict(s.autoscaling)
+    else:
+        opts["num_replicas"] = s.num_replicas
+    return opts
+
+
+def resolve_drafter(cfg: EaglenestConfig, drafter: str | None) -> str | None:
+    """The drafter folder: the explicit argument, else ``serve.drafter`` (relative to the config file)."""
+    path = drafter or cfg.resolve(cfg.serve.drafter)
+    if path is None:
+        return None
+    p = Path(path).expanduser().resolve()
+    if not p.is_dir():
+        raise FileNotFoundError(f"drafter folder {p} does not exist; export one with `eaglenest export` or pass "
+                                f"--drafter DIR")
+    return str(p)
+
+
+def make_app(cfg: EaglenestConfig, drafter: str | None = None, *, check: bool = True) -> Any:
+    """The bound Serve application; the preflight runs here first when the target is a local folder."""
+    drafter = resolve_drafter(cfg, drafter)
+    if check and drafter is not None:
+        from eaglenest.serve.preflight import local_target_folder, preflight_for_config
+
+        if local_target_folder(cfg) is not None:  # remote targets are checked by the replica once loaded
+            preflight_for_config(cfg, drafter).raise_for_failures()
+    api_key = resolve_api_key(cfg.serve.api_key)
+    return EaglenestDeployment.options(**deployment_options(cfg)).bind(cfg.model_dump(), drafter, api_key)

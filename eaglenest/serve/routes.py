@@ -1,0 +1,300 @@
+"""The OpenAI-compatible HTTP handlers of one replica: :class:`Routes` over its :class:`~.core.ServerCore`.
+
+Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (both with SSE streaming, :mod:`eaglenest.serve.sse`),
+``GET /v1/models``, ``GET /health``. Every error is an OpenAI-style JSON body ``{"error": {"message", "type", "param",
+"code"}}`` with the status that fits: 400 bad parameter (a prompt over the context: ``code: context_length_exceeded``,
+as OpenAI), 401 API key, 404 unknown model/route, 422 schema, 429 over ``serve.max_concurrent_requests`` (per
+replica), 503 unhealthy / shutting down; 429 and 503 carry ``Retry-After`` (:mod:`eaglenest.serve.gates`). Besides
+OpenAI's sampling knobs, ``ignore_eos`` (the vLLM/SGLang extension) decodes exactly ``max_tokens`` tokens, for
+benchmarks; ``top_k``, ``min_p``, ``repetition_penalty`` and ``logprobs`` are implemented, parameters that do not
+change decoding are ignored (serve.openai_protocol). Tool calls and reasoning in the target's output come back as
+``tool_calls`` / ``reasoning_content`` (serve.chat_parsing). Response bodies are the pydantic models of
+:mod:`eaglenest.serve.openai_protocol`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
+
+from eaglenest.serve.chat_parsing import ChatParser, chat_message, delta_fields, finish_reason, parse_all
+from eaglenest.serve.core import Outcome, ServerCore
+from eaglenest.serve.drain import RETRY_AFTER_S
+from eaglenest.serve.logprobs import chat_logprobs, completion_logprobs
+from eaglenest.serve.openai_protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    SamplingRequest,
+    chat_chunk,
+    chat_messages,
+    chat_response,
+    check_sampling,
+    completion_chunk,
+    completion_response,
+    error_body,
+    models_response,
+    new_id,
+    now,
+    validation_message,
+)
+from eaglenest.serve.sse import DONE, event_stream, sse
+
+log = logging.getLogger("eaglenest.serve")
+
+CHAT_ROUTE, COMPLETIONS_ROUTE, MODELS_ROUTE, HEALTH_ROUTE = (
+    "/v1/chat/completions", "/v1/completions", "/v1/models", "/health")
+
+
+class Routes:
+    """Parse, gate, generate and answer one HTTP request; the Ray Serve deployment delegates its routes here."""
+
+    def __init__(self, core: ServerCore) -> None:
+        self.core = core
+
+    async def parse(self, request: Request, model: type) -> Any:
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError, ValueError) as e:
+            raise APIError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from e
+        if not isinstance(body, dict):
+            raise APIError(422, "the request body must be a JSON object", code="validation_error")
+        try:
+            return model.model_validate(body)
+        except ValidationError as e:
+            msg, param = validation_message(e.errors())
+            raise APIError(422, msg, param=param, code="validation_error") from e
+
+    async def chat(self, request: Request) -> Response:
+        arrived = time.perf_counter()
+        try:
+            self.core.check_auth(request)
+            self.core.check_ready()
+            req: ChatCompletionRequest = await self.parse(request, ChatCompletionRequest)
+            self.core.check_model(req.model)
+            sampling = check_sampling(req, max_tokens=req.max_completion_tokens or req.max_tokens,
+                                      max_tokens_limit=self.core.cfg.serve.max_tokens_limit)
+            if req.tools and req.tool_choice not in (None, "auto", "none"):
+                raise APIError(400, "tool_choice other than auto/none is not supported", param="tool_choice")
+            messages = chat_messages(req)
+            try:
+                prompt_ids = await asyncio.to_thread(self.core.backend.render_chat, messages, req.tools)
+            except Exception as e:
+                raise APIError(400, f"cannot render the conversation with the model's chat template: {e}",
+                               param="messages") from e
+            self.core.check_prompt(prompt_ids, sampling)
+            self.core.acquire()
+        except APIError as e:
+            return self.error(CHAT_ROUTE, e)
+        rid, created = new_id("chatcmpl"), now()
+        parser = self._chat_parser(req, prompt_ids)
+        decode = self._chat_decode(parser)
+        if req.stream:
+            return event_stream(self._chat_stream(req, rid, created, prompt_ids, sampling, arrived, parser))
+
+        def build(out: Outcome) -> dict[str, Any]:
+            parsed = parse_all(parser, out.text) if parser is not None else None
+            message = chat_message(parsed) if parsed is not None else {"content": out.text}
+            lps = chat_logprobs(out.logprobs, self.core.token_text) if sampling.logprobs is not None else None
+            return chat_response(rid, self.core.model_name, message, finish_reason(parsed, out.finish_reason),
+                                 self.core.usage(len(prompt_ids), out), created, logprobs=lps)
+
+        return await self._complete(CHAT_ROUTE, prompt_ids, sampling, arrived, build, decode=decode)
+
+    def _chat_parser(self, req: ChatCompletionRequest, prompt_ids: list[int]) -> ChatParser | None:
+        """A parser when the target's template defines reasoning, or tool calls and the request offers tools."""
+        fmt = self.core.chat_format
+        tools = bool(req.tools) and req.tool_choice != "none" and fmt.tool_call is not None
+        if fmt.reasoning is None and not tools:
+            return None
+        return fmt.parser(tools=tools, prompt_text=fmt.decode(prompt_ids[-16:], tools=tools))
+
+    def _chat_decode(self, parser: ChatParser | None) -> Any:
+        """The text decode of a parsed request: its markers kept (None: plain decoding)."""
+        if parser is None:
+            return None
+        tools = parser.tool_call is not None
+        return lambda ids: self.core.chat_format.decode(ids, tools=tools)
+
+    async def completions(self, request: Request) -> Response:
+        arrived = time.perf_counter()
+        try:
+            self.core.check_auth(request)
+            self.core.check_ready()
+            req: CompletionRequest = await self.parse(request, CompletionRequest)
+            self.core.check_model(req.model)
+            sampling = check_sampling(req, max_tokens=16 if req.max_tokens is None else req.max_tokens,
+                                      max_tokens_limit=self.core.cfg.serve.max_tokens_limit)
+            if req.echo:
+                raise APIError(400, "echo is not supported", param="echo")
+            if req.best_of not in (None, 1):
+                raise APIError(400, "best_of > 1 is not supported", param="best_of")
+            if req.suffix:
+                raise APIError(400, "suffix is not supported", param="suffix")
+            prompt_ids = await self._completion_prompt(req.prompt)
+            self.core.check_prompt(prompt_ids, sampling)
+            self.core.acquire()
+        except APIError as e:
+            return self.error(COMPLETIONS_ROUTE, e)
+        rid, created = new_id("cmpl"), now()
+        if req.stream:
+            return event_stream(self._completion_stream(req, rid, created, prompt_ids, sampling, arrived))
+
+        def build(out: Outcome) -> dict[str, Any]:
+            lps = completion_logprobs(out.logprobs, self.core.token_text) if sampling.logprobs is not None else None
+            return completion_response(rid, self.core.model_name, out.text, out.finish_reason,
+                                       self.core.usage(len(prompt_ids), out), created, logprobs=lps)
+
+        return await self._complete(COMPLETIONS_ROUTE, prompt_ids, sampling, arrived, build)
+
+    async def _completion_prompt(self, prompt: Any) -> list[int]:
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            return await asyncio.to_thread(self.core.backend.encode, prompt)
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            vocab = self.core.backend.info.vocab_size
+            bad = [t for t in prompt if not 0 <= t < vocab]
+            if bad:
+                raise APIError(400, f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})",
+                               param="prompt")
+            return list(prompt)
+        raise APIError(400, "send exactly one prompt per request (a string or a list of token ids)", param="prompt")
+
+    async def _complete(self, route: str, prompt_ids: list[int], sampling: SamplingRequest, arrived: float,
+                        build: Any, decode: Any = None) -> Response:
+        out = Outcome()
+        status = 200
+        try:
+            async for _ in self.core.generate(prompt_ids, sampling, out, stream=False, decode=decode):
+                pass
+            return JSONResponse(build(out))
+        except APIError as e:
+            status = e.status
+            return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+        except Exception as e:
+            log.exception("generation failed")
+            status = 500
+            return JSONResponse(error_body(500, str(e), code="generation_failed"), status_code=500)
+        finally:
+            self.core.release()
+            self.core.metrics.request(route, status)
+            if status == 200:
+                self.core.record(arrived, out)
+
+    async def _stream(self, route: str, prompt_ids: list[int], sampling: SamplingRequest, arrived: float,
+                      piece_chunks: Any, final_chunks: Any, decode: Any = None) -> AsyncIterator[str]:
+        """SSE of one generation: ``piece_chunks(piece, out)`` and ``final_chunks(out)`` give the chunks; a failure
+        (or a drain's deadline) ends the stream with an error event, then ``[DONE]``."""
+        out = Outcome()
+        status = 200
+        try:
+            async for piece in self.core.generate(prompt_ids, sampling, out, decode=decode):
+                for chunk in piece_chunks(piece, out):
+                    yield sse(chunk)
+            for chunk in final_chunks(out):
+                yield sse(chunk)
+            yield sse(DONE)
+        except asyncio.CancelledError:
+            status = 499  # the client went away; the decoder is told to stop
+            raise
+        except Exception as e:
+            if isinstance(e, APIError):
+                status, code = e.status, e.code
+            else:
+                log.exception("streaming generation failed")
+                status, code = 500, "generation_failed"
+            yield sse(error_body(status, str(e), code=code))
+            yield sse(DONE)
+        finally:
+            self.core.release()
+            self.core.metrics.request(route, status)
+            if status == 200:
+                self.core.record(arrived, out)
+
+    async def _chat_stream(self, req: ChatCompletionRequest, rid: str, created: int, prompt_ids: list[int],
+                           sampling: SamplingRequest, arrived: float,
+                           parser: ChatParser | None) -> AsyncIterator[str]:
+        yield sse(chat_chunk(rid, self.core.model_name, created, delta={"role": "assistant", "content": ""}))
+        sent = [0]
+
+        def new_logprobs(out: Outcome) -> dict[str, Any] | None:
+            """Logprobs of the tokens not reported yet (they ride on the next chunk)."""
+            if sampling.logprobs is None or sent[0] == len(out.logprobs):
+                return None
+            entries, sent[0] = out.logprobs[sent[0]:], len(out.logprobs)
+            return chat_logprobs(entries, self.core.token_text)
+
+        def chunks(deltas: list[Any], out: Outcome) -> list[dict[str, Any]]:
+            fields = [delta_fields(d, parser.out) for d in deltas] if parser is not None else \
+                [{"content": text} for _, text in deltas]
+            return [chat_chunk(rid, self.core.model_name, created, delta=f, logprobs=new_logprobs(out)) for f in fields]
+
+        def pieces(piece: str, out: Outcome) -> list[dict[str, Any]]:
+            return chunks(parser.feed(piece) if parser is not None else [("content", piece)], out)
+
+        def finals(out: Outcome) -> list[dict[str, Any]]:
+            out_chunks = chunks(parser.finish(), out) if parser is not None else []
+            reason = finish_reason(parser.out if parser is not None else None, out.finish_reason)
+            out_chunks.append(chat_chunk(rid, self.core.model_name, created, delta={}, finish_reason=reason,
+                                         logprobs=new_logprobs(out)))
+            if req.include_usage:
+                usage = self.core.usage(len(prompt_ids), out)
+                out_chunks.append(chat_chunk(rid, self.core.model_name, created, usage=usage))
+            return out_chunks
+
+        decode = self._chat_decode(parser)
+        async for s in self._stream(CHAT_ROUTE, prompt_ids, sampling, arrived, pieces, finals, decode=decode):
+            yield s
+
+    async def _completion_stream(self, req: CompletionRequest, rid: str, created: int, prompt_ids: list[int],
+                                 sampling: SamplingRequest, arrived: float) -> AsyncIterator[str]:
+        sent, offset = [0], [0]
+
+        def new_logprobs(out: Outcome) -> dict[str, Any] | None:
+            if sampling.logprobs is None or sent[0] == len(out.logprobs):
+                return None
+            entries, sent[0] = out.logprobs[sent[0]:], len(out.logprobs)
+            lps = completion_logprobs(entries, self.core.token_text, offset[0])
+            offset[0] += sum(len(t) for t in lps["tokens"])
+            return lps
+
+        def pieces(piece: str, out: Outcome) -> list[dict[str, Any]]:
+            return [completion_chunk(rid, self.core.model_name, created, text=piece, logprobs=new_logprobs(out))]
+
+        def finals(out: Outcome) -> list[dict[str, Any]]:
+            chunks = [completion_chunk(rid, self.core.model_name, created, text="", finish_reason=out.finish_reason,
+                                       logprobs=new_logprobs(out))]
+            if req.include_usage:
+                usage = self.core.usage(len(prompt_ids), out)
+                chunks.append(completion_chunk(rid, self.core.model_name, created, usage=usage))
+            return chunks
+
+        async for s in self._stream(COMPLETIONS_ROUTE, prompt_ids, sampling, arrived, pieces, finals):
+            yield s
+
+    def models(self, request: Request) -> Response:
+        try:
+            self.core.check_auth(request)
+        except APIError as e:
+            return self.error(MODELS_ROUTE, e)
+        self.core.metrics.request(MODELS_ROUTE, 200)
+        return JSONResponse(models_response(self.core.model_name, self.core.created))
+
+    def health(self) -> Response:
+        status, body = self.core.health_body()
+        self.core.metrics.request(HEALTH_ROUTE, status)
+        headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 503 else None
+        return JSONResponse(body, status_code=status, headers=headers)
+
+    def error(self, route: str, e: APIError) -> Response:
+        self.core.metrics.request(route, e.status)
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
