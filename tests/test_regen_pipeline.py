@@ -17,7 +17,7 @@ import yaml
 from eaglenest.config import load_config
 from eaglenest.contracts.shards import SHARD_SCHEMA, bytes_to_tensor, read_manifest, shard_files
 from eaglenest.engines import render_chat_text
-from eaglenest.regen.adapters import normalize_record, template_messages
+from eaglenest.regen.formats import normalize_record, template_messages
 from eaglenest.regen.output import quarantine_files
 
 REPO = Path(__file__).resolve().parents[1]

@@ -15,7 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from eaglenest.regen.adapters import normalize_record
+from eaglenest.regen.formats import normalize_record
 from eaglenest.regen.readers import Damage, Record, iter_file
 
 
@@ -264,7 +264,7 @@ def test_shards_without_source_id_still_resume_and_train(quirk_run, capsys, ray_
 
 
 def test_the_quarantine_alert_says_which_reasons_point_at_data_and_which_at_the_adapter():
-    from eaglenest.regen.adapters import REASON_GROUPS, REASONS
+    from eaglenest.regen.formats import REASON_GROUPS, REASONS
 
     grouped = [r for rs in REASON_GROUPS.values() for r in rs]
     assert sorted(grouped) == sorted(REASONS)  # every reason in exactly one group

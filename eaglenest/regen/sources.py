@@ -27,7 +27,7 @@ from ray.data.block import BlockMetadata
 from ray.data.datasource import Datasource, ReadTask
 
 from eaglenest.config import ConfigError, SourceConfig
-from eaglenest.regen.adapters import (
+from eaglenest.regen.formats import (
     DAMAGED_SOURCE,
     INVALID_JSON,
     NORMALIZED_SCHEMA,
