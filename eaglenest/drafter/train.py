@@ -88,24 +88,6 @@ def ensure_ray(num_cpus_needed: float) -> None:
     init_ray(num_cpus=max(os.cpu_count() or 1, math.ceil(num_cpus_needed)), include_dashboard=False)
 
 
-def _trainer_class():
-    """TorchTrainer without Train V2's placement-group cleaner.
-
-    The cleaner asks the Ray state API (with no address) whether the controller is alive. When several Ray instances
-    run on one machine (CI, shared dev boxes) it can reach another instance's dashboard, which does not know our
-    controller and answers "not found"; the cleaner then removes our placement group and kills the running workers.
-    A job's placement groups are removed by Ray when the job ends anyway, so nothing leaks without it.
-    """
-    from ray.train.torch import TorchTrainer
-
-    class EaglenestTorchTrainer(TorchTrainer):
-        def _create_default_callbacks(self):  # Ray 2.60 (pinned): the trainer's default callback list
-            callbacks = super()._create_default_callbacks()
-            return [c for c in callbacks if type(c).__name__ != "PlacementGroupCleanerCallback"]
-
-    return EaglenestTorchTrainer
-
-
 def train_drafter(cfg: EaglenestConfig, data_dir: str | Path, output_dir: str | Path) -> dict[str, Any]:
     """Train (or resume) a drafter on regen shards; writes checkpoints, metrics, a PNG and ``OUT/export``."""
     from eaglenest.contracts.shards import read_manifest, shard_files
@@ -158,6 +140,8 @@ def train_drafter(cfg: EaglenestConfig, data_dir: str | Path, output_dir: str | 
     import ray
     import ray.data
     from ray.train import CheckpointConfig, DataConfig, FailureConfig, RunConfig, ScalingConfig
+
+    from eaglenest.ray_private import trainer_class  # TorchTrainer without Train V2's placement-group cleaner
     ensure_ray(tc.num_workers * tc.cpus_per_worker + 2)  # + headroom for the Ray Data list/read tasks
     data_ctx = ray.data.DataContext.get_current()
     bars = data_ctx.enable_progress_bars
@@ -183,7 +167,7 @@ def train_drafter(cfg: EaglenestConfig, data_dir: str | Path, output_dir: str | 
         "total_steps": total_steps,
         "steps_per_epoch": steps_per_epoch,
     }
-    trainer = _trainer_class()(
+    trainer = trainer_class()(
         _train_loop,
         train_loop_config=loop_config,
         scaling_config=ScalingConfig(num_workers=tc.num_workers, use_gpu=tc.use_gpu, resources_per_worker=resources),

@@ -200,7 +200,8 @@ def data_context(**options: Any) -> Iterator[Any]:
     """Set DataContext options for one execution and restore them (the context is process-global).
 
     ``use_datasource_v2=False`` keeps ``read_parquet`` on one fractional-CPU read task per file: the V2 path adds a
-    ``ListFiles`` task that asks for a whole CPU, which on a small cluster waits behind the engine actors.
+    ``ListFiles`` task that asks for a whole CPU, which on a small cluster waits behind the engine actors (an
+    internal DataContext field: listed in :mod:`eaglenest.ray_private`).
     """
     from ray.data import DataContext
 
