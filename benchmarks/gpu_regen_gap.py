@@ -114,7 +114,9 @@ def regen_phase(model: Path, source: Path, out_dir: Path, max_new: int, niceness
         ray.shutdown()
     kw = {"runtime_env": {"env_vars": {"TOKENIZERS_PARALLELISM": "false"}}}
     if niceness is not None:
-        kw["_system_config"] = {"worker_niceness": niceness}
+        from eaglenest.ray_private import worker_niceness_option
+
+        kw.update(worker_niceness_option(niceness))
     ray.init(**kw)
     t0 = time.perf_counter()
     s = run_regen(cfg, str(out_dir), log=lambda m: None)

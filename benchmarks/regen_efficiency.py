@@ -42,7 +42,7 @@ for _k, _v in {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disab
 def write_source(path: Path, n: int) -> int:
     """The first ``n`` distinct prompts of the tiny target's corpus, as an OpenAI-messages jsonl source."""
     from eaglenest.engines.tiny import corpus_chats
-    from eaglenest.regen.adapters import normalize_record
+    from eaglenest.regen.formats import normalize_record
 
     seen, rows = set(), []
     for chat in corpus_chats():
@@ -76,7 +76,7 @@ def loop(cfg, source: Path, out: Path, start_at: float | None = None) -> dict:
     import torch
 
     from eaglenest.engines import SamplingParams, load_engine
-    from eaglenest.regen.adapters import normalize_record
+    from eaglenest.regen.formats import normalize_record
     from eaglenest.regen.output import write_quarantine, write_shard
     from eaglenest.regen.regenerate import Regenerator, Sample
     from eaglenest.regen.stage import results_table

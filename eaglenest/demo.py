@@ -202,18 +202,12 @@ def _bench_stage(cfg: Any, drafter_dir: str, folder: Path) -> dict[str, Any]:
 
 # ------------------------------------------------------------------------------------------------ ray + summary
 def _start_ray() -> dict[str, Any]:
-    import ray
+    """Attach (inside ``ray job submit``, next to ``ray start``) or start a local Ray with its dashboard on loopback;
+    training workers report their progress through the driver's log (Ray's default ``log_to_driver``)."""
+    from eaglenest.runtime import start_or_attach
 
-    if ray.is_initialized():
-        return {"owned": False}
-    kwargs: dict[str, Any] = {"log_to_driver": True,  # training workers report their progress through it
-                              "runtime_env": {"env_vars": {"TOKENIZERS_PARALLELISM": "false"}}}
-    owned = not os.environ.get("RAY_ADDRESS")  # inside `ray job submit` (or with RAY_ADDRESS) attach instead
-    if owned:
-        kwargs.update(include_dashboard=True, dashboard_host="127.0.0.1", num_cpus=4)
-    ctx = ray.init(**kwargs)
-    url = getattr(ctx, "dashboard_url", None)
-    return {"owned": owned, "dashboard": f"http://{url}" if url else None}
+    started = start_or_attach(include_dashboard=True, dashboard_host="127.0.0.1", num_cpus=4)
+    return {"owned": started.started, "dashboard": started.dashboard_url}
 
 
 def _stop_ray(info: dict[str, Any]) -> None:

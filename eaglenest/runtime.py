@@ -9,6 +9,7 @@ starts.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Any
 
 LOCAL_RAY_ENV = {
@@ -24,32 +25,50 @@ TASK_ENV = {"TOKENIZERS_PARALLELISM": "false"}
 def running_cluster_address() -> str | None:
     """The cluster ``ray.init()`` would attach to (``RAY_ADDRESS``, or the last ``ray start`` here), else None.
 
-    Uses Ray's own resolution (``ray._private.services.canonicalize_bootstrap_address``, private in Ray 2.60: the
-    public API has no "would ray.init attach?" question), so the answer matches what ``ray.init`` then does.
+    Uses Ray's own resolution (private in Ray 2.60: the public API has no "would ray.init attach?" question; see
+    :mod:`eaglenest.ray_private`), so the answer matches what ``ray.init`` then does.
     """
-    from ray._private.services import canonicalize_bootstrap_address
+    from eaglenest.ray_private import bootstrap_address
 
     try:
-        return canonicalize_bootstrap_address(None)
+        return bootstrap_address()
     except ConnectionError:  # RAY_ADDRESS names an address nobody answers at: let ray.init say so
         return "unreachable"
 
 
-def init_ray(**local_only: Any) -> bool:
-    """Attach to the running cluster, or start a local Ray with ``local_only`` options; True when it started one.
+@dataclass(frozen=True)
+class RayStart:
+    """What :func:`start_or_attach` did: ``started`` a local Ray (the caller shuts it down) or attached."""
 
-    The one Ray bootstrap of every command (regen, train, serve): each attaches the same way under
+    started: bool
+    dashboard_url: str | None = None
+
+
+def start_or_attach(**local_only: Any) -> RayStart:
+    """Attach to the running cluster, or start a local Ray with ``local_only`` options.
+
+    The one Ray bootstrap of every command (regen, train, serve, demo): each attaches the same way under
     ``ray job submit`` or next to ``ray start``, and only a Ray it starts gets driver-only options.
     """
     import ray
 
     if ray.is_initialized():
-        return False
+        return RayStart(False)
     runtime_env = {"env_vars": dict(TASK_ENV)}
     if running_cluster_address() is not None:
-        ray.init(runtime_env=runtime_env)
-        return False
+        ctx = ray.init(runtime_env=runtime_env)
+        return RayStart(False, _dashboard(ctx))
     for k, v in LOCAL_RAY_ENV.items():
         os.environ.setdefault(k, v)
-    ray.init(runtime_env=runtime_env, **local_only)
-    return True
+    ctx = ray.init(runtime_env=runtime_env, **local_only)
+    return RayStart(True, _dashboard(ctx))
+
+
+def _dashboard(ctx: Any) -> str | None:
+    url = getattr(ctx, "dashboard_url", None)
+    return f"http://{url}" if url else None
+
+
+def init_ray(**local_only: Any) -> bool:
+    """:func:`start_or_attach`; True when it started a local Ray."""
+    return start_or_attach(**local_only).started

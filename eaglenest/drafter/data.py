@@ -8,15 +8,17 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow as pa
-import torch
 
 from eaglenest.contracts.layers import validate_aux_layer_ids
-from eaglenest.contracts.shards import DTYPES, FP8, FP8_SCALE_LAYOUT, Manifest, bytes_to_tensor, compute_dtype
+from eaglenest.contracts.shards import DTYPES, FP8, FP8_SCALE_LAYOUT, Manifest, bytes_to_tensor
+from eaglenest.drafter.batch import Batch, pad_batch
 from eaglenest.drafter.target import TargetFacts
+
+__all__ = ["COLUMNS", "Batch", "DataMismatchError", "build_datasets", "check_manifest", "collate",
+           "count_split_rows", "is_eval_sample", "pad_batch", "split_table"]
 
 COLUMNS = ["id", "input_ids", "loss_mask", "aux_hidden_states", "last_hidden_state"]
 
@@ -73,40 +75,18 @@ def split_table(table: pa.Table, *, fraction: float, seed: int, want_eval: bool)
     return table.filter(pa.array(keep, type=pa.bool_()))
 
 
-@dataclass
-class Batch:
-    """Right-padded tensors of one batch; ``aux``/``last`` stay in the storage dtype until moved."""
-
-    input_ids: torch.Tensor
-    loss_mask: torch.Tensor
-    aux: torch.Tensor
-    last: torch.Tensor
-    lengths: torch.Tensor
-
-    def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> Batch:
-        cast = (lambda t: t.to(device, dtype, non_blocking=True)) if dtype else (lambda t: t.to(device))
-        return Batch(self.input_ids.to(device), self.loss_mask.to(device), cast(self.aux), cast(self.last),
-                     self.lengths.to(device))
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.lengths.sum())
-
-
 def collate(table: pa.Table, *, dtype: str, hidden_size: int, max_seq_len: int) -> Batch:
-    """Decode shard rows (pyarrow) into a right-padded batch, truncating sequences to ``max_seq_len``."""
+    """Decode shard rows (pyarrow) into a right-padded batch, truncating sequences to ``max_seq_len``.
+
+    fp8 shards are dequantised here (:func:`~eaglenest.contracts.shards.compute_dtype`), on the CPU side of the
+    data path.
+    """
     ids = table.column("input_ids").to_pylist()
     masks = table.column("loss_mask").to_pylist()
     auxes = table.column("aux_hidden_states").to_pylist()
     lasts = table.column("last_hidden_state").to_pylist()
-    lengths = [min(len(x), max_seq_len) for x in ids]
-    b, t = len(ids), max(lengths)
-    td = compute_dtype(dtype)  # fp8 shards are dequantised here, on the CPU side of the data path
-    input_ids = torch.zeros(b, t, dtype=torch.long)
-    loss_mask = torch.zeros(b, t, dtype=torch.bool)
-    aux = torch.zeros(b, t, 3 * hidden_size, dtype=td)
-    last = torch.zeros(b, t, hidden_size, dtype=td)
-    for i, n in enumerate(lengths):
+    rows = []
+    for i in range(len(ids)):
         full = len(ids[i])
         a = bytes_to_tensor(auxes[i], dtype, 3 * hidden_size, states=3)
         h = bytes_to_tensor(lasts[i], dtype, hidden_size)
@@ -116,11 +96,8 @@ def collate(table: pa.Table, *, dtype: str, hidden_size: int, max_seq_len: int) 
                 f"sample {sid}: {full} tokens but aux {a.shape[0]} / last {h.shape[0]} / mask {len(masks[i])} rows; "
                 "the shard is corrupt (rerun regen for it)"
             )
-        input_ids[i, :n] = torch.tensor(ids[i][:n], dtype=torch.long)
-        loss_mask[i, :n] = torch.tensor(masks[i][:n], dtype=torch.bool)
-        aux[i, :n] = a[:n]
-        last[i, :n] = h[:n]
-    return Batch(input_ids, loss_mask, aux, last, torch.tensor(lengths, dtype=torch.long))
+        rows.append((ids[i], masks[i], a, h))
+    return pad_batch(rows, max_seq_len=max_seq_len)
 
 
 def count_split_rows(files: Sequence[str | Path], fraction: float, seed: int) -> tuple[int, int]:
@@ -142,7 +119,7 @@ def build_datasets(files: Sequence[str | Path], fraction: float, seed: int):
     import ray.data
 
     def side(want_eval: bool):
-        ds = ray.data.read_parquet([str(f) for f in files], columns=COLUMNS, num_cpus=0.25)
+        ds = ray.data.read_parquet([str(f) for f in files], num_cpus=0.25).select_columns(COLUMNS)  # pushed down
         return ds.map_batches(split_table, batch_format="pyarrow", num_cpus=0.25,
                               fn_kwargs={"fraction": fraction, "seed": seed, "want_eval": want_eval})
 

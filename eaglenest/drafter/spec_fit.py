@@ -1,13 +1,14 @@
 """Fit an EAGLE-3 drafter in-process, without Ray: tests, benchmarks and GPU boxes that have torch but no Ray.
 
-Same model (:class:`~drafter.model.Eagle3Drafter`), draft vocab (:mod:`eaglenest.drafter.vocab`) and TTT objective
-(:mod:`eaglenest.drafter.ttt`) as ``eaglenest train``; only the plumbing differs: samples are captured from an in-memory
-target engine and held in memory instead of streaming parquet shards through Ray Data into DDP workers.
+Same model (:class:`~drafter.model.Eagle3Drafter`), model config (:mod:`eaglenest.drafter.shape`), draft vocab
+(:mod:`eaglenest.drafter.vocab`), collation (:func:`eaglenest.drafter.batch.pad_batch`) and step
+(:mod:`eaglenest.drafter.steps`) as ``eaglenest train``; only the plumbing differs: samples are captured from an
+in-memory target engine and held in memory instead of streaming parquet shards through Ray Data into DDP workers,
+and this thin driver has no checkpoints, held-out evaluation or non-finite-loss guard.
 """
 
 from __future__ import annotations
 
-import math
 import random
 import time
 from collections.abc import Callable, Sequence
@@ -16,7 +17,19 @@ from typing import Any
 
 import torch
 
+from eaglenest.drafter.batch import Batch, pad_batch
 from eaglenest.drafter.model import DrafterModelConfig, Eagle3Drafter
+from eaglenest.drafter.shape import drafter_model_config
+from eaglenest.drafter.steps import (
+    apply_update,
+    autocast_for,
+    compute_dtype_for,
+    init_drafter,
+    make_optimizer,
+    ttt_forward,
+    warmup_cosine,
+)
+from eaglenest.drafter.target import read_target_facts
 from eaglenest.drafter.ttt import TeacherHead, TTTObjective, step_metrics
 from eaglenest.drafter.vocab import VocabMapping, build_vocab_mapping, count_tokens
 
@@ -62,36 +75,10 @@ class _Captured:
 
 def drafter_config_for(engine: Any, aux_layer_ids: Sequence[int], draft_vocab_size: int,
                        intermediate_size: int | None = None) -> DrafterModelConfig:
-    """A drafter shaped like one decoder layer of the target (EAGLE-3's default)."""
-    from eaglenest.engines.hf import text_config
-
-    model = getattr(engine, "model", None)  # the hf backend holds the model; SGLang's engine only its folder
-    if model is not None:
-        tc = text_config(model.config)
-    else:
-        from transformers import AutoConfig
-
-        tc = text_config(AutoConfig.from_pretrained(str(engine.info.model)))
-    heads = int(tc.num_attention_heads)
-    return DrafterModelConfig(
-        hidden_size=int(tc.hidden_size),
-        num_attention_heads=heads,
-        num_key_value_heads=int(getattr(tc, "num_key_value_heads", None) or heads),
-        head_dim=int(getattr(tc, "head_dim", None) or tc.hidden_size // heads),
-        intermediate_size=int(intermediate_size or tc.intermediate_size),
-        vocab_size=int(tc.vocab_size),
-        draft_vocab_size=min(int(draft_vocab_size), int(tc.vocab_size)),
-        aux_layer_ids=list(aux_layer_ids),
-        target_hidden_size=int(tc.hidden_size),
-        target_num_layers=int(tc.num_hidden_layers),
-        rope_theta=float(getattr(tc, "rope_theta", None) or (getattr(tc, "rope_parameters", None) or {}).get(
-            "rope_theta", 10000.0)),
-        rms_norm_eps=float(getattr(tc, "rms_norm_eps", 1e-6)),
-        max_position_embeddings=int(getattr(tc, "max_position_embeddings", 2048)),
-        target=str(engine.info.model),
-        bos_token_id=getattr(tc, "bos_token_id", None),
-        eos_token_id=getattr(tc, "eos_token_id", None),
-    )
+    """A drafter shaped like one decoder layer of the target (EAGLE-3's default), built as ``eaglenest train`` builds
+    it (:func:`~eaglenest.drafter.shape.drafter_model_config`) from the engine's target folder."""
+    facts = read_target_facts(engine.info.model)
+    return drafter_model_config(facts, aux_layer_ids, draft_vocab_size, intermediate_size=intermediate_size)
 
 
 def capture_samples(engine: Any, samples: Sequence[Sample], layer_ids: Sequence[int], *, batch_size: int = 16,
@@ -108,18 +95,9 @@ def capture_samples(engine: Any, samples: Sequence[Sample], layer_ids: Sequence[
     return out
 
 
-def _collate(items: list[_Captured], device: torch.device, dtype: torch.dtype):
-    b, t = len(items), max(int(x.ids.numel()) for x in items)
-    ids = torch.zeros(b, t, dtype=torch.long, device=device)
-    mask = torch.zeros(b, t, dtype=torch.bool, device=device)
-    aux = torch.zeros(b, t, items[0].aux.shape[-1], dtype=dtype, device=device)
-    last = torch.zeros(b, t, items[0].last.shape[-1], dtype=dtype, device=device)
-    lengths = torch.tensor([int(x.ids.numel()) for x in items], device=device)
-    for i, x in enumerate(items):
-        n = int(x.ids.numel())
-        ids[i, :n], mask[i, :n] = x.ids.to(device), x.mask.to(device)
-        aux[i, :n], last[i, :n] = x.aux.to(device, dtype), x.last.to(device, dtype)
-    return ids, mask, aux, last, lengths
+def _batch(items: list[_Captured], device: torch.device, dtype: torch.dtype) -> Batch:
+    """The training loop's collation (:func:`~eaglenest.drafter.batch.pad_batch`) over in-memory captures."""
+    return pad_batch([(x.ids, x.mask, x.aux, x.last) for x in items]).to(device, dtype)
 
 
 def fit_drafter(
@@ -142,45 +120,30 @@ def fit_drafter(
     model_cfg = drafter_config_for(engine, layers, cfg.draft_vocab_size, cfg.intermediate_size)
     mapping = build_vocab_mapping(counts, model_cfg.draft_vocab_size)
     device = engine.device
-    on_gpu = device.type == "cuda"
-    dtype = torch.bfloat16 if on_gpu else torch.float32
+    dtype = compute_dtype_for(device)
     torch.manual_seed(cfg.seed)
-    drafter = Eagle3Drafter(model_cfg)
     lm_head = engine.lm_head_weight().detach().float().cpu()
-    drafter.init_from_target(engine.embed_weight().detach().float().cpu(), lm_head, mapping.d2t, mapping.t2d)
+    drafter = init_drafter(model_cfg, engine.embed_weight(), lm_head, mapping)
     drafter.to(device).train()
     teacher = TeacherHead(lm_head.to(dtype), mapping).to(device)
     data = captured if captured is not None else capture_samples(
         engine, samples, layers, max_seq_len=cfg.max_seq_len)
     objective = TTTObjective(drafter, cfg.ttt_steps, cfg.step_weight_decay)
     params = [p for p in drafter.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=cfg.learning_rate, betas=(0.9, 0.95), weight_decay=0.0)
-
-    def lr_at(step: int) -> float:
-        if step < cfg.warmup_steps:
-            return (step + 1) / cfg.warmup_steps
-        prog = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
-        return 0.05 + 0.95 * 0.5 * (1.0 + math.cos(math.pi * min(1.0, prog)))
-
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
+    opt = make_optimizer(params, lr=cfg.learning_rate, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(cfg.steps, cfg.warmup_steps, floor=0.05))
     rng = random.Random(cfg.seed)
     order: list[int] = []
     history: list[dict[str, float]] = []
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if on_gpu else torch.autocast("cpu", enabled=False)
+    autocast = autocast_for(device)
     for step in range(cfg.steps):
         if len(order) < cfg.batch_size:
             fresh = list(range(len(data)))
             rng.shuffle(fresh)
             order += fresh
         pick, order = order[: cfg.batch_size], order[cfg.batch_size:]
-        ids, mask, aux, last, lengths = _collate([data[i] for i in pick], device, dtype)
-        with autocast:
-            targets = teacher(last, mask, lengths)
-            out = objective(ids, aux, targets)
-        opt.zero_grad(set_to_none=True)
-        out.loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
-        opt.step()
+        out = ttt_forward(_batch([data[i] for i in pick], device, dtype), teacher, objective, autocast)
+        apply_update(opt, params, out.loss, cfg.max_grad_norm)
         sched.step()
         if step % 25 == 0 or step == cfg.steps - 1:
             rec = {"step": float(step), "loss": float(out.loss.detach()),

@@ -17,6 +17,7 @@ import math
 import os
 import tempfile
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -40,30 +41,13 @@ def _log(msg: str) -> None:
 # ------------------------------------------------------------------------------------------------------ driver side
 def resolve_model_config(cfg: EaglenestConfig, facts, aux_layer_ids: list[int], draft_vocab_size: int):
     """The drafter's shape: the target's hidden size, heads etc. unless the train.drafter section overrides them."""
-    from eaglenest.drafter.model import DrafterModelConfig
+    from eaglenest.drafter.shape import drafter_model_config
 
     d = cfg.train.drafter
-    heads = d.num_heads or facts.num_attention_heads
-    kv = d.num_kv_heads or (facts.num_key_value_heads if heads == facts.num_attention_heads else heads)
-    head_dim = d.head_dim or (facts.head_dim if heads == facts.num_attention_heads else facts.hidden_size // heads)
-    return DrafterModelConfig(
-        hidden_size=facts.hidden_size,
-        num_attention_heads=heads,
-        num_key_value_heads=kv,
-        head_dim=head_dim,
-        intermediate_size=d.intermediate_size or facts.intermediate_size,
-        vocab_size=facts.vocab_size,
-        draft_vocab_size=draft_vocab_size,
-        aux_layer_ids=list(aux_layer_ids),
-        target_hidden_size=facts.hidden_size,
-        target_num_layers=facts.num_layers,
-        rope_theta=facts.rope_theta,
-        rms_norm_eps=facts.rms_norm_eps,
-        max_position_embeddings=max(d.max_position_embeddings or 0, facts.max_position_embeddings),
-        target=facts.path,
-        bos_token_id=facts.bos_token_id,
-        eos_token_id=facts.eos_token_id,
-    )
+    return drafter_model_config(facts, aux_layer_ids, draft_vocab_size, num_heads=d.num_heads,
+                                num_kv_heads=d.num_kv_heads, head_dim=d.head_dim,
+                                intermediate_size=d.intermediate_size,
+                                max_position_embeddings=d.max_position_embeddings)
 
 
 def prepare_vocab(out: Path, files: list[Path], vocab_size: int, draft_vocab_size: int, fraction: float, seed: int):
@@ -96,24 +80,6 @@ def ensure_ray(num_cpus_needed: float) -> None:
     from eaglenest.runtime import init_ray
 
     init_ray(num_cpus=max(os.cpu_count() or 1, math.ceil(num_cpus_needed)), include_dashboard=False)
-
-
-def _trainer_class():
-    """TorchTrainer without Train V2's placement-group cleaner.
-
-    The cleaner asks the Ray state API (with no address) whether the controller is alive. When several Ray instances
-    run on one machine (CI, shared dev boxes) it can reach another instance's dashboard, which does not know our
-    controller and answers "not found"; the cleaner then removes our placement group and kills the running workers.
-    A job's placement groups are removed by Ray when the job ends anyway, so nothing leaks without it.
-    """
-    from ray.train.torch import TorchTrainer
-
-    class EaglenestTorchTrainer(TorchTrainer):
-        def _create_default_callbacks(self):  # Ray 2.60 (pinned): the trainer's default callback list
-            callbacks = super()._create_default_callbacks()
-            return [c for c in callbacks if type(c).__name__ != "PlacementGroupCleanerCallback"]
-
-    return EaglenestTorchTrainer
 
 
 def train_drafter(cfg: EaglenestConfig, data_dir: str | Path, output_dir: str | Path) -> dict[str, Any]:
@@ -168,6 +134,8 @@ def train_drafter(cfg: EaglenestConfig, data_dir: str | Path, output_dir: str | 
     import ray
     import ray.data
     from ray.train import CheckpointConfig, DataConfig, FailureConfig, RunConfig, ScalingConfig
+
+    from eaglenest.ray_private import trainer_class  # TorchTrainer without Train V2's placement-group cleaner
     ensure_ray(tc.num_workers * tc.cpus_per_worker + 2)  # + headroom for the Ray Data list/read tasks
     data_ctx = ray.data.DataContext.get_current()
     bars = data_ctx.enable_progress_bars
@@ -193,7 +161,7 @@ def train_drafter(cfg: EaglenestConfig, data_dir: str | Path, output_dir: str | 
         "total_steps": total_steps,
         "steps_per_epoch": steps_per_epoch,
     }
-    trainer = _trainer_class()(
+    trainer = trainer_class()(
         _train_loop,
         train_loop_config=loop_config,
         scaling_config=ScalingConfig(num_workers=tc.num_workers, use_gpu=tc.use_gpu, resources_per_worker=resources),
@@ -308,261 +276,283 @@ def _all_reduce(t, world: int):
 
 
 def _lr_lambda(total_steps: int, warmup_ratio: float):
-    warmup = math.ceil(warmup_ratio * total_steps)
+    from eaglenest.drafter.steps import warmup_cosine
 
-    def f(step: int) -> float:
-        if warmup and step < warmup:
-            return (step + 1) / warmup
-        progress = (step - warmup) / max(1, total_steps - warmup)
-        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
-
-    return f
+    return warmup_cosine(total_steps, math.ceil(warmup_ratio * total_steps))
 
 
-def _train_loop(config: dict[str, Any]) -> None:  # noqa: C901 - one linear training loop reads best in one place
-    import ray.train
-    import ray.train.torch
-    import torch
+@dataclass
+class _TrainState:
+    """Where training stands; saved in every checkpoint and restored on resume (data position included)."""
 
-    from eaglenest.drafter.checkpoint import (
-        load_training_checkpoint,
-        restore,
-        save_training_checkpoint,
-        state_fingerprint,
-    )
-    from eaglenest.drafter.data import collate
-    from eaglenest.drafter.model import DrafterModelConfig, Eagle3Drafter
-    from eaglenest.drafter.target import load_target_embed_and_head
-    from eaglenest.drafter.ttt import TeacherHead, TTTObjective, step_metrics
-    from eaglenest.drafter.vocab import VocabMapping
+    step: int = 0
+    epoch: int = 0
+    epoch_batches: int = 0
+    """batches of the current epoch already trained on (skipped when a resumed run replays the epoch)"""
+    nonfinite_steps: int = 0
 
-    cfg = EaglenestConfig.model_validate(config["cfg"])
-    tc = cfg.train
-    out = Path(config["out"])
-    total_steps, dtype_name = int(config["total_steps"]), config["dtype"]
-    ctx = ray.train.get_context()
-    rank, world = ctx.get_world_rank(), ctx.get_world_size()
-    device = ray.train.torch.get_device()
-    on_gpu = device.type == "cuda"
-    if not on_gpu:
-        torch.set_num_threads(max(1, int(tc.cpus_per_worker)))
-    torch.manual_seed(tc.seed + rank)
+    def restore(self, saved: dict[str, Any]) -> None:
+        for k, v in asdict(self).items():
+            setattr(self, k, int(saved.get(k, v)))
 
-    model_cfg = DrafterModelConfig.from_dict(config["model_cfg"])
-    mapping = VocabMapping.load(config["vocab_path"])
-    embed, lm_head = load_target_embed_and_head(model_cfg.target)
-    drafter = Eagle3Drafter(model_cfg)
-    drafter.init_from_target(embed.float(), lm_head.float(), mapping.d2t, mapping.t2d)
-    compute_dtype = torch.bfloat16 if on_gpu else torch.float32
-    teacher = TeacherHead(lm_head.to(compute_dtype), mapping).to(device)
-    del embed, lm_head
 
-    state = {"step": 0, "epoch": 0, "epoch_batches": 0, "nonfinite_steps": 0}
-    ckpt_obj = ray.train.get_checkpoint()
-    ckpt = None
-    if ckpt_obj is not None:
+class _Window:
+    """Per-step sums (ce, correct, count) and tokens since the last train record, reduced over workers on read."""
+
+    def __init__(self, ttt_steps: int, device: Any, world: int) -> None:
+        import torch
+
+        self.sums = torch.zeros(3, ttt_steps, dtype=torch.float64, device=device)
+        self.device, self.world = device, world
+        self.tokens, self.t0 = 0, time.time()
+
+    def add_step(self, sums: Any) -> None:
+        """A finite step's per-step sums (skipped steps add none)."""
+        self.sums += sums
+
+    def add_tokens(self, tokens: int) -> None:
+        self.tokens += tokens
+
+    def record(self, state: _TrainState, lr: float, step_weight_decay: float, ttt_steps: int) -> dict[str, Any]:
+        """The train record of the window (every worker must call it: it all-reduces), then start a new window."""
+        import torch
+
+        from eaglenest.drafter.ttt import step_metrics
+
+        w = _all_reduce(self.sums.clone(), self.world)
+        toks = _all_reduce(torch.tensor([float(self.tokens)], dtype=torch.float64, device=self.device), self.world)
+        m = step_metrics(w[0].cpu(), w[1].cpu(), w[2].cpu())
+        rec = {"kind": "train", "step": state.step, "epoch": state.epoch, "lr": lr,
+               "tokens_per_s": float(toks.item()) / max(1e-9, time.time() - self.t0),
+               "nonfinite_steps": state.nonfinite_steps, "time": time.time(), **m}
+        rec["loss"] = sum(step_weight_decay ** k * rec[f"loss_{k}"] for k in range(ttt_steps))
+        self.sums.zero_()
+        self.tokens, self.t0 = 0, time.time()
+        return rec
+
+
+class _Worker:
+    """One Ray Train worker's run: the drafter, its optimizer and data, and the step / eval / checkpoint actions."""
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        import ray.train
+        import ray.train.torch
+        import torch
+
+        from eaglenest.drafter.model import DrafterModelConfig
+        from eaglenest.drafter.steps import compute_dtype_for, init_drafter, make_optimizer
+        from eaglenest.drafter.target import load_target_embed_and_head
+        from eaglenest.drafter.ttt import TeacherHead, TTTObjective
+        from eaglenest.drafter.vocab import VocabMapping
+
+        self.cfg = EaglenestConfig.model_validate(config["cfg"])
+        tc = self.tc = self.cfg.train
+        self.out = Path(config["out"])
+        self.vocab_path = config["vocab_path"]
+        self.total_steps, self.dtype_name = int(config["total_steps"]), config["dtype"]
+        ctx = ray.train.get_context()
+        self.rank, self.world = ctx.get_world_rank(), ctx.get_world_size()
+        self.device = ray.train.torch.get_device()
+        if self.device.type != "cuda":
+            torch.set_num_threads(max(1, int(tc.cpus_per_worker)))
+        torch.manual_seed(tc.seed + self.rank)
+
+        self.model_cfg = DrafterModelConfig.from_dict(config["model_cfg"])
+        self.mapping = VocabMapping.load(self.vocab_path)
+        embed, lm_head = load_target_embed_and_head(self.model_cfg.target)
+        self.drafter = init_drafter(self.model_cfg, embed, lm_head, self.mapping)
+        self.compute_dtype = compute_dtype_for(self.device)
+        self.teacher = TeacherHead(lm_head.to(self.compute_dtype), self.mapping).to(self.device)
+        del embed, lm_head
+
+        ckpt = self._load_checkpoint()
+        self.objective = TTTObjective(self.drafter, tc.ttt_steps, tc.step_weight_decay)
+        self.model = ray.train.torch.prepare_model(self.objective)
+        self.trainable = [p for p in self.drafter.parameters() if p.requires_grad]
+        self.optimizer = make_optimizer(self.trainable, lr=tc.learning_rate, weight_decay=tc.weight_decay,
+                                        fused=self.device.type == "cuda")
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer,
+                                                           _lr_lambda(self.total_steps, tc.warmup_ratio))
+        self.reporter = _Reporter(self.out, tc.run_name, self.total_steps, enabled=self.rank == 0)
+        self.state = _TrainState()
+        self._resume(ckpt)
+
+    # ------------------------------------------------------------------------------------------- checkpoints
+    def _load_checkpoint(self):
+        """The newest checkpoint of this run (weights restored into the drafter), or None on a fresh start."""
+        import ray.train
+
+        from eaglenest.drafter.checkpoint import load_training_checkpoint, restore
+
+        ckpt_obj = ray.train.get_checkpoint()
+        if ckpt_obj is None:
+            return None
         with ckpt_obj.as_directory() as d:
             ckpt = load_training_checkpoint(d)
-        if ckpt.config.to_dict() != model_cfg.to_dict():
+        if ckpt.config.to_dict() != self.model_cfg.to_dict():
             raise ValueError(f"checkpoint {ckpt.path} was trained with another drafter shape; use a new output dir")
-        if ckpt.mapping.fingerprint() != mapping.fingerprint():
+        if ckpt.mapping.fingerprint() != self.mapping.fingerprint():
             raise ValueError(
-                f"checkpoint {ckpt.path} holds vocab mapping {ckpt.mapping.fingerprint()} but {config['vocab_path']} "
-                f"holds {mapping.fingerprint()}; the mapping is never rebuilt on resume. Restore the original "
+                f"checkpoint {ckpt.path} holds vocab mapping {ckpt.mapping.fingerprint()} but {self.vocab_path} "
+                f"holds {self.mapping.fingerprint()}; the mapping is never rebuilt on resume. Restore the original "
                 "vocab.safetensors or start a new output folder."
             )
-        restore(ckpt, drafter)
+        restore(ckpt, self.drafter)
+        return ckpt
 
-    objective = TTTObjective(drafter, tc.ttt_steps, tc.step_weight_decay)
-    model = ray.train.torch.prepare_model(objective)
-    trainable = [p for p in drafter.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=tc.learning_rate, betas=(0.9, 0.95), weight_decay=tc.weight_decay,
-                                  **({"fused": True} if on_gpu else {}))
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(total_steps, tc.warmup_ratio))
-    reporter = _Reporter(out, tc.run_name, total_steps, enabled=rank == 0)
-    if ckpt is not None:
-        restore(ckpt, drafter, optimizer, scheduler)
-        for k in state:
-            state[k] = int(ckpt.state.get(k, state[k]))
-        reporter.truncate_after(state["step"])
-        if rank == 0:
-            record = {
-                "resumed_from_step": state["step"], "checkpoint": str(ckpt.path), "epoch": state["epoch"],
-                "epoch_batches": state["epoch_batches"],
-                "optimizer_fingerprint_checkpoint": ckpt.state.get("optimizer_fingerprint"),
-                "optimizer_fingerprint_loaded": state_fingerprint(optimizer.state_dict()),
-                "vocab_fingerprint_checkpoint": ckpt.mapping.fingerprint(),
-                "vocab_fingerprint_run": mapping.fingerprint(), "time": time.time(),
-            }
-            with (out / "resume_log.jsonl").open("a") as f:
-                f.write(json.dumps(record, sort_keys=True) + "\n")
-            _log(f"resumed from step {state['step']} ({ckpt.path})")
-    else:
-        reporter.truncate_after(-1)
-    del ckpt
+    def _resume(self, ckpt) -> None:
+        """Restore optimizer, scheduler and position from ``ckpt``; trim metrics.jsonl to it; log the resume."""
+        from eaglenest.drafter.checkpoint import restore, state_fingerprint
 
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if on_gpu else torch.autocast("cpu", enabled=False)
-    train_it = ray.train.get_dataset_shard("train")
-    eval_it = None
-    if tc.eval_fraction > 0:
-        try:  # the driver drops the eval dataset when the split holds no sample (small data, small fraction)
-            eval_it = ray.train.get_dataset_shard("eval")
-        except KeyError:
-            eval_it = None
-    hidden = model_cfg.target_hidden_size
-
-    def batches(it, **kw):
-        yield from it.iter_batches(batch_size=tc.batch_size, batch_format="pyarrow", **kw)
-
-    def run_batch(table, module):
-        b = collate(table, dtype=dtype_name, hidden_size=hidden, max_seq_len=tc.max_seq_len).to(device, compute_dtype)
-        with autocast:
-            targets = teacher(b.last, b.loss_mask, b.lengths)
-            return module(b.input_ids, b.aux, targets), b.num_tokens
-
-    eval_cache: list | None = None  # held-out tables kept in memory when small (restarting a stream costs seconds)
-
-    def eval_tables():
-        nonlocal eval_cache
-        if eval_cache is not None:
-            yield from eval_cache
+        if ckpt is None:
+            self.reporter.truncate_after(-1)
             return
-        kept, size = [], 0
-        for table in batches(eval_it):
-            size += table.nbytes
-            if kept is not None:
-                kept = kept + [table] if size <= EVAL_CACHE_BYTES else None
-            yield table
-        eval_cache = kept
+        restore(ckpt, self.drafter, self.optimizer, self.scheduler)
+        self.state.restore(ckpt.state)
+        self.reporter.truncate_after(self.state.step)
+        if self.rank != 0:
+            return
+        record = {
+            "resumed_from_step": self.state.step, "checkpoint": str(ckpt.path), "epoch": self.state.epoch,
+            "epoch_batches": self.state.epoch_batches,
+            "optimizer_fingerprint_checkpoint": ckpt.state.get("optimizer_fingerprint"),
+            "optimizer_fingerprint_loaded": state_fingerprint(self.optimizer.state_dict()),
+            "vocab_fingerprint_checkpoint": ckpt.mapping.fingerprint(),
+            "vocab_fingerprint_run": self.mapping.fingerprint(), "time": time.time(),
+        }
+        with (self.out / "resume_log.jsonl").open("a") as f:
+            f.write(json.dumps(record, sort_keys=True) + "\n")
+        _log(f"resumed from step {self.state.step} ({ckpt.path})")
 
-    def evaluate() -> dict[str, float] | None:
-        if eval_it is None:
+    def checkpoint(self, metrics: dict[str, Any]) -> None:
+        """Report a full training checkpoint (rank 0 writes it; every worker reports: it is a barrier)."""
+        import ray.train
+
+        from eaglenest.drafter.checkpoint import save_training_checkpoint
+
+        with tempfile.TemporaryDirectory(prefix="eaglenest-ckpt-") as d:
+            ck = None
+            if self.rank == 0:
+                save_training_checkpoint(d, drafter=self.drafter, optimizer=self.optimizer, scheduler=self.scheduler,
+                                         mapping=self.mapping, state=asdict(self.state))
+                ck = ray.train.Checkpoint.from_directory(d)
+            ray.train.report(metrics, checkpoint=ck, checkpoint_dir_name=f"checkpoint_step{self.state.step:08d}")
+
+    # ------------------------------------------------------------------------------------------ steps and eval
+    def forward(self, table: Any, module: Any):
+        """The TTT objective on one shard batch: (output, real tokens in the batch)."""
+        from eaglenest.drafter.data import collate
+        from eaglenest.drafter.steps import autocast_for, ttt_forward
+
+        b = collate(table, dtype=self.dtype_name, hidden_size=self.model_cfg.target_hidden_size,
+                    max_seq_len=self.tc.max_seq_len).to(self.device, self.compute_dtype)
+        return ttt_forward(b, self.teacher, module, autocast_for(self.device)), b.num_tokens
+
+    def train_step(self, table: Any) -> tuple[Any, int, bool]:
+        """Forward, then update unless any worker's loss is non-finite: (output, tokens, updated)."""
+        import torch
+
+        from eaglenest.drafter.steps import apply_update
+
+        o, ntok = self.forward(table, self.model)
+        finite = torch.isfinite(o.loss.detach()).double().reshape(1)
+        ok = bool(_all_reduce(finite, self.world).item() == self.world)
+        apply_update(self.optimizer, self.trainable, o.loss if ok else None, self.tc.max_grad_norm)
+        return o, ntok, ok
+
+    def evaluate(self, eval_batches) -> dict[str, float] | None:
+        """Held-out metrics over every worker's eval shard (None without a held-out split)."""
+        import torch
+
+        from eaglenest.drafter.steps import window_sums
+        from eaglenest.drafter.ttt import step_metrics
+
+        if eval_batches is None:
             return None
-        sums = torch.zeros(3, tc.ttt_steps, dtype=torch.float64, device=device)
-        drafter.eval()
+        sums = torch.zeros(3, self.tc.ttt_steps, dtype=torch.float64, device=self.device)
+        self.drafter.eval()
         with torch.no_grad():
-            for table in eval_tables():
-                o, _ = run_batch(table, objective)
-                sums += torch.stack([o.ce_sum, o.correct, o.count]).double()
-        drafter.train()
-        _all_reduce(sums, world)
+            for table in eval_batches:
+                o, _ = self.forward(table, self.objective)
+                sums += window_sums(o)
+        self.drafter.train()
+        _all_reduce(sums, self.world)
         return step_metrics(sums[0].cpu(), sums[1].cpu(), sums[2].cpu())
 
-    def eval_and_log(step: int) -> None:
-        m = evaluate()
+    def eval_and_log(self, eval_batches, step: int) -> None:
+        m = self.evaluate(eval_batches)
         if m is not None:
-            reporter.write({"kind": "eval", "step": step, "epoch": state["epoch"], "time": time.time(), **m})
-            if rank == 0:
+            self.reporter.write({"kind": "eval", "step": step, "epoch": self.state.epoch, "time": time.time(), **m})
+            if self.rank == 0:
                 _log(f"held-out @ step {step}: acc_0 {m['acc_0']:.3f} loss_0 {m['loss_0']:.4f} "
                      f"sim_accept_length {m['sim_accept_length']:.2f}")
 
-    def checkpoint(metrics: dict[str, Any]) -> None:
-        with tempfile.TemporaryDirectory(prefix="eaglenest-ckpt-") as d:
-            ck = None
-            if rank == 0:
-                save_training_checkpoint(d, drafter=drafter, optimizer=optimizer, scheduler=scheduler,
-                                         mapping=mapping, state=dict(state))
-                ck = ray.train.Checkpoint.from_directory(d)
-            ray.train.report(metrics, checkpoint=ck, checkpoint_dir_name=f"checkpoint_step{state['step']:08d}")
+    def nonfinite(self) -> None:
+        """Count a skipped step; too many in a row means training diverged."""
+        self.state.nonfinite_steps += 1
+        self._consecutive_bad += 1
+        self.reporter.nonfinite()
+        if self._consecutive_bad >= MAX_CONSECUTIVE_NONFINITE:
+            raise FloatingPointError(
+                f"{self._consecutive_bad} consecutive non-finite losses at step {self.state.step}: training diverged "
+                "(lower train.learning_rate or check the shards for NaN hidden states)"
+            )
 
-    if state["step"] == 0:
-        eval_and_log(0)
-    window = torch.zeros(3, tc.ttt_steps, dtype=torch.float64, device=device)  # ce sum, correct, count per step
-    win_tokens, win_t0, consecutive_bad = 0, time.time(), 0
-    drafter.train()
-    train_cache: Any = None  # None: not built yet; False: too large to keep; else the worker's rows, sorted by id
+    # ------------------------------------------------------------------------------------------------- the loop
+    def run(self) -> None:
+        import ray.train
 
-    def epoch_tables(epoch: int):
-        """One epoch of batches: streamed from Ray Data, or from memory once the split is known to be small.
+        from eaglenest.drafter.epochs import EvalBatches, TrainEpochs
+        from eaglenest.drafter.steps import window_sums
 
-        Cached epochs visit the rows in a permutation seeded by (seed, epoch) over rows sorted by sample id, so the
-        order is a function of the data and the seed alone and a resumed run sees the same batches.
-        """
-        nonlocal train_cache
-        if train_cache is None and epoch > 0:
-            # resumed past epoch 0: rebuild the cache first, so this epoch sees the same permutation as before
-            for _ in _streamed(epoch):
-                if train_cache is False:
-                    break  # too large to keep: stop the extra pass at once and stream as usual
-        if train_cache is not None and train_cache is not False:
-            import numpy as np
+        tc, state = self.tc, self.state
+        epochs = TrainEpochs(ray.train.get_dataset_shard("train"), tc.batch_size, tc.seed, TRAIN_CACHE_BYTES)
+        eval_batches = None
+        if tc.eval_fraction > 0:
+            try:  # the driver drops the eval dataset when the split holds no sample (small data, small fraction)
+                eval_batches = EvalBatches(ray.train.get_dataset_shard("eval"), tc.batch_size, EVAL_CACHE_BYTES)
+            except KeyError:
+                eval_batches = None
 
-            order = np.random.default_rng(tc.seed + 1000 * epoch).permutation(train_cache.num_rows)
-            shuffled = train_cache.take(order)
-            for start in range(0, shuffled.num_rows, tc.batch_size):
-                yield shuffled.slice(start, tc.batch_size)
-            return
-        yield from _streamed(epoch)
-
-    def _streamed(epoch: int):
-        """Stream one epoch from Ray Data, keeping the rows in memory when they fit (TRAIN_CACHE_BYTES)."""
-        nonlocal train_cache
-        kept, size = [], 0
-        for table in batches(train_it, local_shuffle_buffer_size=4 * tc.batch_size,
-                             local_shuffle_seed=tc.seed + 1000 * epoch):
-            if kept is not None:
-                size += table.nbytes
-                kept = kept + [table] if size <= TRAIN_CACHE_BYTES else None
-                if kept is None:
-                    train_cache = False
-            yield table
-        if kept and train_cache is None:
-            import pyarrow as pa
-
-            table = pa.concat_tables(kept)
-            train_cache = table.sort_by("id") if "id" in table.column_names else table
-
-    while state["step"] < total_steps:
-        skip = state["epoch_batches"]
-        it = epoch_tables(state["epoch"])
-        for i, table in enumerate(it):
-            if i < skip:
-                continue  # data position: the batches this epoch already trained on before the checkpoint
-            o, ntok = run_batch(table, model)
-            finite = torch.isfinite(o.loss.detach()).double().reshape(1)
-            ok = bool(_all_reduce(finite, world).item() == world)
-            optimizer.zero_grad(set_to_none=True)
-            if ok:
-                o.loss.backward()
-                torch.nn.utils.clip_grad_norm_(trainable, tc.max_grad_norm)
-                optimizer.step()
-                consecutive_bad = 0
-                window += torch.stack([o.ce_sum, o.correct, o.count]).double()
+        if state.step == 0:
+            self.eval_and_log(eval_batches, 0)
+        window = _Window(tc.ttt_steps, self.device, self.world)
+        self._consecutive_bad = 0
+        self.drafter.train()
+        while state.step < self.total_steps:
+            skip = state.epoch_batches
+            for i, table in enumerate(epochs.epoch(state.epoch)):
+                if i < skip:
+                    continue  # data position: the batches this epoch already trained on before the checkpoint
+                o, ntok, ok = self.train_step(table)
+                if ok:
+                    self._consecutive_bad = 0
+                    window.add_step(window_sums(o))
+                else:
+                    self.nonfinite()
+                self.scheduler.step()
+                state.step += 1
+                state.epoch_batches = i + 1
+                window.add_tokens(ntok)
+                step = state.step
+                last = step >= self.total_steps
+                if step % tc.log_every == 0 or last:
+                    rec = window.record(state, self.scheduler.get_last_lr()[0], tc.step_weight_decay, tc.ttt_steps)
+                    self.reporter.write(rec)
+                    self.reporter.progress(step, state.epoch, rec)
+                if step % tc.eval_every == 0 or last:
+                    self.eval_and_log(eval_batches, step)
+                if step % tc.checkpoint_every == 0 or last:
+                    self.checkpoint({"step": step})
+                if last:
+                    break
             else:
-                state["nonfinite_steps"] += 1
-                consecutive_bad += 1
-                reporter.nonfinite()
-                if consecutive_bad >= MAX_CONSECUTIVE_NONFINITE:
-                    raise FloatingPointError(
-                        f"{consecutive_bad} consecutive non-finite losses at step {state['step']}: training diverged "
-                        "(lower train.learning_rate or check the shards for NaN hidden states)"
-                    )
-            scheduler.step()
-            state["step"] += 1
-            state["epoch_batches"] = i + 1
-            win_tokens += ntok
-            step = state["step"]
-            last = step >= total_steps
-            if step % tc.log_every == 0 or last:
-                w = _all_reduce(window.clone(), world)
-                toks = _all_reduce(torch.tensor([float(win_tokens)], dtype=torch.float64, device=device), world)
-                m = step_metrics(w[0].cpu(), w[1].cpu(), w[2].cpu())
-                rec = {"kind": "train", "step": step, "epoch": state["epoch"], "lr": scheduler.get_last_lr()[0],
-                       "tokens_per_s": float(toks.item()) / max(1e-9, time.time() - win_t0),
-                       "nonfinite_steps": state["nonfinite_steps"], "time": time.time(), **m}
-                rec["loss"] = sum(tc.step_weight_decay ** k * rec[f"loss_{k}"] for k in range(tc.ttt_steps))
-                reporter.write(rec)
-                reporter.progress(step, state["epoch"], rec)
-                window.zero_()
-                win_tokens, win_t0 = 0, time.time()
-            if step % tc.eval_every == 0 or last:
-                eval_and_log(step)
-            if step % tc.checkpoint_every == 0 or last:
-                checkpoint({"step": step})
-            if last:
-                break
-        else:
-            state["epoch"] += 1
-            state["epoch_batches"] = 0
-            continue
-        break
+                state.epoch += 1
+                state.epoch_batches = 0
+                continue
+            break
+
+
+def _train_loop(config: dict[str, Any]) -> None:
+    """Ray Train's per-worker entry point."""
+    _Worker(config).run()

@@ -36,12 +36,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from eaglenest.contracts.sharegpt import sharegpt_record, speaker_role
 from eaglenest.engines.base import render_chat_ids, render_chat_text
 from eaglenest.engines.widen import WideShape, count_parameters, widen_config, widen_state_dict
 
-ROLE_OF = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "bing": "assistant",
-           "bard": "assistant", "assistant": "assistant"}
-"""ShareGPT speaker names seen in public dumps -> chat roles (others, e.g. "system", end the usable part)."""
+CHAT_ROLES = ("user", "assistant")
+"""The roles pre-training keeps; other speakers (system, tool, unknown names) end a record's usable part."""
 
 
 @dataclass(frozen=True)
@@ -115,7 +115,8 @@ def chat_of(record: dict) -> list[dict[str, str]]:
     turns = record.get("conversations") or []
     messages: list[dict[str, str]] = []
     for t in turns:
-        role = ROLE_OF.get(str(t.get("from", "")).lower()) if isinstance(t, dict) else None
+        role = speaker_role(t.get("from", "")) if isinstance(t, dict) else None
+        role = role if role in CHAT_ROLES else None
         value = t.get("value") if isinstance(t, dict) else None
         if not messages and role == "assistant":
             continue
@@ -320,8 +321,7 @@ def write_prompt_files(records: list[dict], split: int, tokenizer: Any, out: Pat
     held = pick(((i + split, r) for i, r in enumerate(records[split:])), n_heldout)
     with (out / "train.jsonl").open("w") as f:
         for i, r, ex in train:
-            f.write(json.dumps({"id": r.get("id", f"record-{i}"), "conversations": [
-                {"from": "human", "value": ex[0]["content"]}, {"from": "gpt", "value": ex[1]["content"]}]}) + "\n")
+            f.write(json.dumps(sharegpt_record(r.get("id", f"record-{i}"), ex[:2])) + "\n")
     with (out / "heldout.jsonl").open("w") as f:
         for i, r, ex in held:
             f.write(json.dumps({"id": r.get("id", f"record-{i}"), "domain": "chat", "messages": ex[:1]}) + "\n")

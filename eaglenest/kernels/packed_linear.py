@@ -16,14 +16,15 @@ from torch import nn
 
 from eaglenest.kernels.build import load_kernel
 
-_kernel = None  # the loaded C function, set by the first PackedLinear
+_kernel = None  # the kernel's torch operator, set by the first PackedLinear
 
 PANEL = 16
 _MIN_WORK_PER_THREAD = 1 << 16  # weights below this run on one thread: OpenMP fork/join would cost more
 MIN_PACKED_ELEMENTS = 1 << 17
-"""Smaller weights stay on torch's linear, where a call's fixed cost (~10-15 us more through ctypes and Python) is
-more than the kernel saves: on this repo's 2-core AVX2 VM a 6-row product wins from ~130k weights (256 x 512) on;
-one row costs ~10 us more while the weights sit in cache and less once they stream from memory (a whole model)."""
+"""Smaller weights stay on torch's linear, where a call's fixed cost (~10-15 us more through the operator call
+and Python) is more than the kernel saves: on this repo's 2-core AVX2 VM a 6-row product wins from ~130k weights
+(256 x 512) on; one row costs ~10 us more while the weights sit in cache and less once they stream from memory (a
+whole model)."""
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -40,11 +41,11 @@ class PackedLinear(nn.Module):
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
-        lib = load_kernel()
-        if lib is None:
+        op = load_kernel()
+        if op is None:
             raise RuntimeError("the CPU kernel is unavailable here; use eaglenest.kernels.pack_linears, which skips")
         global _kernel
-        _kernel = lib.small_batch_linear  # module-level, not on the instance: modules must stay deep-copyable
+        _kernel = op  # module-level, not on the instance: modules must stay deep-copyable
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.register_buffer("packed", pack_weight(linear.weight), persistent=False)
         bias = None if linear.bias is None else linear.bias.detach().float().cpu().clone()
@@ -67,11 +68,8 @@ class PackedLinear(nn.Module):
         rows = x.reshape(-1, k)
         if not rows.is_contiguous():
             rows = rows.contiguous()
-        m = rows.shape[0]
-        out = torch.empty(m, n, dtype=torch.float32)
-        if m:
-            threads = torch.get_num_threads() if n * k >= _MIN_WORK_PER_THREAD else 1
-            _kernel(rows.data_ptr(), m, k, self.packed.data_ptr(), n, out.data_ptr(), threads)
+        threads = torch.get_num_threads() if n * k >= _MIN_WORK_PER_THREAD else 1
+        out = _kernel(rows, self.packed, n, threads)
         if self.bias is not None:
             out += self.bias
         return out.view(*x.shape[:-1], n)

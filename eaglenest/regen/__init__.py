@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from eaglenest.regen.adapters import (
+from eaglenest.regen.formats import (
     ADAPTERS,
     NORMALIZED_SCHEMA,
     QUARANTINE_SCHEMA,

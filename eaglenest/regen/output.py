@@ -44,7 +44,7 @@ from eaglenest.contracts.shards import (
     shard_files,
     write_manifest,
 )
-from eaglenest.regen.adapters import QUARANTINE_SCHEMA
+from eaglenest.regen.formats import QUARANTINE_SCHEMA
 
 SHARDS, QUARANTINE, PLAN = "shards", "quarantine", "plan"
 ROW_GROUP_BYTES = 256 << 20  # keeps every binary chunk far below Arrow's 2 GiB array limit

@@ -124,7 +124,9 @@ def _run_locked(cfg: EaglenestConfig, sources: list, out_dir: Path, limit: int |
             engine_time = ray.get(tracker.engine_time.remote())
         if flush_metrics if flush_metrics is not None else bool(os.environ.get("RAY_ADDRESS")):
             ray.get(tracker.snapshot.remote())  # final gauges (ETA 0)
-            time.sleep(max(ray._config.metrics_report_interval_ms(), 1000) / 1000 + 1)
+            from eaglenest.ray_private import metrics_report_interval_s
+
+            time.sleep(max(metrics_report_interval_s(), 1.0) + 1)
     finally:
         with contextlib.suppress(Exception):
             ray.kill(tracker)

@@ -35,7 +35,7 @@ from typing import Any
 
 from eaglenest.contracts.shards import tensor_to_bytes
 from eaglenest.engines.base import Generation, SamplingParams, TargetEngine, render_chat_text
-from eaglenest.regen.adapters import (
+from eaglenest.regen.formats import (
     ASSISTANT_RENDER_MISMATCH,
     ENGINE_ERROR,
     TEMPLATE_NOT_APPEND_ONLY,

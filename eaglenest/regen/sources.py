@@ -27,7 +27,7 @@ from ray.data.block import BlockMetadata
 from ray.data.datasource import Datasource, ReadTask
 
 from eaglenest.config import ConfigError, SourceConfig
-from eaglenest.regen.adapters import (
+from eaglenest.regen.formats import (
     DAMAGED_SOURCE,
     INVALID_JSON,
     NORMALIZED_SCHEMA,
@@ -200,7 +200,8 @@ def data_context(**options: Any) -> Iterator[Any]:
     """Set DataContext options for one execution and restore them (the context is process-global).
 
     ``use_datasource_v2=False`` keeps ``read_parquet`` on one fractional-CPU read task per file: the V2 path adds a
-    ``ListFiles`` task that asks for a whole CPU, which on a small cluster waits behind the engine actors.
+    ``ListFiles`` task that asks for a whole CPU, which on a small cluster waits behind the engine actors (an
+    internal DataContext field: listed in :mod:`eaglenest.ray_private`).
     """
     from ray.data import DataContext
 

@@ -17,7 +17,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from ray.data import Datasink
 
-from eaglenest.regen.adapters import OK
+from eaglenest.regen.formats import OK
 from eaglenest.regen.regenerate import Quarantined, Regenerated, Result, Sample
 
 RESULT_SCHEMA = pa.schema([

@@ -70,9 +70,9 @@ def start_apps(apps: list[AppSpec], *, host: str = "127.0.0.1", port: int = 8000
     _ray_env()
     import ray
     from ray import serve
-    from ray.serve._private.api import serve_start
     from ray.serve.api import RunTarget
 
+    from eaglenest.ray_private import serve_start, worker_niceness_option
     from eaglenest.runtime import init_ray
     from eaglenest.serve.deployment import make_app
 
@@ -81,7 +81,7 @@ def start_apps(apps: list[AppSpec], *, host: str = "127.0.0.1", port: int = 8000
         # the node decodes several times slower (measured here), so replicas run at normal priority. That and
         # num_cpus are options of a Ray we start; attached to a running cluster (`ray job submit`, `ray start`),
         # the cluster's own settings apply.
-        local: dict[str, Any] = {"log_to_driver": False, "_system_config": {"worker_niceness": 0}}
+        local: dict[str, Any] = {"log_to_driver": False, **worker_niceness_option(0)}
         if num_cpus is not None:
             local["num_cpus"] = num_cpus
         _STATE["owns_ray"] = init_ray(**local)

@@ -91,9 +91,9 @@ class Drain:
 
 # --------------------------------------------------------------------------------------- Ray KV coordination
 def _kv() -> tuple[Callable, Callable, Callable, Callable]:
-    from ray.experimental.internal_kv import _internal_kv_del, _internal_kv_get, _internal_kv_list, _internal_kv_put
+    from eaglenest.ray_private import internal_kv
 
-    return _internal_kv_get, _internal_kv_put, _internal_kv_del, _internal_kv_list
+    return internal_kv()
 
 
 class DrainWatcher:

@@ -15,7 +15,7 @@ import yaml
 from eaglenest.contracts.shards import bytes_to_tensor
 from eaglenest.engines import SamplingParams, TargetEngine, render_chat_text
 from eaglenest.engines.hf import HFEngine
-from eaglenest.regen.adapters import OK, conversation_tokens, normalize_record, template_messages
+from eaglenest.regen.formats import OK, conversation_tokens, normalize_record, template_messages
 from eaglenest.regen.regenerate import Quarantined, Regenerated, Regenerator, Sample
 
 FIX = Path(__file__).resolve().parents[1] / "fixtures" / "sources"

@@ -17,7 +17,7 @@ import yaml
 from eaglenest.config import load_config
 from eaglenest.contracts.shards import SHARD_SCHEMA, bytes_to_tensor, read_manifest, shard_files
 from eaglenest.engines import render_chat_text
-from eaglenest.regen.adapters import normalize_record, template_messages
+from eaglenest.regen.formats import normalize_record, template_messages
 from eaglenest.regen.output import quarantine_files
 
 REPO = Path(__file__).resolve().parents[2]
@@ -63,7 +63,10 @@ def demo_run(ray_session, tmp_path_factory):
 
 
 def scrape_metrics(ray) -> str:
-    port = ray._private.worker.global_worker.node.metrics_export_port
+    from eaglenest.ray_private import metrics_export_port
+
+    assert ray.is_initialized()
+    port = metrics_export_port()
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
         return r.read().decode()
 

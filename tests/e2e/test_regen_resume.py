@@ -20,7 +20,7 @@ import pyarrow.parquet as pq
 import yaml
 
 from eaglenest.contracts.shards import read_manifest, shard_files
-from eaglenest.regen.adapters import Deduplicator, normalize_record
+from eaglenest.regen.formats import Deduplicator, normalize_record
 from eaglenest.regen.output import quarantine_files
 
 REPO = Path(__file__).resolve().parents[2]

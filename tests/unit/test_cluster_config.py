@@ -25,7 +25,9 @@ def raw() -> dict:
 @pytest.fixture(scope="module")
 def prepared(raw) -> dict:
     """The config as `ray up` sees it: provider defaults merged, setup commands merged per node kind."""
-    from ray.autoscaler._private.util import prepare_config, validate_config
+    from eaglenest.ray_private import autoscaler_config_tools
+
+    prepare_config, validate_config = autoscaler_config_tools()
 
     cfg = prepare_config(copy.deepcopy(raw))
     validate_config(cfg)  # raises on any schema violation
@@ -51,7 +53,9 @@ def test_cluster_yaml_passes_rays_schema(prepared):
 
 def test_schema_validation_is_real(raw):
     """The same validator rejects a malformed resource count, so the check above can fail."""
-    from ray.autoscaler._private.util import prepare_config, validate_config
+    from eaglenest.ray_private import autoscaler_config_tools
+
+    prepare_config, validate_config = autoscaler_config_tools()
 
     bad = copy.deepcopy(raw)
     next(iter(_gpu_types(bad).values()))["resources"]["GPU"] = "eight"

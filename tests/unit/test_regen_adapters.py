@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from eaglenest.regen.adapters import (
+from eaglenest.regen.formats import (
     NORMALIZED_SCHEMA,
     OK,
     REASONS,

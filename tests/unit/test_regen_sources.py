@@ -14,7 +14,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import yaml
 
-from eaglenest.regen.adapters import normalize_record
+from eaglenest.regen.formats import normalize_record
 from eaglenest.regen.readers import Damage, Record, iter_file
 
 
@@ -144,7 +144,7 @@ def test_source_id_is_the_records_own_id_or_file_and_index():
 
 
 def test_the_quarantine_alert_says_which_reasons_point_at_data_and_which_at_the_adapter():
-    from eaglenest.regen.adapters import REASON_GROUPS, REASONS
+    from eaglenest.regen.formats import REASON_GROUPS, REASONS
 
     grouped = [r for rs in REASON_GROUPS.values() for r in rs]
     assert sorted(grouped) == sorted(REASONS)  # every reason in exactly one group

@@ -9,8 +9,16 @@
  * accumulators; each k loads 16 weights once and issues 12 FMAs. Every output element is the same sequence of
  * FMAs over k whatever M is and wherever its row sits in a block, so a row's result does not depend on the batch
  * it is computed in (greedy speculative decoding stays token-identical to plain decoding).
+ *
+ * Built by torch.utils.cpp_extension (eaglenest/kernels/build.py) and registered as the torch operator
+ * ``eaglenest::small_batch_linear``; plain C++ apart from that registration at the end.
  */
 #include <immintrin.h>
+
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
 
 #define PANEL 16
 #define ROWS 6
@@ -20,8 +28,8 @@
 #define STORE(i) if (MM > i) { _mm256_storeu_ps(t, c##i##a); _mm256_storeu_ps(t + 8, c##i##b); \
     for (long j = 0; j < ncols; j++) y[(long)(i) * ldy + j] = t[j]; }
 
-static inline __attribute__((always_inline)) void panel_rows(const float *restrict x, long K,
-                                                             const float *restrict wp, float *restrict y,
+static inline __attribute__((always_inline)) void panel_rows(const float *__restrict__ x, long K,
+                                                             const float *__restrict__ wp, float *__restrict__ y,
                                                              long ldy, long ncols, const int MM) {
     __m256 c0a = _mm256_setzero_ps(), c0b = c0a, c1a = c0a, c1b = c0a, c2a = c0a, c2b = c0a,
            c3a = c0a, c3b = c0a, c4a = c0a, c4b = c0a, c5a = c0a, c5b = c0a;
@@ -60,7 +68,7 @@ static void one_panel(const float *x, long m_lo, long m_hi, long K, const float 
 #define TILE_BYTES (512L * 1024L)
 
 /* x: M x K row-major; wp: ceil(N/16) panels of K x 16; y: M x N row-major. */
-void small_batch_linear(const float *x, long M, long K, const float *wp, long N, float *y, int threads) {
+static void small_batch_linear_raw(const float *x, long M, long K, const float *wp, long N, float *y, int threads) {
     long panels = (N + PANEL - 1) / PANEL;
     long tile = TILE_BYTES / (K * (long)sizeof(float)) / ROWS * ROWS;
     if (tile < ROWS) tile = ROWS;
@@ -69,4 +77,22 @@ void small_batch_linear(const float *x, long M, long K, const float *wp, long N,
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
         for (long p = 0; p < panels; p++) one_panel(x, m_lo, m_hi, K, wp, N, y, p);
     }
+}
+
+/* y = x @ W^T for x [M, K] float32 contiguous on the CPU and W packed by ``pack_weight`` ([ceil(N/16), K, 16]). */
+static at::Tensor small_batch_linear(const at::Tensor &x, const at::Tensor &packed, int64_t n, int64_t threads) {
+    TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat && x.device().is_cpu(),
+                "small_batch_linear: x must be a contiguous 2-d float32 CPU tensor");
+    TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() && packed.scalar_type() == at::kFloat &&
+                    packed.size(1) == x.size(1) && packed.size(2) == PANEL && packed.size(0) * PANEL >= n,
+                "small_batch_linear: packed must be [ceil(n/16), K, 16] float32, contiguous");
+    at::Tensor y = at::empty({x.size(0), n}, x.options());
+    if (x.size(0) > 0)
+        small_batch_linear_raw(x.data_ptr<float>(), x.size(0), x.size(1), packed.data_ptr<float>(), n,
+                               y.data_ptr<float>(), (int)threads);
+    return y;
+}
+
+TORCH_LIBRARY(eaglenest, m) {
+    m.def("small_batch_linear(Tensor x, Tensor packed, int n, int threads) -> Tensor", &small_batch_linear);
 }

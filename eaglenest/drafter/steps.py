@@ -1,0 +1,84 @@
+"""The training step both drafter loops share: drafter set-up, optimizer, LR schedule, TTT forward and update.
+
+``eaglenest train`` (Ray Train workers, :mod:`eaglenest.drafter.train`) and the in-process fitter
+(:mod:`eaglenest.drafter.spec_fit`) differ only in where batches come from and what they log; the arithmetic of a
+step lives here once, so a fix to it reaches both.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from eaglenest.drafter.batch import Batch
+from eaglenest.drafter.model import DrafterModelConfig, Eagle3Drafter
+from eaglenest.drafter.ttt import TeacherHead, TTTOutput
+from eaglenest.drafter.vocab import VocabMapping
+
+
+def init_drafter(model_cfg: DrafterModelConfig, embed: torch.Tensor, lm_head: torch.Tensor,
+                 mapping: VocabMapping) -> Eagle3Drafter:
+    """A fresh drafter whose frozen embedding and initial ``lm_head`` rows come from the target (float32, CPU)."""
+    drafter = Eagle3Drafter(model_cfg)
+    drafter.init_from_target(embed.detach().float().cpu(), lm_head.detach().float().cpu(), mapping.d2t, mapping.t2d)
+    return drafter
+
+
+def compute_dtype_for(device: torch.device) -> torch.dtype:
+    """bf16 on GPUs, float32 elsewhere (CPU bf16 matmuls are slow and inexact)."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def autocast_for(device: torch.device):
+    """The autocast context of a step: bf16 on GPUs, a no-op on the CPU."""
+    if device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return torch.autocast("cpu", enabled=False)
+
+
+def make_optimizer(params: Iterable[torch.nn.Parameter], *, lr: float, weight_decay: float,
+                   fused: bool = False) -> torch.optim.AdamW:
+    """AdamW with EAGLE-3's betas (fused kernels on GPUs when asked)."""
+    return torch.optim.AdamW(list(params), lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay,
+                             **({"fused": True} if fused else {}))
+
+
+def warmup_cosine(total_steps: int, warmup_steps: int, floor: float = 0.0) -> Callable[[int], float]:
+    """LR multiplier: linear warm-up over ``warmup_steps``, then a cosine from 1 down to ``floor``."""
+
+    def f(step: int) -> float:
+        if warmup_steps and step < warmup_steps:
+            return (step + 1) / warmup_steps
+        progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+        return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+    return f
+
+
+def ttt_forward(batch: Batch, teacher: TeacherHead, module: Any, autocast: Any) -> TTTOutput:
+    """Teacher targets from the target's final states, then the TTT objective over the drafter's unrolled steps.
+
+    ``batch`` is already on the step's device and dtype; ``module`` is the objective (or its DDP wrapper).
+    """
+    with autocast:
+        targets = teacher(batch.last, batch.loss_mask, batch.lengths)
+        return module(batch.input_ids, batch.aux, targets)
+
+
+def apply_update(optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter], loss: torch.Tensor | None,
+                 max_grad_norm: float) -> None:
+    """Clear the gradients and, unless ``loss`` is None (a skipped step), back-propagate, clip and step."""
+    optimizer.zero_grad(set_to_none=True)
+    if loss is None:
+        return
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+    optimizer.step()
+
+
+def window_sums(out: TTTOutput) -> torch.Tensor:
+    """[3, ttt_steps] float64: cross-entropy sums, correct counts and token counts per unrolled step."""
+    return torch.stack([out.ce_sum, out.correct, out.count]).double()

@@ -1,0 +1,79 @@
+"""Every private Ray API eaglenest uses is listed in eaglenest/ray_private.py and still exists in the installed Ray.
+
+A Ray upgrade that renames or removes one fails here, naming it, instead of deep inside a regen, train or serve run.
+No Ray instance is started: only modules are imported and signatures read.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+from pathlib import Path
+
+import pytest
+
+from eaglenest import ray_private
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_each_private_api_is_there() -> None:
+    import ray
+
+    assert "addr" in inspect.signature(
+        __import__("ray._private.services", fromlist=["x"]).canonicalize_bootstrap_address).parameters
+    assert "http_options" in inspect.signature(
+        __import__("ray.serve._private.api", fromlist=["x"]).serve_start).parameters
+    get, put, delete, keys = ray_private.internal_kv()
+    for fn, arg in ((get, "namespace"), (put, "namespace"), (delete, "namespace"), (keys, "namespace")):
+        assert arg in inspect.signature(fn).parameters, fn
+    assert ray._config.metrics_report_interval_ms() > 0
+    prepare, validate = ray_private.autoscaler_config_tools()
+    assert callable(prepare) and callable(validate)
+    from ray.data import DataContext
+
+    for name in ray_private.DATA_CONTEXT_INTERNAL_FIELDS:
+        assert hasattr(DataContext.get_current(), name), name
+
+
+def test_trainer_class_drops_the_placement_group_cleaner() -> None:
+    from ray.train.torch import TorchTrainer
+    from ray.train.v2.api.data_parallel_trainer import PlacementGroupCleanerCallback  # noqa: F401 - must exist
+
+    assert hasattr(TorchTrainer, "_create_default_callbacks")
+    assert issubclass(ray_private.trainer_class(), TorchTrainer)
+
+
+def test_worker_niceness_is_a_system_config_option() -> None:
+    """Ray checks ``_system_config`` keys when it starts (an unknown key raises): `eaglenest serve` tests start it."""
+    assert ray_private.worker_niceness_option(0) == {"_system_config": {"worker_niceness": 0}}
+
+
+def _private_ray_uses(path: Path) -> list[str]:
+    """``ray._x`` / ``ray.<pkg>._x`` imports and attribute chains in one file."""
+    tree = ast.parse(path.read_text())
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "ray":
+            if any(p.startswith("_") for p in node.module.split(".")) or node.module.startswith("ray.experimental"):
+                found.append(node.module)
+        elif isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+            chain, n = [node.attr], node.value
+            while isinstance(n, ast.Attribute):
+                chain.append(n.attr)
+                n = n.value
+            if isinstance(n, ast.Name) and n.id == "ray":
+                found.append(".".join(["ray", *reversed(chain)]))
+    return found
+
+
+@pytest.mark.parametrize("folder", ["eaglenest", "benchmarks", "tests", "tools"])
+def test_private_ray_apis_are_reached_only_through_ray_private(folder: str) -> None:
+    offenders = {}
+    for path in sorted((ROOT / folder).rglob("*.py")):
+        if path.name == "ray_private.py" or "sglang_shims" in path.parts or path.name == Path(__file__).name:
+            continue
+        uses = _private_ray_uses(path)
+        if uses:
+            offenders[str(path.relative_to(ROOT))] = uses
+    assert offenders == {}, f"private Ray APIs used outside eaglenest/ray_private.py: {offenders}"
