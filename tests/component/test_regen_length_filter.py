@@ -4,7 +4,7 @@
 
 from __future__ import annotations
 
-from eaglenest.regen.adapters import TOO_LONG, TOO_SHORT, conversation_tokens, length_problem
+from eaglenest.regen.formats import TOO_LONG, TOO_SHORT, conversation_tokens, length_problem
 
 
 def test_length_filter_counts_target_tokens(tiny_target_path):

@@ -25,7 +25,7 @@ REASONS = (INVALID_JSON, NOT_AN_OBJECT, MISSING_FIELD, WRONG_TYPE, EMPTY_CONVERS
            TEMPLATE_NOT_APPEND_ONLY, ASSISTANT_RENDER_MISMATCH, ENGINE_ERROR, DAMAGED_SOURCE)
 
 # What a quarantine reason points at (the quarantine alert's annotation and runbook follow this split, checked by
-# tests/test_regen_sources.py): the dataset's rows, the adapter chosen for the source, the length settings, or the
+# tests/unit/test_regen_sources.py): the dataset's rows, the adapter chosen for the source, the length settings, or the
 # target/engine.
 REASON_GROUPS = {
     "data": (INVALID_JSON, NOT_AN_OBJECT, EMPTY_CONVERSATION, EMPTY_MESSAGE, BAD_TOOL_CALL, BAD_NATIVE,
