@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from eaglenest.contracts.shards import Manifest, tensor_to_bytes
+from eaglenest.contracts.target import TargetSpec
 from eaglenest.drafter.data import DataMismatchError, check_manifest, collate, is_eval_sample
-from eaglenest.drafter.target import read_target_facts
 from eaglenest.drafter.train import prepare_vocab
 from eaglenest.drafter.vocab import VocabMapping, build_vocab_mapping, count_tokens
 
@@ -66,7 +66,7 @@ def _manifest(**kw) -> Manifest:
 
 
 def test_manifest_check_refuses_mismatches(tiny_target_path) -> None:
-    facts = read_target_facts(tiny_target_path)
+    facts = TargetSpec.read(tiny_target_path)
     check_manifest(_manifest(vocab_size=facts.vocab_size), facts)
     with pytest.raises(DataMismatchError, match="hidden_size: shards 256, target 128"):
         check_manifest(_manifest(vocab_size=facts.vocab_size, hidden_size=256), facts)

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from eaglenest.contracts import layers
 from eaglenest.config import EaglenestConfig, SpecConfig, load_config
+from eaglenest.contracts import layers
 
 REPO = Path(__file__).resolve().parents[1]
 KIMI = REPO / "configs" / "kimi-k25.yaml"

@@ -16,7 +16,7 @@ import torch
 
 from eaglenest.contracts.layers import validate_aux_layer_ids
 from eaglenest.contracts.shards import DTYPES, FP8, FP8_SCALE_LAYOUT, Manifest, bytes_to_tensor, compute_dtype
-from eaglenest.drafter.target import TargetFacts
+from eaglenest.contracts.target import TargetSpec
 
 COLUMNS = ["id", "input_ids", "loss_mask", "aux_hidden_states", "last_hidden_state"]
 
@@ -25,7 +25,7 @@ class DataMismatchError(ValueError):
     """Shards that were not captured from this target (or with other layers); training them would be wrong."""
 
 
-def check_manifest(manifest: Manifest, target: TargetFacts, aux_layer_ids: Sequence[int] | None = None) -> None:
+def check_manifest(manifest: Manifest, target: TargetSpec, aux_layer_ids: Sequence[int] | None = None) -> None:
     """Refuse shards whose layer ids, hidden size or vocab disagree with the target (or the requested taps)."""
     problems = []
     if manifest.num_layers != target.num_layers:

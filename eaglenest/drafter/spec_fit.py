@@ -1,6 +1,7 @@
 """Fit an EAGLE-3 drafter in-process, without Ray: tests, benchmarks and GPU boxes that have torch but no Ray.
 
-Same model (:class:`~drafter.model.Eagle3Drafter`), draft vocab (:mod:`eaglenest.drafter.vocab`) and TTT objective
+Same model (:class:`~eaglenest.speculative.model.Eagle3Drafter`), draft vocab (:mod:`eaglenest.drafter.vocab`) and TTT
+objective
 (:mod:`eaglenest.drafter.ttt`) as ``eaglenest train``; only the plumbing differs: samples are captured from an in-memory
 target engine and held in memory instead of streaming parquet shards through Ray Data into DDP workers.
 """
@@ -16,9 +17,9 @@ from typing import Any
 
 import torch
 
-from eaglenest.drafter.model import DrafterModelConfig, Eagle3Drafter
 from eaglenest.drafter.ttt import TeacherHead, TTTObjective, step_metrics
 from eaglenest.drafter.vocab import VocabMapping, build_vocab_mapping, count_tokens
+from eaglenest.speculative.model import DrafterModelConfig, Eagle3Drafter
 
 Sample = tuple[list[int], list[int]]
 """(input_ids, loss_mask): the mask marks tokens the drafter learns to predict (the answer)."""
@@ -63,34 +64,30 @@ class _Captured:
 def drafter_config_for(engine: Any, aux_layer_ids: Sequence[int], draft_vocab_size: int,
                        intermediate_size: int | None = None) -> DrafterModelConfig:
     """A drafter shaped like one decoder layer of the target (EAGLE-3's default)."""
-    from eaglenest.engines.hf import text_config
+    from eaglenest.contracts.target import TargetSpec
 
     model = getattr(engine, "model", None)  # the hf backend holds the model; SGLang's engine only its folder
     if model is not None:
-        tc = text_config(model.config)
+        tc = TargetSpec.from_config(model.config.to_dict(), path=str(engine.info.model))
     else:
-        from transformers import AutoConfig
-
-        tc = text_config(AutoConfig.from_pretrained(str(engine.info.model)))
-    heads = int(tc.num_attention_heads)
+        tc = TargetSpec.read(str(engine.info.model), hub=True)
     return DrafterModelConfig(
-        hidden_size=int(tc.hidden_size),
-        num_attention_heads=heads,
-        num_key_value_heads=int(getattr(tc, "num_key_value_heads", None) or heads),
-        head_dim=int(getattr(tc, "head_dim", None) or tc.hidden_size // heads),
+        hidden_size=tc.hidden_size,
+        num_attention_heads=tc.num_attention_heads,
+        num_key_value_heads=tc.num_key_value_heads,
+        head_dim=tc.head_dim,
         intermediate_size=int(intermediate_size or tc.intermediate_size),
-        vocab_size=int(tc.vocab_size),
-        draft_vocab_size=min(int(draft_vocab_size), int(tc.vocab_size)),
+        vocab_size=tc.vocab_size,
+        draft_vocab_size=min(int(draft_vocab_size), tc.vocab_size),
         aux_layer_ids=list(aux_layer_ids),
-        target_hidden_size=int(tc.hidden_size),
-        target_num_layers=int(tc.num_hidden_layers),
-        rope_theta=float(getattr(tc, "rope_theta", None) or (getattr(tc, "rope_parameters", None) or {}).get(
-            "rope_theta", 10000.0)),
-        rms_norm_eps=float(getattr(tc, "rms_norm_eps", 1e-6)),
-        max_position_embeddings=int(getattr(tc, "max_position_embeddings", 2048)),
+        target_hidden_size=tc.hidden_size,
+        target_num_layers=tc.num_layers,
+        rope_theta=tc.rope_theta,
+        rms_norm_eps=tc.rms_norm_eps,
+        max_position_embeddings=tc.max_position_embeddings or 2048,
         target=str(engine.info.model),
-        bos_token_id=getattr(tc, "bos_token_id", None),
-        eos_token_id=getattr(tc, "eos_token_id", None),
+        bos_token_id=tc.bos_token_id,
+        eos_token_id=tc.eos_token_id,
     )
 
 

@@ -46,7 +46,7 @@ def _log(msg: str) -> None:
 # ------------------------------------------------------------------------------------------------------ driver side
 def resolve_model_config(cfg: EaglenestConfig, facts, aux_layer_ids: list[int], draft_vocab_size: int):
     """The drafter's shape: the target's hidden size, heads etc. unless the train.drafter section overrides them."""
-    from eaglenest.drafter.model import DrafterModelConfig
+    from eaglenest.contracts.drafter_config import DrafterModelConfig
 
     d = cfg.train.drafter
     heads = d.num_heads or facts.num_attention_heads
@@ -124,13 +124,13 @@ def _trainer_class():
 
 def train_drafter(cfg: EaglenestConfig, data_dir: str | Path, output_dir: str | Path) -> dict[str, Any]:
     """Train (or resume) a drafter on regen shards; writes checkpoints, metrics, a PNG and ``OUT/export``."""
+    from eaglenest.contracts.drafter_config import DrafterModelConfig
     from eaglenest.contracts.shards import read_manifest, shard_files
+    from eaglenest.contracts.target import TargetSpec, resolve_target_path
     from eaglenest.drafter.checkpoint import find_latest_checkpoint
     from eaglenest.drafter.data import build_datasets, check_manifest, count_split_rows
     from eaglenest.drafter.export import export_checkpoint
-    from eaglenest.drafter.model import DrafterModelConfig
     from eaglenest.drafter.plot import plot_training_curves
-    from eaglenest.drafter.target import read_target_facts, resolve_target_path
 
     t0 = time.time()
     tc = cfg.train
@@ -138,7 +138,7 @@ def train_drafter(cfg: EaglenestConfig, data_dir: str | Path, output_dir: str | 
     out.mkdir(parents=True, exist_ok=True)
 
     manifest = read_manifest(data_dir)
-    facts = read_target_facts(resolve_target_path(cfg.target))
+    facts = TargetSpec.read(resolve_target_path(cfg.target))
     check_manifest(manifest, facts, cfg.target.aux_layer_ids)
     files = shard_files(data_dir)
     if not files:
@@ -336,6 +336,7 @@ def _train_loop(config: dict[str, Any]) -> None:  # noqa: C901 - one linear trai
     import ray.train.torch
     import torch
 
+    from eaglenest.contracts.target import TargetSpec
     from eaglenest.drafter.checkpoint import (
         load_training_checkpoint,
         restore,
@@ -343,10 +344,9 @@ def _train_loop(config: dict[str, Any]) -> None:  # noqa: C901 - one linear trai
         state_fingerprint,
     )
     from eaglenest.drafter.data import collate
-    from eaglenest.drafter.model import DrafterModelConfig, Eagle3Drafter
-    from eaglenest.drafter.target import load_target_embed_and_head
     from eaglenest.drafter.ttt import TeacherHead, TTTObjective, step_metrics
     from eaglenest.drafter.vocab import VocabMapping
+    from eaglenest.speculative.model import DrafterModelConfig, Eagle3Drafter
 
     cfg = EaglenestConfig.model_validate(config["cfg"])
     tc = cfg.train
@@ -362,7 +362,7 @@ def _train_loop(config: dict[str, Any]) -> None:  # noqa: C901 - one linear trai
 
     model_cfg = DrafterModelConfig.from_dict(config["model_cfg"])
     mapping = VocabMapping.load(config["vocab_path"])
-    embed, lm_head = load_target_embed_and_head(model_cfg.target)
+    embed, lm_head = TargetSpec.read(model_cfg.target).load_embed_and_head()
     drafter = Eagle3Drafter(model_cfg)
     drafter.init_from_target(embed.float(), lm_head.float(), mapping.d2t, mapping.t2d)
     compute_dtype = torch.bfloat16 if on_gpu else torch.float32

@@ -24,9 +24,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from eaglenest.drafter.model import DrafterKVCache
 from eaglenest.engines.base import SamplingParams
 from eaglenest.speculative.decoder import SpecDecoder, StreamChunk, _Batch, _Row
+from eaglenest.speculative.model import DrafterKVCache
 
 Emit = Callable[[int, StreamChunk], None]
 
