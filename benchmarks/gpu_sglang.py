@@ -306,9 +306,9 @@ def reference_accept_length(path: str, drafter: Any, prompts: list[list[int]], m
 
 def worker_spec(out: Path) -> dict[str, Any]:
     from eaglenest.config import SpecConfig
+    from eaglenest.contracts.preflight import SpeculativeConfigError
     from eaglenest.engines.base import SamplingParams
     from eaglenest.engines.sglang import SGLangEngine
-    from eaglenest.engines.sglang_spec import SpeculativeConfigError
 
     path = tiny_target(out)
     res: dict[str, Any] = {"target": "embedded tiny target (8 layers, hidden 128)"}

@@ -135,7 +135,7 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
 
     from eaglenest.config import TargetConfig
-    from eaglenest.drafter.export import export_drafter, load_drafter
+    from eaglenest.drafter.export import export_drafter
     from eaglenest.drafter.spec_fit import FitConfig, chat_prompt_answer, fit_drafter
     from eaglenest.engines.base import SamplingParams
     from eaglenest.engines.hf import HFEngine
@@ -144,6 +144,7 @@ def main(argv=None) -> int:
     from eaglenest.serve.bench import plot_bench, report_markdown, run_bench
     from eaglenest.serve.bench_cli import parse_sweep
     from eaglenest.speculative.evaluate import load_prompts, prompt_ids
+    from eaglenest.speculative.model import load_drafter
 
     shape = {"layers": a.layers, "hidden": a.hidden, "heads": a.heads, "kv": a.kv_heads, "inter": a.intermediate,
              "steps": target_steps, "device": a.device, "v": 1}

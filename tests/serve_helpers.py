@@ -17,7 +17,7 @@ def make_drafter(out: Path, target: Path, *, aux_layer_ids: tuple[int, int, int]
     import torch
 
     from eaglenest.drafter.export import export_drafter
-    from eaglenest.drafter.model import DrafterModelConfig, Eagle3Drafter
+    from eaglenest.speculative.model import DrafterModelConfig, Eagle3Drafter
 
     t = tiny_target_facts(target)
     h = hidden or int(t["hidden_size"])
@@ -30,9 +30,9 @@ def make_drafter(out: Path, target: Path, *, aux_layer_ids: tuple[int, int, int]
     torch.manual_seed(seed)
     model = Eagle3Drafter(cfg)
     if h == int(t["hidden_size"]):  # the drafter's frozen embedding is the target's (preflight samples it)
-        from eaglenest.drafter.target import load_target_embed_and_head
+        from eaglenest.contracts.target import TargetSpec
 
-        embed, _ = load_target_embed_and_head(target)
+        embed, _ = TargetSpec.read(target).load_embed_and_head()
         with torch.no_grad():
             model.embed_tokens.weight.copy_(embed)
     # a non-trivial vocab mapping (a random sorted subset of the target vocab), so d2t is not all zeros

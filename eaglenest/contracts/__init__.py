@@ -1,2 +1,9 @@
-"""The single owner of every cross-stage fact: layer ids, the shard schema, and (as they move here) the target
-spec, the drafter export format, preflight and metric names. Stages read these facts from here, never restate them."""
+"""The single owner of every cross-stage fact. Stages read these facts from here, never restate them:
+
+- ``target``: TargetSpec, the one reader of a target folder (config, eos, dtype, embed/lm_head shapes and tensors)
+- ``layers``: physical <-> SGLang/vLLM layer ids (and SGLang's first-id rule)
+- ``shards``: the hidden-state shard schema + manifest
+- ``drafter_config`` / ``drafter_format``: the drafter's hyperparameters; the export folder + sidecar, written and
+  read only there
+- ``preflight``: every drafter x target x algorithm x engine check, and ``derive_algorithm``
+"""

@@ -14,6 +14,20 @@ class LayerIdError(ValueError):
     """Aux layer ids that cannot be captured from the target."""
 
 
+FIRST_ID_RULE_ARCHS = frozenset({
+    # sglang 0.5.14 models whose set_eagle3_layers_to_capture adds 1 only when the first id is 1 (PR #25454):
+    # models/deepseek_v2.py (and subclasses in glm4_moe.py, mistral_large_3.py), glm4_moe_lite.py, kimi_k25.py.
+    "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM", "KimiK25ForConditionalGeneration",
+    "GlmMoeDsaForCausalLM", "MistralLarge3ForCausalLM", "Glm4MoeLiteForCausalLM",
+})
+"""Every other architecture with EAGLE-3 support (llama.py, qwen*.py, ...) always adds 1."""
+
+
+def uses_first_id_rule(architecture: str) -> bool:
+    """Whether SGLang 0.5.14 numbers this target's aux layers with the DeepSeek/Kimi first-id rule."""
+    return architecture in FIRST_ID_RULE_ARCHS
+
+
 def default_aux_layer_ids(num_layers: int) -> list[int]:
     """EAGLE-3's default taps for an ``num_layers``-layer target: low, middle and high (Kimi-K2.5: 2, 30, 58)."""
     if num_layers < 4:
@@ -58,3 +72,14 @@ def sglang_captured_layers(config_ids: Sequence[int] | None, num_layers: int, *,
     if deepseek_family and (not ids or ids[0] != 1):
         return ids
     return [i + 1 for i in ids]
+
+
+def sglang_config_ids_for(physical_ids: Sequence[int], num_layers: int, *, first_id_rule: bool) -> list[int]:
+    """The ``eagle_aux_hidden_state_layer_ids`` that make SGLang 0.5.14 capture exactly ``physical_ids``."""
+    phys = [int(i) for i in physical_ids]
+    for cand in ([i - 1 for i in phys], phys):
+        if sglang_captured_layers(cand, num_layers, deepseek_family=first_id_rule) == phys:
+            return cand
+    raise LayerIdError(
+        f"no eagle_aux_hidden_state_layer_ids make SGLang capture physical layers {phys} for this target"
+    )

@@ -9,9 +9,10 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "DrafterModelConfig": "eaglenest.drafter.model",
-    "Eagle3Drafter": "eaglenest.drafter.model",
-    "DrafterKVCache": "eaglenest.drafter.model",
+    # the network lives in the core (training and the reference decoder share it); re-exported for old callers
+    "DrafterModelConfig": "eaglenest.speculative.model",
+    "Eagle3Drafter": "eaglenest.speculative.model",
+    "DrafterKVCache": "eaglenest.speculative.model",
     "VocabMapping": "eaglenest.drafter.vocab",
     "build_vocab_mapping": "eaglenest.drafter.vocab",
     "count_tokens": "eaglenest.drafter.vocab",
@@ -21,7 +22,7 @@ _EXPORTS = {
     "train_drafter": "eaglenest.drafter.train",
     "export_checkpoint": "eaglenest.drafter.export",
     "export_drafter": "eaglenest.drafter.export",
-    "load_drafter": "eaglenest.drafter.export",
+    "load_drafter": "eaglenest.speculative.model",
     "ExportError": "eaglenest.drafter.export",
     "load_training_checkpoint": "eaglenest.drafter.checkpoint",
     "find_latest_checkpoint": "eaglenest.drafter.checkpoint",

@@ -14,8 +14,8 @@ import pyarrow as pa
 
 from eaglenest.contracts.layers import validate_aux_layer_ids
 from eaglenest.contracts.shards import DTYPES, FP8, FP8_SCALE_LAYOUT, Manifest, bytes_to_tensor
+from eaglenest.contracts.target import TargetSpec
 from eaglenest.drafter.batch import Batch, pad_batch
-from eaglenest.drafter.target import TargetFacts
 
 __all__ = ["COLUMNS", "Batch", "DataMismatchError", "build_datasets", "check_manifest", "collate",
            "count_split_rows", "is_eval_sample", "pad_batch", "split_table"]
@@ -27,7 +27,7 @@ class DataMismatchError(ValueError):
     """Shards that were not captured from this target (or with other layers); training them would be wrong."""
 
 
-def check_manifest(manifest: Manifest, target: TargetFacts, aux_layer_ids: Sequence[int] | None = None) -> None:
+def check_manifest(manifest: Manifest, target: TargetSpec, aux_layer_ids: Sequence[int] | None = None) -> None:
     """Refuse shards whose layer ids, hidden size or vocab disagree with the target (or the requested taps)."""
     problems = []
     if manifest.num_layers != target.num_layers:

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from eaglenest.drafter.model import DrafterModelConfig
-from eaglenest.drafter.target import TargetFacts
+from eaglenest.contracts.drafter_config import DrafterModelConfig
+from eaglenest.contracts.target import TargetSpec
 
 
-def drafter_model_config(facts: TargetFacts, aux_layer_ids: Sequence[int], draft_vocab_size: int, *,
+def drafter_model_config(facts: TargetSpec, aux_layer_ids: Sequence[int], draft_vocab_size: int, *,
                          num_heads: int | None = None, num_kv_heads: int | None = None, head_dim: int | None = None,
                          intermediate_size: int | None = None,
                          max_position_embeddings: int | None = None) -> DrafterModelConfig:

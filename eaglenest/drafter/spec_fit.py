@@ -1,7 +1,7 @@
 """Fit an EAGLE-3 drafter in-process, without Ray: tests, benchmarks and GPU boxes that have torch but no Ray.
 
-Same model (:class:`~drafter.model.Eagle3Drafter`), model config (:mod:`eaglenest.drafter.shape`), draft vocab
-(:mod:`eaglenest.drafter.vocab`), collation (:func:`eaglenest.drafter.batch.pad_batch`) and step
+Same model (:class:`~eaglenest.speculative.model.Eagle3Drafter`), model config (:mod:`eaglenest.drafter.shape`),
+draft vocab (:mod:`eaglenest.drafter.vocab`), collation (:func:`eaglenest.drafter.batch.pad_batch`) and step
 (:mod:`eaglenest.drafter.steps`) as ``eaglenest train``; only the plumbing differs: samples are captured from an
 in-memory target engine and held in memory instead of streaming parquet shards through Ray Data into DDP workers,
 and this thin driver has no checkpoints, held-out evaluation or non-finite-loss guard.
@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
+from eaglenest.contracts.target import TargetSpec
 from eaglenest.drafter.batch import Batch, pad_batch
-from eaglenest.drafter.model import DrafterModelConfig, Eagle3Drafter
 from eaglenest.drafter.shape import drafter_model_config
 from eaglenest.drafter.steps import (
     apply_update,
@@ -29,9 +29,9 @@ from eaglenest.drafter.steps import (
     ttt_forward,
     warmup_cosine,
 )
-from eaglenest.drafter.target import read_target_facts
 from eaglenest.drafter.ttt import TeacherHead, TTTObjective, step_metrics
 from eaglenest.drafter.vocab import VocabMapping, build_vocab_mapping, count_tokens
+from eaglenest.speculative.model import DrafterModelConfig, Eagle3Drafter
 
 Sample = tuple[list[int], list[int]]
 """(input_ids, loss_mask): the mask marks tokens the drafter learns to predict (the answer)."""
@@ -77,7 +77,7 @@ def drafter_config_for(engine: Any, aux_layer_ids: Sequence[int], draft_vocab_si
                        intermediate_size: int | None = None) -> DrafterModelConfig:
     """A drafter shaped like one decoder layer of the target (EAGLE-3's default), built as ``eaglenest train`` builds
     it (:func:`~eaglenest.drafter.shape.drafter_model_config`) from the engine's target folder."""
-    facts = read_target_facts(engine.info.model)
+    facts = TargetSpec.read(str(engine.info.model), hub=True)
     return drafter_model_config(facts, aux_layer_ids, draft_vocab_size, intermediate_size=intermediate_size)
 
 

@@ -84,13 +84,13 @@ def ensure_ray(num_cpus_needed: float) -> None:
 
 def train_drafter(cfg: EaglenestConfig, data_dir: str | Path, output_dir: str | Path) -> dict[str, Any]:
     """Train (or resume) a drafter on regen shards; writes checkpoints, metrics, a PNG and ``OUT/export``."""
+    from eaglenest.contracts.drafter_config import DrafterModelConfig
     from eaglenest.contracts.shards import read_manifest, shard_files
+    from eaglenest.contracts.target import TargetSpec, resolve_target_path
     from eaglenest.drafter.checkpoint import find_latest_checkpoint
     from eaglenest.drafter.data import build_datasets, check_manifest, count_split_rows
     from eaglenest.drafter.export import export_checkpoint
-    from eaglenest.drafter.model import DrafterModelConfig
     from eaglenest.drafter.plot import plot_training_curves
-    from eaglenest.drafter.target import read_target_facts, resolve_target_path
 
     t0 = time.time()
     tc = cfg.train
@@ -98,7 +98,7 @@ def train_drafter(cfg: EaglenestConfig, data_dir: str | Path, output_dir: str | 
     out.mkdir(parents=True, exist_ok=True)
 
     manifest = read_manifest(data_dir)
-    facts = read_target_facts(resolve_target_path(cfg.target))
+    facts = TargetSpec.read(resolve_target_path(cfg.target))
     check_manifest(manifest, facts, cfg.target.aux_layer_ids)
     files = shard_files(data_dir)
     if not files:
@@ -339,9 +339,9 @@ class _Worker:
         import ray.train.torch
         import torch
 
-        from eaglenest.drafter.model import DrafterModelConfig
+        from eaglenest.contracts.drafter_config import DrafterModelConfig
+        from eaglenest.contracts.target import TargetSpec
         from eaglenest.drafter.steps import compute_dtype_for, init_drafter, make_optimizer
-        from eaglenest.drafter.target import load_target_embed_and_head
         from eaglenest.drafter.ttt import TeacherHead, TTTObjective
         from eaglenest.drafter.vocab import VocabMapping
 
@@ -359,7 +359,7 @@ class _Worker:
 
         self.model_cfg = DrafterModelConfig.from_dict(config["model_cfg"])
         self.mapping = VocabMapping.load(self.vocab_path)
-        embed, lm_head = load_target_embed_and_head(self.model_cfg.target)
+        embed, lm_head = TargetSpec.read(self.model_cfg.target).load_embed_and_head()
         self.drafter = init_drafter(self.model_cfg, embed, lm_head, self.mapping)
         self.compute_dtype = compute_dtype_for(self.device)
         self.teacher = TeacherHead(lm_head.to(self.compute_dtype), self.mapping).to(self.device)

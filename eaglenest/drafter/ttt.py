@@ -22,9 +22,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from eaglenest.drafter.model import Eagle3Drafter
 from eaglenest.drafter.ttt_flex import flex_available, flex_ttt_attention
 from eaglenest.drafter.vocab import VocabMapping
+from eaglenest.speculative.model import Eagle3Drafter
 
 
 @dataclass

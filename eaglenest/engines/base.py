@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
+
+if TYPE_CHECKING:
+    from eaglenest.contracts.target import TargetSpec
 
 Message = dict[str, Any]
 """One chat message: ``role``, ``content`` and optionally ``reasoning_content``, ``tool_calls``, ``name``."""
@@ -94,6 +97,15 @@ class TargetInfo:
     engine_version: str
     architecture: str
     eos_token_ids: tuple[int, ...]
+
+    @classmethod
+    def from_spec(cls, spec: TargetSpec, *, dtype: str, engine: str, engine_version: str,
+                  eos_token_ids: Iterable[int]) -> TargetInfo:
+        """The runtime view of a target whose facts were read once, by ``eaglenest.contracts.target``."""
+        return cls(model=spec.path, num_layers=spec.num_layers, hidden_size=spec.hidden_size,
+                   vocab_size=spec.vocab_size, max_position_embeddings=spec.max_position_embeddings, dtype=dtype,
+                   engine=engine, engine_version=engine_version, architecture=spec.architecture,
+                   eos_token_ids=tuple(sorted({int(i) for i in eos_token_ids})))
 
 
 class TargetEngine(abc.ABC):

@@ -9,6 +9,7 @@ import torch
 
 from eaglenest.config import TargetConfig
 from eaglenest.contracts.layers import default_aux_layer_ids, validate_aux_layer_ids
+from eaglenest.contracts.target import TargetSpec, resolve_target_path
 from eaglenest.engines.base import Capture, Generation, SamplingParams, TargetEngine, TargetInfo
 from eaglenest.engines.hf_compat import cache_kwargs, new_dynamic_cache, output_cache
 
@@ -31,15 +32,6 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return _DTYPES[dtype]
 
 
-def resolve_model_path(cfg: TargetConfig) -> str:
-    """``tiny`` means the embedded tiny target (built and cached on first use); anything else is a folder or hub id."""
-    if cfg.model == "tiny":
-        from eaglenest.engines.tiny import ensure_tiny_target
-
-        return str(ensure_tiny_target(cfg.tiny, cfg.cache_dir))
-    return cfg.model
-
-
 def load_hf_model(path: str, *, dtype: torch.dtype, device: torch.device, trust_remote_code: bool = False):
     """Load tokenizer + causal LM the same way for the tiny target and for real targets (safetensors only)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -52,11 +44,6 @@ def load_hf_model(path: str, *, dtype: torch.dtype, device: torch.device, trust_
     return tokenizer, model
 
 
-def text_config(model_config: Any) -> Any:
-    """The language-model part of a (possibly multimodal) config, e.g. Kimi-K2.5's ``text_config``."""
-    return getattr(model_config, "text_config", None) or model_config
-
-
 class HFEngine(TargetEngine):
     """Target engine on ``transformers``: batched left-padded decoding with a KV cache and teacher-forced capture."""
 
@@ -67,7 +54,6 @@ class HFEngine(TargetEngine):
         self.tokenizer = tokenizer
         if tokenizer.pad_token_id is None:
             tokenizer.pad_token = tokenizer.eos_token
-        tc = text_config(model.config)
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         eos = set()
@@ -75,18 +61,10 @@ class HFEngine(TargetEngine):
             if src is None:
                 continue
             eos.update([src] if isinstance(src, int) else list(src))
-        self.info = TargetInfo(
-            model=model_name,
-            num_layers=tc.num_hidden_layers,
-            hidden_size=tc.hidden_size,
-            vocab_size=tc.vocab_size,
-            max_position_embeddings=getattr(tc, "max_position_embeddings", 0) or 0,
-            dtype=str(self.dtype).removeprefix("torch."),
-            engine="hf",
-            engine_version=f"transformers-{transformers.__version__}",
-            architecture=(model.config.architectures or [type(model).__name__])[0],
-            eos_token_ids=tuple(sorted(eos)),
-        )
+        # the loaded model's config is the target's config.json (for a folder target, TargetSpec.read reads the same)
+        spec = TargetSpec.from_config(model.config.to_dict(), path=model_name, architecture=type(model).__name__)
+        self.info = TargetInfo.from_spec(spec, dtype=str(self.dtype).removeprefix("torch."), engine="hf",
+                                         engine_version=f"transformers-{transformers.__version__}", eos_token_ids=eos)
         self.aux_layer_ids = validate_aux_layer_ids(
             aux_layer_ids or default_aux_layer_ids(self.info.num_layers), self.info.num_layers
         )
@@ -97,7 +75,7 @@ class HFEngine(TargetEngine):
             torch.set_num_threads(cfg.cpu_threads)
         device = resolve_device(cfg.device)
         dtype = resolve_dtype(cfg.dtype, device)
-        path = resolve_model_path(cfg)
+        path = resolve_target_path(cfg)
         tokenizer, model = load_hf_model(path, dtype=dtype, device=device, trust_remote_code=cfg.trust_remote_code)
         if cfg.cpu_kernels == "auto":
             from eaglenest.kernels import pack_linears

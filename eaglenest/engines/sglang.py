@@ -5,8 +5,8 @@ Run it inside a Ray actor with ``num_gpus = target.sglang.tp_size`` (tensor para
 eaglenest pulls it in.
 
 Pinned to sglang 0.5.14 (``SGLANG_VERSION``). Every sglang name this backend touches is listed in
-``SGLANG_INTERNALS`` below and fetched through ``sglang_symbol``, which refuses anything unlisted; upgrading sglang
-means re-reading exactly these:
+``SGLANG_INTERNALS`` (``eaglenest.engines.sglang_symbols``) and fetched through ``sglang_symbol``, which refuses
+anything unlisted; upgrading sglang means re-reading exactly these:
 
 - ``sglang:Engine`` / ``sglang:__version__`` (public): generation and speculative serving, offline, batched.
 - ``sglang.srt.server_args:ServerArgs``, ``PortArgs``: capture runner arguments and its ports.
@@ -39,79 +39,30 @@ means re-reading exactly these:
 
 from __future__ import annotations
 
-import importlib
-import json
 from collections.abc import Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from eaglenest.config import SGLangEngineConfig, SpecConfig, TargetConfig
 from eaglenest.contracts.layers import default_aux_layer_ids, validate_aux_layer_ids
+from eaglenest.contracts.target import TargetSpec, resolve_target_path
 from eaglenest.engines.base import Capture, Generation, SamplingParams, TargetEngine, TargetInfo
 from eaglenest.engines.sglang_args import (
     SGLANG_VERSION,
-    SGLangVersionError,
     capture_server_kwargs,
     check_prompts,
-    check_sglang_version,
     engine_kwargs,
     run_generate,
 )
-from eaglenest.engines.sglang_spec import SpeculativeLaunch, TargetFacts, speculative_engine_kwargs
+from eaglenest.engines.sglang_spec import SpeculativeLaunch, speculative_engine_kwargs
+from eaglenest.engines.sglang_symbols import SGLANG_INTERNALS, installed_sglang_version, require_sglang, sglang_symbol
 
 if TYPE_CHECKING:
     from eaglenest.engines.sglang_stream import SGLangStreams
 
-SGLANG_INTERNALS: tuple[str, ...] = (
-    "sglang:Engine",
-    "sglang:__version__",
-    "sglang.srt.server_args:ServerArgs",
-    "sglang.srt.server_args:PortArgs",
-    "sglang.srt.configs.model_config:ModelConfig",
-    "sglang.srt.model_executor.model_runner:ModelRunner",
-    "sglang.srt.managers.schedule_batch:Req",
-    "sglang.srt.managers.schedule_batch:ScheduleBatch",
-    "sglang.srt.model_executor.forward_batch_info:ForwardBatch",
-    "sglang.srt.speculative.spec_info:SpeculativeAlgorithm",
-    "sglang.srt.sampling.sampling_params:SamplingParams",
-    "sglang.srt.layers.moe:initialize_moe_config",
-    "sglang.srt.layers.quantization.fp8_utils:initialize_fp8_gemm_config",
-    "sglang.srt.layers.quantization.fp4_utils:initialize_fp4_gemm_config",
-)
-"""The only sglang names eaglenest uses (module:attribute); see the module docstring for the attributes used on them."""
-
 __all__ = ["SGLANG_INTERNALS", "SGLANG_VERSION", "SGLangEngine", "installed_sglang_version", "require_sglang",
            "sglang_symbol"]
-
-
-def installed_sglang_version() -> str | None:
-    """The installed sglang version from package metadata (does not import sglang)."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("sglang")
-    except PackageNotFoundError:
-        return None
-
-
-def require_sglang() -> None:
-    """Fail early and clearly unless the pinned sglang is installed."""
-    check_sglang_version(installed_sglang_version())
-
-
-def sglang_symbol(name: str) -> Any:
-    """Import one listed sglang name (``module:attr``); anything not in SGLANG_INTERNALS is refused."""
-    if name not in SGLANG_INTERNALS:
-        raise KeyError(f"{name} is not in SGLANG_INTERNALS; list it there (with what it is used for) before using it")
-    require_sglang()
-    module, attr = name.split(":")
-    mod = importlib.import_module(module)
-    if not hasattr(mod, attr):
-        raise SGLangVersionError(f"sglang {installed_sglang_version()} has no {name}; this backend needs "
-                                 f"sglang=={SGLANG_VERSION}")
-    return getattr(mod, attr)
 
 
 class SGLangEngine(TargetEngine):
@@ -128,21 +79,19 @@ class SGLangEngine(TargetEngine):
             raise ValueError("target.engine sglang runs on GPUs; use target.engine: hf for target.device: cpu")
         from transformers import AutoTokenizer
 
-        from eaglenest.engines.hf import resolve_model_path
-
         self.cfg = cfg
         self.engine_cfg: SGLangEngineConfig = cfg.sglang
-        self.model_path = model_path or resolve_model_path(cfg)
+        self.model_path = model_path or resolve_target_path(cfg)
         self.dtype = "auto" if cfg.dtype == "auto" else cfg.dtype
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path, trust_remote_code=cfg.trust_remote_code)
-        self.facts = TargetFacts.from_model_dir(self.model_path, context_length=self.engine_cfg.context_length)
-        self.info = _target_info(self.model_path, self.tokenizer, self.facts, self.dtype)
+        self.spec = TargetSpec.read(self.model_path, context_length=self.engine_cfg.context_length)
+        self.info = target_info(self.spec, self.tokenizer, self.dtype)
         self.aux_layer_ids = validate_aux_layer_ids(cfg.aux_layer_ids or default_aux_layer_ids(self.info.num_layers),
                                                     self.info.num_layers)
         self.launch: SpeculativeLaunch | None = None
         if drafter is not None:
             kwargs, self.launch = speculative_engine_kwargs(
-                self.model_path, self.engine_cfg, drafter, spec or SpecConfig(), target=self.facts,
+                self.model_path, self.engine_cfg, drafter, spec or SpecConfig(), target=self.spec,
                 expected_physical_ids=cfg.aux_layer_ids, dtype=self.dtype, trust_remote_code=cfg.trust_remote_code)
         else:
             kwargs = engine_kwargs(self.model_path, self.engine_cfg, dtype=self.dtype,
@@ -208,9 +157,9 @@ class SGLangEngine(TargetEngine):
             kw = capture_server_kwargs(self.model_path, self.engine_cfg, dtype=self.dtype,
                                        trust_remote_code=self.cfg.trust_remote_code,
                                        max_total_tokens=max(self.engine_cfg.capture_max_tokens * 2, 4096))
-            self._capture = SGLangCaptureRunner(kw, architecture=self.facts.architecture,
+            self._capture = SGLangCaptureRunner(kw, architecture=self.spec.architecture,
                                                 num_layers=self.info.num_layers,
-                                                first_id_rule=self.facts.first_id_rule,
+                                                first_id_rule=self.spec.first_id_rule,
                                                 max_tokens=self.engine_cfg.capture_max_tokens)
         return self._capture
 
@@ -225,11 +174,10 @@ class SGLangEngine(TargetEngine):
     # ------------------------------------------------------------------------------------------------ weights
     def lm_head_weight(self) -> torch.Tensor:
         """The target's output projection, read from its safetensors (tied embeddings resolved)."""
-        return _read_weight(self.model_path, ("lm_head.weight", "language_model.lm_head.weight"),
-                            fallback=("model.embed_tokens.weight", "language_model.model.embed_tokens.weight"))
+        return self.spec.load_tensor(self.spec.lm_head_name())
 
     def embed_weight(self) -> torch.Tensor:
-        return _read_weight(self.model_path, ("model.embed_tokens.weight", "language_model.model.embed_tokens.weight"))
+        return self.spec.load_tensor(self.spec.embed_name())
 
     def close(self) -> None:
         if self._capture is not None:
@@ -240,37 +188,10 @@ class SGLangEngine(TargetEngine):
             self._engine = None
 
 
-def _target_info(model_path: str, tokenizer: Any, facts: TargetFacts, dtype: str) -> TargetInfo:
-    cfg = json.loads((Path(model_path) / "config.json").read_text())
-    text = cfg.get("text_config") or cfg
-    eos: set[int] = set()
-    gen_cfg = Path(model_path) / "generation_config.json"
-    sources = [text.get("eos_token_id"), tokenizer.eos_token_id]
-    if gen_cfg.is_file():
-        sources.append(json.loads(gen_cfg.read_text()).get("eos_token_id"))
-    for src in sources:
-        if src is None:
-            continue
-        eos.update([src] if isinstance(src, int) else [int(s) for s in src])
-    if dtype == "auto":
-        dtype = str(text.get("torch_dtype") or text.get("dtype") or cfg.get("torch_dtype") or "bfloat16")
-    return TargetInfo(
-        model=model_path, num_layers=facts.num_layers, hidden_size=facts.hidden_size,
-        vocab_size=int(text["vocab_size"]), max_position_embeddings=int(text.get("max_position_embeddings") or 0),
-        dtype=dtype, engine="sglang", engine_version=f"sglang-{installed_sglang_version()}",
-        architecture=facts.architecture, eos_token_ids=tuple(sorted(eos)),
-    )
-
-
-def _read_weight(model_path: str, names: Sequence[str], fallback: Sequence[str] = ()) -> torch.Tensor:
-    from safetensors import safe_open
-
-    files = sorted(Path(model_path).glob("*.safetensors"))
-    for group in (names, fallback):
-        for f in files:
-            with safe_open(str(f), framework="pt") as fh:
-                keys = set(fh.keys())
-                for n in group:
-                    if n in keys:
-                        return fh.get_tensor(n)
-    raise KeyError(f"none of {list(names) + list(fallback)} found in {model_path}/*.safetensors")
+def target_info(spec: TargetSpec, tokenizer: Any, dtype: str) -> TargetInfo:
+    """The engine protocol's view of a target served by sglang (eos ids: the config's and the tokenizer's)."""
+    eos = set(spec.eos_token_ids())
+    if tokenizer.eos_token_id is not None:
+        eos.add(int(tokenizer.eos_token_id))
+    return TargetInfo.from_spec(spec, dtype=spec.dtype if dtype == "auto" else dtype, engine="sglang",
+                                engine_version=f"sglang-{installed_sglang_version()}", eos_token_ids=eos)

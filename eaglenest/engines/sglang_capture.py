@@ -19,10 +19,10 @@ from typing import Any
 
 import torch
 
+from eaglenest.contracts.layers import sglang_config_ids_for
 from eaglenest.engines.base import Capture
-from eaglenest.engines.sglang import sglang_symbol
 from eaglenest.engines.sglang_args import plan_capture_batches, reorder_aux
-from eaglenest.engines.sglang_spec import sglang_config_ids_for
+from eaglenest.engines.sglang_symbols import sglang_symbol
 
 
 class _NoPrefixCache(SimpleNamespace):

@@ -36,17 +36,15 @@ WRITE_CPUS = 0.25
 
 def target_identity(cfg: EaglenestConfig) -> dict[str, Any]:
     """What the shards will be checked against, from the model's config (no weights are loaded in the driver)."""
-    from transformers import AutoConfig
-
     from eaglenest.contracts.layers import default_aux_layer_ids, validate_aux_layer_ids
-    from eaglenest.engines.hf import resolve_model_path, text_config
+    from eaglenest.contracts.target import TargetSpec, resolve_target_path
 
-    path = resolve_model_path(cfg.target)
-    mc = text_config(AutoConfig.from_pretrained(path, trust_remote_code=cfg.target.trust_remote_code))
-    n = int(mc.num_hidden_layers)
+    path = resolve_target_path(cfg.target)
+    spec = TargetSpec.read(path, hub=True)
+    n = spec.num_layers
     aux = validate_aux_layer_ids(cfg.target.aux_layer_ids or default_aux_layer_ids(n), n)
-    return {"target": str(path), "num_layers": n, "hidden_size": int(mc.hidden_size),
-            "vocab_size": int(mc.vocab_size), "aux_layer_ids": aux, "dtype": cfg.regen.storage_dtype,
+    return {"target": str(path), "num_layers": n, "hidden_size": spec.hidden_size,
+            "vocab_size": spec.vocab_size, "aux_layer_ids": aux, "dtype": cfg.regen.storage_dtype,
             "engine": cfg.target.engine}
 
 

@@ -411,7 +411,7 @@ def _hf_decoder(engine: Any, drafter: str | None, cfg: EaglenestConfig) -> Decod
     if drafter is None:
         return HFSpecDecoder(BaselineDecoder.from_engine(engine), speculative=False, algorithm=None,
                              max_batch=cfg.serve.max_batch_size, draft_tokens_per_step=0)
-    from eaglenest.drafter.export import load_drafter
+    from eaglenest.speculative.model import load_drafter
 
     model = load_drafter(drafter, device=engine.device, dtype=engine.dtype, target_embedding=engine.embed_weight())
     algorithm = spec.algorithm or "EAGLE3"

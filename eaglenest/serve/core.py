@@ -69,7 +69,8 @@ class ServerCore:
         self.metrics.start_refresh()
         self.preflight = None
         if drafter is not None:  # local targets are checked before anything loads, others from the loaded engine
-            from eaglenest.serve.preflight import local_target_folder, preflight_for_config
+            from eaglenest.contracts.preflight import preflight_for_config
+            from eaglenest.contracts.target import local_target_folder
 
             if local_target_folder(cfg) is not None:
                 self.preflight = preflight_for_config(cfg, drafter).raise_for_failures()

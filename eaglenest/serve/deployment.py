@@ -140,7 +140,8 @@ def make_app(cfg: EaglenestConfig, drafter: str | None = None, *, check: bool = 
     """The bound Serve application; the preflight runs here first when the target is a local folder."""
     drafter = resolve_drafter(cfg, drafter)
     if check and drafter is not None:
-        from eaglenest.serve.preflight import local_target_folder, preflight_for_config
+        from eaglenest.contracts.preflight import preflight_for_config
+        from eaglenest.contracts.target import local_target_folder
 
         if local_target_folder(cfg) is not None:  # remote targets are checked by the replica once loaded
             preflight_for_config(cfg, drafter).raise_for_failures()

@@ -45,11 +45,11 @@ def child_main(fd: int) -> int:
         send(("events", batch))
 
     try:
-        from eaglenest.engines.hf import resolve_model_path
+        from eaglenest.contracts.target import resolve_target_path
 
         cfg = EaglenestConfig.model_validate(cfg_dict)
         backend = make_local_backend(cfg, drafter, after_step=flush)
-        send(("ready", backend.info, backend.speculative, backend.algorithm, resolve_model_path(cfg.target)))
+        send(("ready", backend.info, backend.speculative, backend.algorithm, resolve_target_path(cfg.target)))
     except Exception as e:  # the parent raises this message
         log.exception("decoder process failed to start")
         send(("failed", f"{type(e).__name__}: {e}"))

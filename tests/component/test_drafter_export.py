@@ -9,18 +9,17 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from eaglenest.config import EaglenestConfig
+from eaglenest.contracts.target import TargetSpec
 from eaglenest.drafter.checkpoint import load_training_checkpoint, save_training_checkpoint
 from eaglenest.drafter.export import (
     ExportError,
     export_checkpoint,
     export_drafter,
     export_tensors,
-    load_drafter,
 )
-from eaglenest.drafter.model import Eagle3Drafter
-from eaglenest.drafter.target import load_target_embed_and_head, read_target_facts
 from eaglenest.drafter.train import resolve_model_config
 from eaglenest.drafter.vocab import build_vocab_mapping
+from eaglenest.speculative.model import Eagle3Drafter, load_drafter
 
 # the weight names SGLang's LlamaForCausalLMEagle3.load_weights maps (reference/sglang.md §D.2)
 SGLANG_NAMES = {
@@ -36,14 +35,14 @@ SGLANG_NAMES = {
 @pytest.fixture(scope="module")
 def tiny_drafter(tiny_target_path):
     """A drafter for the tiny target (aux taps [2, 4, 5]) with a 300-token draft vocab and non-trivial weights."""
-    facts = read_target_facts(tiny_target_path)
+    facts = TargetSpec.read(tiny_target_path)
     counts = torch.arange(facts.vocab_size).flip(0) % 37
     mapping = build_vocab_mapping(counts, 300)
     cfg = EaglenestConfig()
     mcfg = resolve_model_config(cfg, facts, [2, 4, 5], mapping.draft_vocab_size)
     torch.manual_seed(0)
     m = Eagle3Drafter(mcfg)
-    embed, head = load_target_embed_and_head(tiny_target_path)
+    embed, head = TargetSpec.read(tiny_target_path).load_embed_and_head()
     m.init_from_target(embed, head, mapping.d2t, mapping.t2d)
     with torch.no_grad():
         for n, p in m.named_parameters():
@@ -64,7 +63,7 @@ def test_sglang_export_matches_loader_contract(tiny_drafter, tmp_path, tiny_targ
     out = export_drafter(m, tmp_path / "exp", fmt="sglang", dtype="bfloat16")
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "eaglenest_drafter.json", "model.safetensors"]
     cfg = json.loads((out / "config.json").read_text())
-    facts = read_target_facts(tiny_target_path)
+    facts = TargetSpec.read(tiny_target_path)
     assert cfg["architectures"] == ["LlamaForCausalLMEagle3"]
     assert cfg["model_type"] == "llama" and cfg["num_hidden_layers"] == 1
     assert cfg["hidden_size"] == facts.hidden_size and cfg["vocab_size"] == facts.vocab_size

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from eaglenest.contracts.shards import Manifest
+from eaglenest.contracts.target import TargetSpec
 from eaglenest.drafter.data import DataMismatchError, check_manifest
-from eaglenest.drafter.target import read_target_facts
 
 
 def _manifest(**kw) -> Manifest:
@@ -19,7 +19,7 @@ def _manifest(**kw) -> Manifest:
 
 
 def test_manifest_check_refuses_mismatches(tiny_target_path) -> None:
-    facts = read_target_facts(tiny_target_path)
+    facts = TargetSpec.read(tiny_target_path)
     check_manifest(_manifest(vocab_size=facts.vocab_size), facts)
     with pytest.raises(DataMismatchError, match="hidden_size: shards 256, target 128"):
         check_manifest(_manifest(vocab_size=facts.vocab_size, hidden_size=256), facts)

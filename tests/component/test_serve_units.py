@@ -96,8 +96,8 @@ def test_deployment_options_follow_the_config():
 def test_build_app_refuses_unknown_args_and_a_bad_drafter(tmp_path, tiny_target_path):
     from serve_helpers import make_drafter
 
+    from eaglenest.contracts.preflight import PreflightError
     from eaglenest.serve.app import build_app
-    from eaglenest.serve.preflight import PreflightError
 
     cfg = tmp_path / "serve.yaml"
     cfg.write_text(f"target:\n  model: {tiny_target_path}\n  device: cpu\nserve:\n  spec:\n    algorithm: EAGLE\n")

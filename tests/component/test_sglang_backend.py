@@ -11,7 +11,10 @@ from pathlib import Path
 import pytest
 
 from eaglenest.config import SGLangEngineConfig, SpecConfig, TargetConfig
-from eaglenest.contracts.layers import default_aux_layer_ids, sglang_captured_layers
+from eaglenest.contracts.drafter_format import read_drafter
+from eaglenest.contracts.layers import default_aux_layer_ids, sglang_captured_layers, sglang_config_ids_for
+from eaglenest.contracts.preflight import SpeculativeConfigError, derive_algorithm
+from eaglenest.contracts.target import TargetSpec
 from eaglenest.engines.base import SamplingParams
 from eaglenest.engines.sglang_args import (
     SGLANG_VERSION,
@@ -28,15 +31,7 @@ from eaglenest.engines.sglang_args import (
     run_generate,
     spec_meta,
 )
-from eaglenest.engines.sglang_spec import (
-    SpeculativeConfigError,
-    TargetFacts,
-    derive_algorithm,
-    preflight,
-    read_drafter,
-    sglang_config_ids_for,
-    speculative_engine_kwargs,
-)
+from eaglenest.engines.sglang_spec import speculative_engine_kwargs, speculative_launch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: sglang_shims
 from sglang_shims.fixtures import export_eagle3_drafter, write_eagle3_drafter, write_target  # noqa: E402
@@ -202,8 +197,9 @@ def test_layer_ids_checked_with_the_engine_rule(tmp_path: Path, target: Path) ->
                                                      r"eagle_aux_hidden_state_layer_ids: \[1, 3, 4\]"):
         speculative_engine_kwargs(str(target), SGLangEngineConfig(), wrong, SpecConfig())
     # the same list is right for a DeepSeek/Kimi target in sglang 0.5.14 (+1 only when the first id is 1)
-    ds = TargetFacts(num_layers=8, hidden_size=128, architecture="DeepseekV3ForCausalLM", context_length=2048)
-    assert preflight(read_drafter(wrong), ds, SpecConfig()).captured_layers == tuple(PHYS)
+    ds = TargetSpec(num_layers=8, hidden_size=128, vocab_size=1024, architecture="DeepseekV3ForCausalLM",
+                    context_length=2048)
+    assert speculative_launch(read_drafter(wrong), ds, SpecConfig()).captured_layers == tuple(PHYS)
     assert sglang_config_ids_for([2, 30, 58], 61, first_id_rule=False) == [1, 29, 57]
     for rule in (False, True):
         for phys in ([2, 30, 58], [3, 30, 58], [1, 4, 6]):
@@ -241,8 +237,9 @@ def test_preflight_refusals(tmp_path: Path, target: Path, kwargs: dict, message:
 def test_target_facts_read_multimodal_text_config(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps({
         "architectures": ["KimiK25ForConditionalGeneration"],
-        "text_config": {"num_hidden_layers": 61, "hidden_size": 7168, "max_position_embeddings": 262144}}))
-    facts = TargetFacts.from_model_dir(tmp_path)
+        "text_config": {"num_hidden_layers": 61, "hidden_size": 7168, "vocab_size": 163840,
+                        "max_position_embeddings": 262144}}))
+    facts = TargetSpec.read(tmp_path)
     assert (facts.num_layers, facts.hidden_size, facts.context_length, facts.first_id_rule) == (61, 7168, 262144, True)
 
 
@@ -252,9 +249,9 @@ def test_nothing_imports_sglang() -> None:
     # every other file is covered by the static check below
     code = (
         "import sys, eaglenest, eaglenest.engines, eaglenest.engines.sglang, eaglenest.engines.sglang_args, "
-        "eaglenest.engines.sglang_spec, eaglenest.engines.sglang_capture, eaglenest.regen, eaglenest.drafter, "
-        "eaglenest.serve, eaglenest.serve.backends, "
-        "eaglenest.serve.preflight\n"
+        "eaglenest.engines.sglang_spec, eaglenest.engines.sglang_capture, eaglenest.engines.sglang_symbols, "
+        "eaglenest.regen, eaglenest.drafter, eaglenest.serve, eaglenest.serve.backends, "
+        "eaglenest.contracts.preflight\n"
         "bad = sorted(k for k in sys.modules if k == 'sglang' or k.startswith('sglang.'))\n"
         "assert not bad, bad\n"
     )
@@ -294,17 +291,18 @@ def test_target_facts_and_weights_match_the_hf_backend(tiny_target_path: Path, t
     import torch
     from transformers import AutoTokenizer
 
-    from eaglenest.engines.sglang import _read_weight, _target_info
+    from eaglenest.engines.sglang import target_info
 
     path = str(tiny_target_path)
-    facts = TargetFacts.from_model_dir(path)
-    info = _target_info(path, AutoTokenizer.from_pretrained(path), facts, "bfloat16")
+    spec = TargetSpec.read(path)
+    info = target_info(spec, AutoTokenizer.from_pretrained(path), "bfloat16")
     ref = tiny_engine.info
     assert (info.num_layers, info.hidden_size, info.vocab_size, info.architecture, info.eos_token_ids) == (
         ref.num_layers, ref.hidden_size, ref.vocab_size, ref.architecture, ref.eos_token_ids)
     assert info.engine == "sglang" and info.max_position_embeddings == ref.max_position_embeddings
-    head = _read_weight(path, ("lm_head.weight",), fallback=("model.embed_tokens.weight",))
+    embed, head = spec.load_embed_and_head()
     assert torch.equal(head, tiny_engine.lm_head_weight().detach().cpu())
-    assert torch.equal(_read_weight(path, ("model.embed_tokens.weight",)), tiny_engine.embed_weight().detach().cpu())
+    assert torch.equal(embed, tiny_engine.embed_weight().detach().cpu())
+    assert spec.embed_shape() == list(embed.shape) and spec.lm_head_shape() == list(head.shape)
     with pytest.raises(KeyError, match="not_a_tensor"):
-        _read_weight(path, ("not_a_tensor",))
+        spec.load_tensor("not_a_tensor")

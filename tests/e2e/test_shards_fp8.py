@@ -50,8 +50,8 @@ def test_fp8_halves_the_bytes_per_token():
 def test_regen_and_train_on_fp8_shards(ray_session, tmp_path, tiny_engine):
     """regen writes fp8 shards at 4*H + 4 bytes/token with the scale layout in the manifest; training reads them
     (dequantised) and a manifest with an unknown layout is refused with the fix."""
+    from eaglenest.contracts.target import TargetSpec
     from eaglenest.drafter.data import DataMismatchError, check_manifest
-    from eaglenest.drafter.target import read_target_facts
     from eaglenest.drafter.train import train_drafter
     from eaglenest.regen.pipeline import run_regen
 
@@ -80,4 +80,4 @@ def test_regen_and_train_on_fp8_shards(ray_session, tmp_path, tiny_engine):
     bad["scale_layout"] = "per_tensor_fp32"
     (out / "manifest.json").write_text(json.dumps(bad))
     with pytest.raises(DataMismatchError, match="scale layout"):
-        check_manifest(read_manifest(out), read_target_facts(m.target))
+        check_manifest(read_manifest(out), TargetSpec.read(m.target))

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from eaglenest.engines.sglang_spec import SIDECAR
+from eaglenest.contracts.drafter_format import SIDECAR
 
 
 def write_target(folder: Path, *, num_layers: int = 8, hidden: int = 128, heads: int = 4, kv_heads: int = 2,
@@ -66,7 +66,7 @@ def write_eagle3_drafter(folder: Path, *, physical_ids: Sequence[int], hidden: i
         "norm.weight": torch.ones(hidden, dtype=torch.bfloat16),
         "lm_head.weight": w(draft_vocab, hidden),
         "d2t": torch.zeros(draft_vocab, dtype=torch.int64),
-        "t2d": torch.zeros(vocab, dtype=torch.bool),
+        "t2d": torch.arange(vocab) < draft_vocab,  # d2t all 0: draft id i is target id i
         "midlayer.self_attn.q_proj.weight": w(heads * head_dim, 2 * hidden),
         "midlayer.self_attn.k_proj.weight": w(kv_heads * head_dim, 2 * hidden),
         "midlayer.self_attn.v_proj.weight": w(kv_heads * head_dim, 2 * hidden),
@@ -89,7 +89,7 @@ def export_eagle3_drafter(folder: Path, *, physical_ids: Sequence[int], target_l
                           context: int = 2048) -> Path:
     """A drafter written by eaglenest's own exporter (drafter.export), untrained weights."""
     from eaglenest.drafter.export import export_drafter
-    from eaglenest.drafter.model import DrafterModelConfig, Eagle3Drafter
+    from eaglenest.speculative.model import DrafterModelConfig, Eagle3Drafter
 
     cfg = DrafterModelConfig(
         hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=hidden // heads,

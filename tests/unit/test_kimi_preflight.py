@@ -15,10 +15,11 @@ import pytest
 import torch
 
 from eaglenest.config import load_config
+from eaglenest.contracts.drafter_config import DrafterModelConfig
+from eaglenest.contracts.drafter_format import SIDECAR, WEIGHTS, expected_shapes, hf_config
 from eaglenest.contracts.layers import default_aux_layer_ids
-from eaglenest.drafter.export import SIDECAR, WEIGHTS, expected_shapes, hf_config
-from eaglenest.drafter.model import DrafterModelConfig
-from eaglenest.serve.preflight import TargetSummary, run_preflight
+from eaglenest.contracts.preflight import run_preflight
+from eaglenest.contracts.target import TargetSpec
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -91,7 +92,7 @@ def kimi_drafter(tmp_path_factory) -> tuple[Path, Path, object]:
         "drafter_config": mcfg.to_dict(),
     }))
     context = cfg.target.sglang.context_length
-    return target, out, TargetSummary.from_folder(target, context_length=context)
+    return target, out, TargetSpec.read(target, context_length=context)
 
 
 def test_kimi_config_drafter_passes_sglang_preflight(kimi_drafter):
@@ -115,6 +116,6 @@ def test_wrong_target_depth_is_refused(kimi_drafter, tmp_path):
     shallow = json.loads((kimi_drafter[0] / "config.json").read_text())
     shallow["text_config"]["num_hidden_layers"] = 30  # tap 58 does not exist in a 30-layer model
     (tmp_path / "config.json").write_text(json.dumps(shallow))
-    report = run_preflight(TargetSummary.from_folder(tmp_path), drafter, algorithm="EAGLE3", engine="sglang")
+    report = run_preflight(TargetSpec.read(tmp_path), drafter, algorithm="EAGLE3", engine="sglang")
     bad = {c.name: c.message for c in report.checks if not c.ok}
     assert bad and any("58" in m or "layer" in m for m in bad.values()), bad

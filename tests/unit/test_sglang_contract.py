@@ -28,14 +28,16 @@ from sglang.srt.server_args import ServerArgs  # noqa: E402
 from sglang_shims.fixtures import export_eagle3_drafter, write_eagle3_drafter, write_target  # noqa: E402
 
 from eaglenest.config import SGLangEngineConfig, SpecConfig  # noqa: E402
-from eaglenest.contracts.layers import default_aux_layer_ids, sglang_captured_layers, to_sglang_ids  # noqa: E402
+from eaglenest.contracts.layers import (  # noqa: E402
+    FIRST_ID_RULE_ARCHS,  # noqa: E402
+    default_aux_layer_ids,
+    sglang_captured_layers,
+    to_sglang_ids,
+)
+from eaglenest.contracts.preflight import SpeculativeConfigError  # noqa: E402
 from eaglenest.engines.sglang import SGLANG_INTERNALS, installed_sglang_version, require_sglang  # noqa: E402
 from eaglenest.engines.sglang_args import SGLANG_VERSION, capture_server_kwargs, engine_kwargs  # noqa: E402
-from eaglenest.engines.sglang_spec import (  # noqa: E402
-    FIRST_ID_RULE_ARCHS,
-    SpeculativeConfigError,
-    speculative_engine_kwargs,
-)
+from eaglenest.engines.sglang_spec import speculative_engine_kwargs  # noqa: E402
 
 CPU_ONLY = {"device": "cuda", "skip_tokenizer_init": True}  # §G: explicit device; config-only folders, no tokenizer
 

@@ -1,4 +1,5 @@
-"""The EAGLE-3 drafter: ``fc`` + one Llama decoder layer over ``[norm(embed); norm(hidden)]`` + ``norm`` + ``lm_head``.
+"""The EAGLE-3 drafter network, shared by training (eaglenest.drafter) and the reference decoder: ``fc`` + one
+Llama decoder layer over ``[norm(embed); norm(hidden)]`` + ``norm`` + ``lm_head``.
 
 Parameter names match SGLang's ``LlamaForCausalLMEagle3`` loader one to one (``fc.weight``,
 ``midlayer.self_attn.q_proj.weight``, ..., ``norm.weight``, ``lm_head.weight``, ``d2t``, ``t2d``), so exporting is a
@@ -16,9 +17,7 @@ map draft ids to target ids with :meth:`Eagle3Drafter.to_target_ids`.
 
 from __future__ import annotations
 
-import json
 import math
-from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -26,64 +25,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from eaglenest.contracts.drafter_config import DrafterModelConfig
+from eaglenest.contracts.drafter_format import DTYPE_NAMES, WEIGHTS, read_export_config, validate_tensors, write_export
+from eaglenest.contracts.target import TargetSpec
 
-@dataclass
-class DrafterModelConfig:
-    """The drafter's own hyperparameters (what ``config.json`` of an export records), plus the target it serves."""
-
-    hidden_size: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    intermediate_size: int
-    vocab_size: int
-    """the target's vocabulary (embedding rows, ``t2d`` length)"""
-    draft_vocab_size: int
-    aux_layer_ids: list[int]
-    """physical ids (index into transformers' ``hidden_states``) of the three fused target layers"""
-    target_hidden_size: int
-    target_num_layers: int
-    rope_theta: float = 10000.0
-    rms_norm_eps: float = 1e-6
-    max_position_embeddings: int = 2048
-    target: str = ""
-    """where the target came from (folder or hub id), recorded for preflight checks"""
-    bos_token_id: int | None = None
-    eos_token_id: int | list[int] | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        problems = []
-        if self.num_attention_heads % self.num_key_value_heads:
-            problems.append(
-                f"num_attention_heads {self.num_attention_heads} is not a multiple of num_key_value_heads "
-                f"{self.num_key_value_heads}"
-            )
-        if self.draft_vocab_size > self.vocab_size:
-            problems.append(f"draft_vocab_size {self.draft_vocab_size} exceeds the target vocab {self.vocab_size}")
-        if len(self.aux_layer_ids) != 3:
-            problems.append(f"EAGLE-3 fuses exactly 3 aux layers, got {self.aux_layer_ids}")
-        if problems:
-            raise ValueError("invalid drafter config: " + "; ".join(problems))
-        self.aux_layer_ids = [int(i) for i in self.aux_layer_ids]
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> DrafterModelConfig:
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"unknown drafter config keys {unknown}; known: {sorted(known)}")
-        return cls(**data)
-
-    def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n")
-
-    @classmethod
-    def load(cls, path: str | Path) -> DrafterModelConfig:
-        return cls.from_dict(json.loads(Path(path).read_text()))
+__all__ = ["DrafterKVCache", "DrafterModelConfig", "Eagle3Drafter", "flops_per_token", "load_drafter"]
 
 
 class RMSNorm(nn.Module):
@@ -390,17 +336,15 @@ class Eagle3Drafter(nn.Module):
     forward = step
 
     # -------------------------------------------------------------------------------------------------- save/load
-    def save_pretrained(self, output_dir: str | Path, **kwargs: Any) -> Path:
-        """Write an SGLang-loadable export folder (see :func:`eaglenest.drafter.export.export_drafter`)."""
-        from eaglenest.drafter.export import export_drafter
-
-        return export_drafter(self, output_dir, **kwargs)
+    def save_pretrained(self, output_dir: str | Path, *, include_embedding: bool = True, **kwargs: Any) -> Path:
+        """Write an SGLang-loadable export folder (``eaglenest.contracts.drafter_format``; kwargs: fmt, dtype)."""
+        tensors = {k: v.detach().cpu() for k, v in self.state_dict().items()
+                   if include_embedding or k != "embed_tokens.weight"}
+        return write_export(tensors, self.config, output_dir, **kwargs)
 
     @classmethod
     def from_pretrained(cls, export_dir: str | Path, **kwargs: Any) -> Eagle3Drafter:
         """Load an export folder written by :meth:`save_pretrained` (aux ids come back as physical ids)."""
-        from eaglenest.drafter.export import load_drafter
-
         return load_drafter(export_dir, **kwargs)
 
     def num_trainable_parameters(self) -> int:
@@ -424,3 +368,32 @@ def flops_per_token(cfg: DrafterModelConfig, ttt_steps: int) -> dict[str, float]
         "total": 3 * (per_step * ttt_steps + fc) + teacher,
         "params_per_step_mac": math.fsum([qkv, o, mlp, head]),
     }
+
+
+def load_drafter(
+    export_dir: str | Path,
+    *,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | None = None,
+    target_embedding: torch.Tensor | None = None,
+) -> Eagle3Drafter:
+    """Load an export; the model's ``config.aux_layer_ids`` are physical ids whatever the export format.
+
+    Without an embedding in the file, ``target_embedding`` (or the recorded target's) is used.
+    """
+    from safetensors.torch import load_file
+
+    cfg, _, side = read_export_config(export_dir)
+    tensors = load_file(str(Path(export_dir) / WEIGHTS))
+    validate_tensors(tensors, cfg)
+    if "embed_tokens.weight" not in tensors:
+        if target_embedding is None:
+            target_embedding, _ = TargetSpec.read(side["target"]).load_embed_and_head()
+        tensors["embed_tokens.weight"] = target_embedding
+    model = Eagle3Drafter(cfg)
+    name = str(side.get("dtype", "float32"))
+    load_dtype = dtype or (getattr(torch, name) if name in DTYPE_NAMES else torch.float32)
+    model.to(load_dtype)
+    model.load_state_dict({k: v.to(load_dtype) if v.is_floating_point() else v for k, v in tensors.items()},
+                          strict=True)
+    return model.to(device).eval()

@@ -1,0 +1,405 @@
+"""The drafter export folder, written and read only here: what SGLang loads as ``LlamaForCausalLMEagle3`` (or vLLM).
+
+``config.json`` + ``model.safetensors`` + ``eaglenest_drafter.json`` (the sidecar: the physical layer ids the drafter
+was trained on, the target, the drafter config). Aux layer ids in config.json are written in the serving engine's
+convention (``eaglenest.contracts.layers``): SGLang adds 1 to what it reads, so it gets physical - 1; vLLM reads
+physical ids as they are. The sidecar lets every eaglenest reader translate back and cross-check. Unknown tensor names
+are silently dropped by SGLang, so the writer refuses a missing tensor or a shape that does not fit the config before
+writing anything, and every reader of an export goes through :func:`read_drafter` / :func:`read_export_config`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from eaglenest.contracts.drafter_config import DrafterModelConfig
+from eaglenest.contracts.layers import to_sglang_ids, to_vllm_ids
+
+if TYPE_CHECKING:
+    import torch
+
+Format = Literal["sglang", "vllm"]
+CONFIG = "config.json"
+WEIGHTS = "model.safetensors"
+SIDECAR = "eaglenest_drafter.json"
+"""Written next to config.json; records the physical aux layer ids the drafter trained on and its target."""
+ARCHITECTURE = "LlamaForCausalLMEagle3"
+DTYPE_NAMES = ("bfloat16", "float16", "float32")
+
+SIDECAR_ID_KEYS = ("aux_layer_ids_physical", "aux_layer_ids", "physical_aux_layer_ids", "physical_layer_ids")
+"""Where a sidecar records the physical ids: the writer uses the first; the others are read from older exports
+(``drafter_config.aux_layer_ids`` is read last)."""
+
+REQUIRED_DRAFT_WEIGHTS = ("fc.weight", "norm.weight", "lm_head.weight", "d2t", "midlayer.self_attn.q_proj.weight",
+                          "midlayer.self_attn.k_proj.weight", "midlayer.self_attn.v_proj.weight",
+                          "midlayer.self_attn.o_proj.weight", "midlayer.mlp.gate_proj.weight",
+                          "midlayer.mlp.up_proj.weight", "midlayer.mlp.down_proj.weight",
+                          "midlayer.input_layernorm.weight", "midlayer.hidden_norm.weight",
+                          "midlayer.post_attention_layernorm.weight")
+"""Names SGLang's LlamaForCausalLMEagle3.load_weights maps (``model.`` prefix optional); unknown names it drops."""
+REQUIRED_TENSORS: tuple[str, ...] = (*REQUIRED_DRAFT_WEIGHTS, "t2d")
+"""Everything an eaglenest EAGLE-3 export holds (``t2d``: eaglenest's own loader rebuilds the vocab map from it)."""
+OPTIONAL_TENSORS = ("embed_tokens.weight",)
+"""The frozen target embedding; without it SGLang and vLLM share the target's."""
+
+
+class ExportError(ValueError):
+    """A drafter that would not load (or would load wrong) in the serving engine."""
+
+
+class DrafterFormatError(ValueError):
+    """A folder that is not a readable drafter export (missing or malformed config.json)."""
+
+
+# ------------------------------------------------------------------------------------------------------ layer ids
+def config_layer_ids(physical: Sequence[int], fmt: Format) -> list[int]:
+    """The ids config.json carries for ``fmt`` (SGLang: physical - 1; vLLM: physical)."""
+    if fmt == "sglang":
+        return to_sglang_ids(physical)
+    if fmt == "vllm":
+        return to_vllm_ids(physical)
+    raise ExportError(f"unknown export format {fmt!r}; use 'sglang' or 'vllm'")
+
+
+def physical_layer_ids(config_ids: Sequence[int], fmt: Format) -> list[int]:
+    """Inverse of :func:`config_layer_ids`."""
+    if fmt == "sglang":
+        return [int(i) + 1 for i in config_ids]
+    if fmt == "vllm":
+        return [int(i) for i in config_ids]
+    raise ExportError(f"unknown export format {fmt!r}; use 'sglang' or 'vllm'")
+
+
+def recorded_physical_ids(sidecar: Mapping[str, Any] | None) -> tuple[list[int] | None, str]:
+    """(physical ids, where they were found) from a sidecar of any eaglenest version; (None, "") if it has none."""
+    if sidecar is None:
+        return None, ""
+    for key in SIDECAR_ID_KEYS:
+        if sidecar.get(key) is not None:
+            return [int(i) for i in sidecar[key]], f"{SIDECAR}:{key}"
+    inner = (sidecar.get("drafter_config") or {}).get("aux_layer_ids")
+    if inner is not None:
+        return [int(i) for i in inner], f"{SIDECAR}:drafter_config.aux_layer_ids"
+    return None, ""
+
+
+# --------------------------------------------------------------------------------------------------- config.json
+def hf_config(cfg: DrafterModelConfig, fmt: Format, dtype: str) -> dict[str, Any]:
+    """``config.json`` per the loader contract (reference: SGLang 0.5.x ``llama_eagle3.py``; vLLM ``llama_eagle3``)."""
+    out: dict[str, Any] = {
+        "architectures": [ARCHITECTURE],
+        "model_type": "llama",
+        "num_hidden_layers": 1,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": None,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "vocab_size": cfg.vocab_size,
+        "draft_vocab_size": cfg.draft_vocab_size,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "torch_dtype": dtype,
+        "eagle_config": {
+            "eagle_aux_hidden_state_layer_ids": config_layer_ids(cfg.aux_layer_ids, fmt),
+            "use_aux_hidden_state": True,
+        },
+    }
+    if cfg.target_hidden_size != cfg.hidden_size:
+        out["target_hidden_size"] = cfg.target_hidden_size
+    if cfg.bos_token_id is not None:
+        out["bos_token_id"] = cfg.bos_token_id
+    if cfg.eos_token_id is not None:
+        out["eos_token_id"] = cfg.eos_token_id
+    return out
+
+
+# ------------------------------------------------------------------------------------------------------- tensors
+def expected_shapes(cfg: DrafterModelConfig) -> dict[str, tuple[int, ...]]:
+    h, d = cfg.hidden_size, cfg.head_dim
+    return {
+        "fc.weight": (h, 3 * cfg.target_hidden_size),
+        "midlayer.self_attn.q_proj.weight": (cfg.num_attention_heads * d, 2 * h),
+        "midlayer.self_attn.k_proj.weight": (cfg.num_key_value_heads * d, 2 * h),
+        "midlayer.self_attn.v_proj.weight": (cfg.num_key_value_heads * d, 2 * h),
+        "midlayer.self_attn.o_proj.weight": (h, cfg.num_attention_heads * d),
+        "midlayer.mlp.gate_proj.weight": (cfg.intermediate_size, h),
+        "midlayer.mlp.up_proj.weight": (cfg.intermediate_size, h),
+        "midlayer.mlp.down_proj.weight": (h, cfg.intermediate_size),
+        "midlayer.input_layernorm.weight": (h,),
+        "midlayer.hidden_norm.weight": (h,),
+        "midlayer.post_attention_layernorm.weight": (h,),
+        "norm.weight": (h,),
+        "lm_head.weight": (cfg.draft_vocab_size, h),
+        "d2t": (cfg.draft_vocab_size,),
+        "t2d": (cfg.vocab_size,),
+        "embed_tokens.weight": (cfg.vocab_size, h),
+    }
+
+
+def vocab_mapping_problems(d2t: torch.Tensor, t2d: torch.Tensor) -> list[str]:
+    """What is wrong with a draft -> target vocab map: ``d2t[i] = target_id(i) - i``, ``t2d`` marks those ids."""
+    import torch
+
+    dv, v = int(d2t.numel()), int(t2d.numel())
+    ids = d2t.to(torch.long) + torch.arange(dv)
+    marks = t2d.to(torch.bool)
+    if dv and (int(ids.min()) < 0 or int(ids.max()) >= v):
+        return [f"d2t + arange maps into [{int(ids.min())}, {int(ids.max())}], outside the target vocab [0, {v})"]
+    problems = []
+    if len(torch.unique(ids)) != dv:
+        problems.append("d2t maps two draft ids to the same target id")
+    if int(marks.sum()) != dv:
+        problems.append(f"d2t and t2d disagree: t2d marks {int(marks.sum())} target ids, expected {dv} (draft vocab)")
+    elif not problems and not bool(marks[ids].all()):
+        problems.append("d2t and t2d disagree: some target ids reached by d2t are not marked in t2d")
+    return problems
+
+
+def validate_tensors(tensors: Mapping[str, torch.Tensor], cfg: DrafterModelConfig) -> None:
+    """Every required tensor present, no stray names, shapes and dtypes that fit ``cfg``, d2t/t2d consistent."""
+    import torch
+
+    shapes = expected_shapes(cfg)
+    problems = []
+    missing = [k for k in REQUIRED_TENSORS if k not in tensors]
+    if missing:
+        problems.append(f"missing tensors {missing}")
+    unknown = sorted(set(tensors) - set(REQUIRED_TENSORS) - set(OPTIONAL_TENSORS))
+    if unknown:
+        problems.append(f"unexpected tensors {unknown} (SGLang would silently drop them)")
+    for name, t in tensors.items():
+        want = shapes.get(name)
+        if want is not None and tuple(t.shape) != want:
+            problems.append(f"{name} has shape {tuple(t.shape)}, the config needs {want}")
+    if "d2t" in tensors and tensors["d2t"].dtype != torch.int64:
+        problems.append(f"d2t must be int64, got {tensors['d2t'].dtype}")
+    if "t2d" in tensors and tensors["t2d"].dtype != torch.bool:
+        problems.append(f"t2d must be bool, got {tensors['t2d'].dtype}")
+    for name, t in tensors.items():
+        if t.is_floating_point() and not torch.isfinite(t).all():
+            problems.append(f"{name} holds NaN/inf values")
+    if not problems and "d2t" in tensors and "t2d" in tensors:
+        problems.extend(vocab_mapping_problems(tensors["d2t"], tensors["t2d"]))
+    if problems:
+        raise ExportError("refusing to export this drafter: " + "; ".join(problems))
+
+
+# --------------------------------------------------------------------------------------------------------- write
+def write_export(
+    tensors: Mapping[str, torch.Tensor],
+    cfg: DrafterModelConfig,
+    output_dir: str | Path,
+    *,
+    fmt: Format = "sglang",
+    dtype: str = "bfloat16",
+    extra_sidecar: dict[str, Any] | None = None,
+) -> Path:
+    """Validate and write an export folder (atomically: a half-written export never replaces a good one)."""
+    import torch
+    from safetensors.torch import save_file
+
+    if dtype not in DTYPE_NAMES:
+        raise ExportError(f"unknown dtype {dtype!r}; use one of {sorted(DTYPE_NAMES)}")
+    config_layer_ids(cfg.aux_layer_ids, fmt)  # validates fmt
+    validate_tensors(tensors, cfg)
+    td = getattr(torch, dtype)
+    out_tensors = {
+        k: (v.to(td) if v.is_floating_point() else v).detach().to("cpu").contiguous() for k, v in tensors.items()
+    }
+    sidecar = {
+        "format": fmt,
+        SIDECAR_ID_KEYS[0]: list(cfg.aux_layer_ids),
+        "config_aux_layer_ids": config_layer_ids(cfg.aux_layer_ids, fmt),
+        "layer_id_convention": "physical - 1 (SGLang adds 1 back)" if fmt == "sglang" else "physical (vLLM)",
+        "target": cfg.target,
+        "target_num_layers": cfg.target_num_layers,
+        "target_hidden_size": cfg.target_hidden_size,
+        "target_vocab_size": cfg.vocab_size,
+        "draft_vocab_size": cfg.draft_vocab_size,
+        "dtype": dtype,
+        "includes_embedding": "embed_tokens.weight" in out_tensors,
+        "drafter_config": cfg.to_dict(),
+        **(extra_sidecar or {}),
+    }
+    out = Path(output_dir)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+    try:
+        save_file(out_tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})
+        (tmp / CONFIG).write_text(json.dumps(hf_config(cfg, fmt, dtype), indent=2) + "\n")
+        (tmp / SIDECAR).write_text(json.dumps(sidecar, indent=2, sort_keys=True) + "\n")
+        if out.exists():
+            old = out.with_name(f".{out.name}.old")
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(out, old)
+            os.replace(tmp, out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------- read
+def read_export_config(export_dir: str | Path) -> tuple[DrafterModelConfig, dict[str, Any], dict[str, Any]]:
+    """(drafter config with physical ids, config.json, sidecar) of an eaglenest export; refuses an export whose two
+    records disagree."""
+    d = Path(export_dir)
+    for f in (CONFIG, SIDECAR, WEIGHTS):
+        if not (d / f).is_file():
+            raise FileNotFoundError(
+                f"{d / f} not found: {d} is not an eaglenest drafter export (run `eaglenest export` or "
+                "`eaglenest train`, which writes OUT/export)"
+            )
+    hf = json.loads((d / CONFIG).read_text())
+    side = json.loads((d / SIDECAR).read_text())
+    cfg = DrafterModelConfig.from_dict(side["drafter_config"])
+    fmt = side.get("format")
+    written = (hf.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    if written is None or physical_layer_ids(written, fmt) != cfg.aux_layer_ids:
+        raise ExportError(
+            f"{d}: config.json eagle_aux_hidden_state_layer_ids {written} in {fmt} convention does not give the "
+            f"physical ids {cfg.aux_layer_ids} recorded in {SIDECAR}; re-export the checkpoint"
+        )
+    if hf.get("architectures") != [ARCHITECTURE] or hf.get("num_hidden_layers") != 1:
+        raise ExportError(f"{d}: config.json is not a 1-layer {ARCHITECTURE} drafter")
+    return cfg, hf, side
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One tensor of an export, as its safetensors header describes it."""
+
+    shape: list[int]
+    file: Path
+    key: str
+    """the name in the file (an optional ``model.`` prefix kept)"""
+
+
+@dataclass(frozen=True)
+class DrafterExport:
+    """An export folder as a serving engine sees it: config.json, the sidecar (if any), tensor shapes (no weights).
+
+    Unreadable parts are recorded (``sidecar_error``, ``tensor_error``) rather than raised, so a preflight can
+    report each as its own failed check.
+    """
+
+    path: str
+    config: Mapping[str, Any]
+    sidecar: Mapping[str, Any] | None = None
+    tensors: Mapping[str, TensorEntry] = field(default_factory=dict)
+    """keyed by the name without the ``model.`` prefix SGLang also accepts"""
+    sidecar_error: str | None = None
+    tensor_error: str | None = None
+
+    @property
+    def architecture(self) -> str:
+        archs = self.config.get("architectures") or []
+        return str(archs[0]) if len(archs) == 1 else "?"
+
+    @property
+    def is_eagle3(self) -> bool:
+        return self.architecture.endswith("Eagle3")
+
+    @property
+    def config_layer_ids(self) -> list[int] | None:
+        """``eagle_config.eagle_aux_hidden_state_layer_ids`` as written (the engine's convention)."""
+        ids = (self.config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+        return None if ids is None else [int(i) for i in ids]
+
+    def recorded_physical_ids(self) -> tuple[list[int] | None, str]:
+        """(physical ids the drafter was trained on, where recorded) from the sidecar; (None, "") when unknown."""
+        return recorded_physical_ids(self.sidecar)
+
+    def trained_layer_ids(self) -> list[int] | None:
+        """The physical ids: the sidecar's, else config.json read in the sidecar's format (SGLang's by default)."""
+        ids, _ = self.recorded_physical_ids()
+        written = self.config_layer_ids
+        if ids is None and written is not None:
+            fmt = (self.sidecar or {}).get("format") or "sglang"
+            ids = physical_layer_ids(written, fmt if fmt in ("sglang", "vllm") else "sglang")
+        return ids
+
+    def shape(self, name: str) -> list[int] | None:
+        entry = self.tensors.get(name)
+        return None if entry is None else entry.shape
+
+    def load_tensor(self, name: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        entry = self.tensors[name]
+        with safe_open(str(entry.file), framework="pt") as fh:
+            return fh.get_tensor(entry.key)
+
+    def tensor_rows(self, name: str, rows: Sequence[int]) -> torch.Tensor:
+        """A few rows of a 2-D tensor, read by slice."""
+        import torch
+        from safetensors import safe_open
+
+        entry = self.tensors[name]
+        with safe_open(str(entry.file), framework="pt") as fh:
+            sl = fh.get_slice(entry.key)
+            return torch.stack([sl[r:r + 1][0] for r in rows])
+
+
+def _read_json(path: Path, what: str) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise DrafterFormatError(f"{what} {path} is not valid JSON ({e})") from e
+    if not isinstance(data, dict):
+        raise DrafterFormatError(f"{what} {path} must hold a JSON object")
+    return data
+
+
+def tensor_entries(folder: Path) -> dict[str, TensorEntry]:
+    """Every ``*.safetensors`` tensor's shape from the file headers (``safe_open`` slices; no weights read)."""
+    from safetensors import safe_open
+
+    out: dict[str, TensorEntry] = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as fh:
+            for key in fh.keys():  # noqa: SIM118 - safe_open has no __iter__
+                out[key.removeprefix("model.")] = TensorEntry(list(fh.get_slice(key).get_shape()), f, key)
+    return out
+
+
+def read_drafter(path: str | Path) -> DrafterExport:
+    """Read an export folder's config.json, sidecar and tensor shapes; raises DrafterFormatError only when
+    config.json is missing or malformed (everything else is left for the checks)."""
+    p = Path(path)
+    if not (p / CONFIG).is_file():
+        raise DrafterFormatError(f"drafter {p}: {p / CONFIG} does not exist; export the drafter with "
+                                 f"`eaglenest export` (eaglenest.drafter.export) or `eaglenest train`")
+    cfg = _read_json(p / CONFIG, f"drafter {p}: config")
+    sidecar, sidecar_error = None, None
+    if (p / SIDECAR).is_file():
+        try:
+            sidecar = _read_json(p / SIDECAR, f"drafter {p}: sidecar")
+        except DrafterFormatError as e:
+            sidecar_error = str(e)
+    tensors: dict[str, TensorEntry] = {}
+    tensor_error = None
+    try:
+        tensors = tensor_entries(p)
+        if not tensors:
+            tensor_error = f"no *.safetensors files in {p}"
+    except Exception as e:  # noqa: BLE001 - safetensors raises its own error type for a corrupt header
+        tensor_error = f"{type(e).__name__}: {e}"
+    return DrafterExport(path=str(p), config=cfg, sidecar=sidecar, tensors=tensors, sidecar_error=sidecar_error,
+                         tensor_error=tensor_error)
