@@ -74,14 +74,6 @@ def prepare_vocab(out: Path, files: list[Path], vocab_size: int, draft_vocab_siz
     return mapping, True
 
 
-def ensure_ray(num_cpus_needed: float) -> None:
-    """Use a running Ray (``ray job submit`` sets RAY_ADDRESS, or ``ray start`` ran here) or start a local one sized
-    for the workers."""
-    from eaglenest.runtime import init_ray
-
-    init_ray(num_cpus=max(os.cpu_count() or 1, math.ceil(num_cpus_needed)), include_dashboard=False)
-
-
 def train_drafter(cfg: EaglenestConfig, data_dir: str | Path, output_dir: str | Path) -> dict[str, Any]:
     """Train (or resume) a drafter on regen shards; writes checkpoints, metrics, a PNG and ``OUT/export``."""
     from eaglenest.contracts.drafter_config import DrafterModelConfig
@@ -91,6 +83,7 @@ def train_drafter(cfg: EaglenestConfig, data_dir: str | Path, output_dir: str | 
     from eaglenest.drafter.data import build_datasets, check_manifest, count_split_rows
     from eaglenest.drafter.export import export_checkpoint
     from eaglenest.drafter.plot import plot_training_curves
+    from eaglenest.runtime import init_ray
 
     t0 = time.time()
     tc = cfg.train
@@ -136,7 +129,10 @@ def train_drafter(cfg: EaglenestConfig, data_dir: str | Path, output_dir: str | 
     from ray.train import CheckpointConfig, DataConfig, FailureConfig, RunConfig, ScalingConfig
 
     from eaglenest.ray_private import trainer_class  # TorchTrainer without Train V2's placement-group cleaner
-    ensure_ray(tc.num_workers * tc.cpus_per_worker + 2)  # + headroom for the Ray Data list/read tasks
+    # a running Ray (``ray job submit`` sets RAY_ADDRESS, or ``ray start`` ran here), else a local one sized for the
+    # workers + headroom for the Ray Data list/read tasks
+    init_ray(num_cpus=max(os.cpu_count() or 1, math.ceil(tc.num_workers * tc.cpus_per_worker + 2)),
+             include_dashboard=False)
     data_ctx = ray.data.DataContext.get_current()
     bars = data_ctx.enable_progress_bars
     data_ctx.enable_progress_bars = False  # per-operator bars of the streaming split drown the training progress lines
