@@ -14,7 +14,7 @@ What it does, all inside this process (no Ray, no download; everything is cached
 2. Data: the target regenerates the answers of ``--train-chats`` corpus chats (greedy; target-native data).
 3. Drafter: eaglenest's EAGLE-3 drafter (``drafter.model``), draft vocab and TTT loss (``drafter.ttt``), fitted
    in-process by ``drafter.spec_fit`` and exported / re-loaded through ``drafter.export`` (the serving format).
-4. Benchmark: ``serve.bench.run_bench`` on the held-out prompts of ``tests/fixtures/prompts/heldout.jsonl``: the
+4. Benchmark: ``speculative.bench.run_bench`` on the held-out prompts of ``tests/fixtures/prompts/heldout.jsonl``: the
    baseline (same decoder loop, no drafter) and each sweep config, batch 1, greedy, interleaved prompt by prompt,
    medians over rounds; greedy outputs are checked token for token against the baseline.
 
@@ -134,6 +134,7 @@ def main(argv=None) -> int:
     out = Path(a.out) if a.out else REPO / "out" / "bench" / f"spec_speedup_{a.device}_{a.cpu_kernels}"
     out.mkdir(parents=True, exist_ok=True)
 
+    from eaglenest.bench_cli import parse_sweep
     from eaglenest.config import TargetConfig
     from eaglenest.drafter.export import export_drafter
     from eaglenest.drafter.spec_fit import FitConfig, chat_prompt_answer, fit_drafter
@@ -141,8 +142,7 @@ def main(argv=None) -> int:
     from eaglenest.engines.hf import HFEngine
     from eaglenest.engines.tiny import corpus_chats
     from eaglenest.kernels import PackedLinear
-    from eaglenest.serve.bench import plot_bench, report_markdown, run_bench
-    from eaglenest.serve.bench_cli import parse_sweep
+    from eaglenest.speculative.bench import plot_bench, report_markdown, run_bench
     from eaglenest.speculative.evaluate import load_prompts, prompt_ids
     from eaglenest.speculative.model import load_drafter
 

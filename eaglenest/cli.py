@@ -21,7 +21,7 @@ SUBCOMMANDS: dict[str, tuple[str, str, str, str]] = {
     "export": ("eaglenest.drafter.cli", "add_export_arguments", "run_export",
               "export a drafter checkpoint for SGLang / vLLM"),
     "eval": ("eaglenest.drafter.eval_cli", "add_arguments", "run", "accept length of a drafter on held-out prompts"),
-    "bench": ("eaglenest.serve.bench_cli", "add_arguments", "run", "speculative vs baseline throughput, with a sweep"),
+    "bench": ("eaglenest.bench_cli", "add_arguments", "run", "speculative vs baseline throughput, with a sweep"),
     "preflight": ("eaglenest.preflight_cli", "add_arguments", "run",
                  "check a target + drafter + algorithm before serving"),
     "serve": ("eaglenest.serve.cli", "add_arguments", "run",

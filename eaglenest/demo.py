@@ -181,7 +181,7 @@ def _serve_stage(cfg: Any, drafter_dir: str, folder: Path, port: int | None) -> 
 def _bench_stage(cfg: Any, drafter_dir: str, folder: Path) -> dict[str, Any]:
     """Speculative vs baseline decoding on the same engine and prompts, measured side by side."""
     from eaglenest.engines import load_engine
-    from eaglenest.serve.bench import plot_bench, report_markdown, run_bench
+    from eaglenest.speculative.bench import plot_bench, report_markdown, run_bench
     from eaglenest.speculative.evaluate import prompt_ids
 
     engine = load_engine(cfg.target)

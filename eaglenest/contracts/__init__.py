@@ -6,4 +6,7 @@
 - ``drafter_config`` / ``drafter_format``: the drafter's hyperparameters; the export folder + sidecar, written and
   read only there
 - ``preflight``: every drafter x target x algorithm x engine check, and ``derive_algorithm``
+- ``metrics``: every metric's name, type, help, tags and buckets (code, dashboard, alerts and tests read them here),
+  and the one ``accept_length`` formula
+- ``sharegpt``: the ShareGPT speaker -> role table (regen's adapter and the GPU stand-in builder)
 """

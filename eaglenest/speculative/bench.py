@@ -184,7 +184,7 @@ def run_bench_batches(
             _bench_hf(target, drafter, prompts, per_bs[bs], sampling, repeats, bs, warmup, progress)
     elif engine == "sglang":
         if sglang_factory is None:
-            raise ValueError("engine 'sglang' needs sglang_factory (see eaglenest.serve.bench_cli for the launcher)")
+            raise ValueError("engine 'sglang' needs sglang_factory (see eaglenest.bench_cli for the launcher)")
         _bench_sglang(sglang_factory, prompts, per_bs, sampling, repeats, warmup, progress, drift_check)
     else:
         raise ValueError(f"unknown engine {engine!r}; allowed: hf, sglang")

@@ -67,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
     from eaglenest.config import load_config
-    from eaglenest.serve.bench import plot_bench, report_markdown, run_bench_batches
+    from eaglenest.speculative.bench import plot_bench, report_markdown, run_bench_batches
     from eaglenest.speculative.evaluate import PromptFileError, load_prompts, prompt_ids
 
     cfg = load_config(args.config)
@@ -145,7 +145,7 @@ def parse_batch_sizes(text: str) -> list[int]:
 def _run_sglang(tc, drafter, records, sweep, common):
     """SGLang integration point: one checked ``SGLangEngine`` per variant (eaglenest.engines.sglang)."""
     from eaglenest.engines.sglang import SGLangEngine
-    from eaglenest.serve.bench import run_bench_batches
+    from eaglenest.speculative.bench import run_bench_batches
     from eaglenest.speculative.evaluate import prompt_ids
 
     def factory(spec):
