@@ -23,8 +23,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
-import ijson
-
 BOM = b"\xef\xbb\xbf"
 PARQUET_SUFFIXES = (".parquet", ".pq")
 JSON_SUFFIXES = (".jsonl", ".json", ".ndjson")
@@ -144,6 +142,8 @@ def _json(path: Path, cap: int | None) -> Iterator[Item]:
             yield Damage(str(path), start, "the file holds no JSON value (empty)", 0)
             return
         prefix, multiple = ("item", False) if first == b"[" else ("", True)
+        import ijson  # only JSON arrays / multi-value JSON need it; JSONL and parquet do not
+
         reader = _CountingReader(fh, start)
         n = 0
         try:
@@ -164,6 +164,8 @@ def _error_offset(path: Path, start: int, multiple: bool, chunk_start: int, fall
     with open(path, "rb") as fh:
         fh.seek(start)
         reader = _CountingReader(fh, start, slow_from=chunk_start)
+        import ijson
+
         try:
             for _ in ijson.parse(reader, multiple_values=multiple, buf_size=READ_CHUNK):
                 pass
