@@ -38,7 +38,7 @@ class Batch:
     def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> Batch:
         """The batch on ``device`` with ``aux``/``last`` in ``dtype`` (if given); an fp8 batch is moved as fp8 and
         dequantised on ``device`` (bit for bit what the CPU decode gives), so the result is never quantized."""
-        nb = dtype is not None
+        nb = dtype is not None and torch.device(device).type != "cpu"  # never an unfinished copy read on the host
 
         def move(t: torch.Tensor) -> torch.Tensor:
             return t.to(device, non_blocking=nb)
