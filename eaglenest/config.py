@@ -130,7 +130,8 @@ class RegenConfig(Section):
     max_tokens: int = Field(2048, ge=16, description="length filter: longer samples are quarantined")
     storage_dtype: Literal["bfloat16", "float16", "float32", "float8_e4m3fn"] = Field(
         "bfloat16", description="hidden-state storage: bfloat16 = 8*H bytes/token; float8_e4m3fn = 4*H + 4 (a "
-                                "power-of-two scale per token and state; read back as bf16)")
+                                "power-of-two scale per token and state; dequantised to bf16 on the "
+                                "training device)")
     rows_per_shard: int = Field(64, ge=1)
 
 

@@ -14,6 +14,10 @@ largest value lands at e4m3's maximum and dividing is exact; the blob holds the 
 by the ``[T, states]`` int8 exponents (``FP8_SCALE_LAYOUT``). Reading gives bf16 (:func:`compute_dtype`). Powers of
 two instead of float scales: one byte each and no rounding of their own; the error is e4m3's alone (<= 2^-4
 relative per value).
+
+The training data path does not decode fp8 on the host: :func:`fp8_parts` splits a blob into its payload and
+exponents, which travel to the GPU as they are (1 byte per value instead of bf16's 2), and :func:`dequantize_fp8`
+decodes them there. :func:`bytes_to_tensor` is the same two functions on the CPU, so both paths give the same bits.
 """
 
 from __future__ import annotations
@@ -111,7 +115,7 @@ def tensor_to_bytes(t: torch.Tensor, dtype: str, states: int = 1) -> bytes:
 def bytes_to_tensor(buf: bytes, dtype: str, width: int, states: int = 1) -> torch.Tensor:
     """Inverse of :func:`tensor_to_bytes`: a ``[T, width]`` tensor in :func:`compute_dtype`."""
     if dtype == FP8:
-        return _fp8_tensor(buf, width, states)
+        return dequantize_fp8(*fp8_parts(buf, width, states))
     td = DTYPES[dtype]
     itemsize = torch.empty((), dtype=td).element_size()
     if len(buf) % (itemsize * width):
@@ -132,14 +136,32 @@ def _fp8_bytes(t: torch.Tensor, states: int) -> bytes:
     return q.view(torch.uint8).numpy().tobytes() + exp.to(torch.int8).numpy().tobytes()
 
 
-def _fp8_tensor(buf: bytes, width: int, states: int) -> torch.Tensor:
+def fp8_parts(buf: bytes, width: int, states: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split one fp8 blob, undecoded, into its ``[T, width]`` payload (e4m3 bit patterns as uint8) and its
+    ``[T, states]`` int8 exponents: what the training data path moves to the device (:func:`dequantize_fp8`)."""
+    if width % states:
+        raise ValueError(f"width {width} does not split into {states} equal states")
     if len(buf) % (width + states):
         raise ValueError(f"corrupt fp8 hidden-state blob: {len(buf)} bytes is not a multiple of {width}+{states}")
     rows = len(buf) // (width + states)
-    raw = torch.frombuffer(bytearray(buf), dtype=torch.uint8)
-    q = raw[:rows * width].view(torch.float8_e4m3fn).view(rows, states, width // states)
-    exp = raw[rows * width:].view(torch.int8).view(rows, states)
-    return (q.float() * torch.exp2(exp.float()).unsqueeze(-1)).reshape(rows, width).to(torch.bfloat16)
+    raw = torch.frombuffer(bytearray(buf), dtype=torch.uint8) if buf else torch.empty(0, dtype=torch.uint8)
+    return raw[:rows * width].view(rows, width), raw[rows * width:].view(torch.int8).view(rows, states)
+
+
+def dequantize_fp8(values: torch.Tensor, exponents: torch.Tensor) -> torch.Tensor:
+    """``values`` (``[..., width]`` e4m3, as uint8 bit patterns or float8_e4m3fn) times ``2**exponents``
+    (``[..., states]`` int8, one per equal part of a row), as bf16 on the tensors' own device (CPU or GPU).
+
+    Exact on every device: the scale is built from its IEEE bits rather than by ``exp2``, the product of an e4m3
+    value and a power of two is exact in float32, so the only rounding is the final one to bf16 (none for any value
+    the writer produces).
+    """
+    q = values.view(torch.float8_e4m3fn) if values.dtype == torch.uint8 else values
+    states = exponents.shape[-1]
+    # 2**e for every int8 e as a float64 (exponent field e + 1023: always a normal number), exact in float32 too
+    scale = ((exponents.to(torch.int64) + 1023) << 52).view(torch.float64).to(torch.float32)
+    x = q.float().unflatten(-1, (states, -1)) * scale.unsqueeze(-1)
+    return x.flatten(-2).to(torch.bfloat16)
 
 
 def write_manifest(out_dir: str | Path, manifest: Manifest) -> Path:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pyarrow as pa
 
 from eaglenest.contracts.layers import validate_aux_layer_ids
-from eaglenest.contracts.shards import DTYPES, FP8, FP8_SCALE_LAYOUT, Manifest, bytes_to_tensor
+from eaglenest.contracts.shards import DTYPES, FP8, FP8_SCALE_LAYOUT, Manifest, bytes_to_tensor, fp8_parts
 from eaglenest.contracts.target import TargetSpec
 from eaglenest.drafter.batch import Batch, pad_batch
 
@@ -78,18 +78,24 @@ def split_table(table: pa.Table, *, fraction: float, seed: int, want_eval: bool)
 def collate(table: pa.Table, *, dtype: str, hidden_size: int, max_seq_len: int) -> Batch:
     """Decode shard rows (pyarrow) into a right-padded batch, truncating sequences to ``max_seq_len``.
 
-    fp8 shards are dequantised here (:func:`~eaglenest.contracts.shards.compute_dtype`), on the CPU side of the
-    data path.
+    fp8 shards are not dequantised here: the batch keeps their payload and exponents
+    (:func:`~eaglenest.contracts.shards.fp8_parts`), so the host-to-device copy moves 1 byte per value, and
+    :meth:`Batch.to` dequantises on the training device.
     """
     ids = table.column("input_ids").to_pylist()
     masks = table.column("loss_mask").to_pylist()
     auxes = table.column("aux_hidden_states").to_pylist()
     lasts = table.column("last_hidden_state").to_pylist()
-    rows = []
+    rows, exponents = [], []
     for i in range(len(ids)):
         full = len(ids[i])
-        a = bytes_to_tensor(auxes[i], dtype, 3 * hidden_size, states=3)
-        h = bytes_to_tensor(lasts[i], dtype, hidden_size)
+        if dtype == FP8:
+            a, a_exp = fp8_parts(auxes[i], 3 * hidden_size, states=3)
+            h, h_exp = fp8_parts(lasts[i], hidden_size)
+            exponents.append((a_exp, h_exp))
+        else:
+            a = bytes_to_tensor(auxes[i], dtype, 3 * hidden_size, states=3)
+            h = bytes_to_tensor(lasts[i], dtype, hidden_size)
         if a.shape[0] != full or h.shape[0] != full or len(masks[i]) != full:
             sid = table.column("id")[i].as_py()
             raise ValueError(
@@ -97,7 +103,7 @@ def collate(table: pa.Table, *, dtype: str, hidden_size: int, max_seq_len: int) 
                 "the shard is corrupt (rerun regen for it)"
             )
         rows.append((ids[i], masks[i], a, h))
-    return pad_batch(rows, max_seq_len=max_seq_len)
+    return pad_batch(rows, max_seq_len=max_seq_len, exponents=exponents if dtype == FP8 else None)
 
 
 def count_split_rows(files: Sequence[str | Path], fraction: float, seed: int) -> tuple[int, int]:
