@@ -172,6 +172,12 @@ class TrainConfig(Section):
     keep_checkpoints: int = Field(2, ge=1)
     seed: int = 0
     run_name: str = "eaglenest-drafter"
+    data: Literal["shards", "online"] = Field(
+        "shards", description="shards: read a regen folder (--data); online: regenerate and capture while training, "
+        "streaming hidden states from the engines to the workers (nothing written; `eaglenest train --online`)")
+    online_buffer_mb: int = Field(
+        256, ge=1, description="online: object-store bytes the regen stream may hold ahead of the trainer; engines "
+        "stall (back-pressure) rather than fill memory when the trainer is slower")
 
 
 # ------------------------------------------------------------------------------------------------------ spec / eval

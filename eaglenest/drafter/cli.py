@@ -8,7 +8,11 @@ import sys
 
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", required=True, help="YAML config (target + train sections)")
-    parser.add_argument("--data", required=True, help="regen output folder (manifest.json + shards/)")
+    parser.add_argument("--data", help="regen output folder (manifest.json + shards/); not with --online")
+    parser.add_argument("--online", action="store_true",
+                        help="regenerate and capture while training: hidden states stream from the engines to the "
+                             "workers and are never written (the same as train.data: online)")
+    parser.add_argument("--limit", type=int, help="online: read at most N rows of every source (smoke runs)")
     parser.add_argument("--output", required=True,
                         help="training folder: checkpoints, metrics, plot, export/; rerun with the same folder resumes")
     parser.add_argument("--max-steps", type=int, default=None, help="override train.max_steps")
@@ -20,11 +24,27 @@ def run_train(args: argparse.Namespace) -> int:
 
     overrides = {"train.max_steps": args.max_steps} if args.max_steps else None
     cfg = load_config(args.config, overrides)
+    online = args.online or cfg.train.data == "online"
+    problem = None
+    if online and args.data:
+        problem = "--data names a regen folder to read; online training regenerates instead: drop --data or --online"
+    elif not online and not args.data:
+        problem = "pass --data DIR (a regen folder), or train online with --online (train.data: online)"
+    elif args.limit is not None and (not online or args.limit < 1):
+        problem = "--limit N (N >= 1) caps the sources of an online run; offline, regen's --limit does that"
+    if problem:
+        print(f"eaglenest train: {problem}", file=sys.stderr)
+        return 2
     try:
-        summary = train_drafter(cfg, args.data, args.output)
+        summary = train_drafter(cfg, args.data, args.output, online=online, limit=args.limit)
     except (ValueError, FileNotFoundError) as e:
         print(f"eaglenest train: {e}", file=sys.stderr)
         return 2
+    if online:
+        o = summary["online"]
+        print(f"eaglenest train: online: {sum(e['samples'] for e in o['epochs'])} samples trained over "
+              f"{len(o['epochs'])} epoch(s); {o['hidden_state_bytes_written']} hidden-state bytes on disk; ledger "
+              f"{o['ledger']}")
     print(f"eaglenest train: export written to {summary['export']}")
     return 0
 

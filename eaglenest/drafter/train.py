@@ -12,6 +12,7 @@ Files under OUT: ``vocab.safetensors``, ``drafter_config.json``, ``metrics.jsonl
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -50,10 +51,27 @@ def resolve_model_config(cfg: EaglenestConfig, facts, aux_layer_ids: list[int], 
                                 max_position_embeddings=d.max_position_embeddings)
 
 
-def prepare_vocab(out: Path, files: list[Path], vocab_size: int, draft_vocab_size: int, fraction: float, seed: int):
-    """Build the draft vocab from the training split once; later starts read it back (and refuse a changed size)."""
-    from eaglenest.drafter.data import is_eval_sample
-    from eaglenest.drafter.vocab import VOCAB_FILE, VocabMapping, build_vocab_mapping, count_tokens_in_shards
+@dataclass
+class _Inputs:
+    """What the trainer is fed: datasets (+ per-dataset execution options), the draft vocab and the split sizes."""
+
+    facts: Any
+    aux_layer_ids: list[int]
+    dtype: str
+    mapping: Any
+    vocab_built: bool
+    n_train: int
+    n_eval: int
+    datasets: dict[str, Any]
+    options: dict[str, Any]
+    online: dict[str, Any] | None = None
+    """online runs: what the workers need to know (resume epoch, whether a ``train_rest`` stream exists)"""
+    notes: dict[str, Any] | None = None
+
+
+def _vocab(out: Path, vocab_size: int, draft_vocab_size: int, count: Any):
+    """The run's draft vocab: read back when it exists (a changed size is refused), else built from ``count()``."""
+    from eaglenest.drafter.vocab import VOCAB_FILE, VocabMapping, build_vocab_mapping
 
     path = out / VOCAB_FILE
     want = min(draft_vocab_size, vocab_size)
@@ -66,7 +84,7 @@ def prepare_vocab(out: Path, files: list[Path], vocab_size: int, draft_vocab_siz
                 "never rebuilt (its lm_head rows depend on it): use a new output folder for a new vocab size."
             )
         return mapping, False
-    counts = count_tokens_in_shards(files, vocab_size, ids_filter=lambda i: not is_eval_sample(i, fraction, seed))
+    counts = count()
     if int(counts.sum()) == 0:
         raise ValueError("the training split has no loss-masked tokens: nothing to learn (check regen's loss masks)")
     mapping = build_vocab_mapping(counts, want)
@@ -74,65 +92,33 @@ def prepare_vocab(out: Path, files: list[Path], vocab_size: int, draft_vocab_siz
     return mapping, True
 
 
-def train_drafter(cfg: EaglenestConfig, data_dir: str | Path, output_dir: str | Path) -> dict[str, Any]:
-    """Train (or resume) a drafter on regen shards; writes checkpoints, metrics, a PNG and ``OUT/export``."""
-    from eaglenest.contracts.drafter_config import DrafterModelConfig
+def prepare_vocab(out: Path, files: list[Path], vocab_size: int, draft_vocab_size: int, fraction: float, seed: int):
+    """Build the draft vocab from the training split once; later starts read it back (and refuse a changed size)."""
+    from eaglenest.drafter.data import is_eval_sample
+    from eaglenest.drafter.vocab import count_tokens_in_shards
+
+    return _vocab(out, vocab_size, draft_vocab_size, lambda: count_tokens_in_shards(
+        files, vocab_size, ids_filter=lambda i: not is_eval_sample(i, fraction, seed)))
+
+
+def _shard_inputs(cfg: EaglenestConfig, data_dir: Path, out: Path, facts: Any) -> _Inputs:
+    """Offline: a regen folder's shards, checked against the target; the held-out split by sample id."""
     from eaglenest.contracts.shards import read_manifest, shard_files
-    from eaglenest.contracts.target import TargetSpec, resolve_target_path
-    from eaglenest.drafter.checkpoint import find_latest_checkpoint
     from eaglenest.drafter.data import build_datasets, check_manifest, count_split_rows
-    from eaglenest.drafter.export import export_checkpoint
-    from eaglenest.drafter.plot import plot_training_curves
-    from eaglenest.runtime import init_ray
 
-    t0 = time.time()
     tc = cfg.train
-    data_dir, out = Path(data_dir).resolve(), Path(output_dir).resolve()
-    out.mkdir(parents=True, exist_ok=True)
-
     manifest = read_manifest(data_dir)
-    facts = TargetSpec.read(resolve_target_path(cfg.target))
     check_manifest(manifest, facts, cfg.target.aux_layer_ids)
     files = shard_files(data_dir)
     if not files:
         raise FileNotFoundError(f"{data_dir}/shards has no parquet shards (run `eaglenest regen` first)")
-
     mapping, built = prepare_vocab(out, files, facts.vocab_size, tc.drafter.draft_vocab_size, tc.eval_fraction,
                                    tc.seed)
-    model_cfg = resolve_model_config(cfg, facts, manifest.aux_layer_ids, mapping.draft_vocab_size)
-    cfg_path = out / "drafter_config.json"
-    if cfg_path.is_file():
-        previous = DrafterModelConfig.load(cfg_path)
-        if previous.to_dict() != model_cfg.to_dict():
-            raise ValueError(
-                f"{cfg_path} records a different drafter shape than this config resolves to; resuming would not "
-                "fit the checkpoints. Use a new output folder, or restore the previous config."
-            )
-    else:
-        model_cfg.save(cfg_path)
-
     n_train, n_eval = count_split_rows(files, tc.eval_fraction, tc.seed)
-    rows_per_worker = n_train // tc.num_workers
-    if rows_per_worker == 0:
-        raise ValueError(f"{n_train} training samples cannot feed {tc.num_workers} workers; lower train.num_workers")
-    steps_per_epoch = math.ceil(rows_per_worker / tc.batch_size)
-    total_steps = tc.max_steps or tc.epochs * steps_per_epoch
-    print(f"[eaglenest train] target {facts.path}: {facts.num_layers} layers, hidden {facts.hidden_size}, vocab "
-          f"{facts.vocab_size}; shards {len(files)} files, {manifest.num_samples} samples at layers "
+    print(f"[eaglenest train] shards {len(files)} files, {manifest.num_samples} samples at layers "
           f"{manifest.aux_layer_ids} (physical)", flush=True)
-    print(f"[eaglenest train] draft vocab {mapping.draft_vocab_size} ({'built' if built else 'reused'}, covers "
-          f"{100 * mapping.coverage():.1f}% of loss-masked tokens); split {n_train} train / {n_eval} held-out; "
-          f"{steps_per_epoch} steps/epoch, {total_steps} steps", flush=True)
-
-    import ray
     import ray.data
-    from ray.train import CheckpointConfig, DataConfig, FailureConfig, RunConfig, ScalingConfig
 
-    from eaglenest.ray_private import trainer_class  # TorchTrainer without Train V2's placement-group cleaner
-    # a running Ray (``ray job submit`` sets RAY_ADDRESS, or ``ray start`` ran here), else a local one sized for the
-    # workers + headroom for the Ray Data list/read tasks
-    init_ray(num_cpus=max(os.cpu_count() or 1, math.ceil(tc.num_workers * tc.cpus_per_worker + 2)),
-             include_dashboard=False)
     data_ctx = ray.data.DataContext.get_current()
     bars = data_ctx.enable_progress_bars
     data_ctx.enable_progress_bars = False  # per-operator bars of the streaming split drown the training progress lines
@@ -145,17 +131,126 @@ def train_drafter(cfg: EaglenestConfig, data_dir: str | Path, output_dir: str | 
         del datasets["eval"]
     if "eval" in datasets and tc.eval_max_samples:
         datasets["eval"] = datasets["eval"].limit(tc.eval_max_samples)
+    return _Inputs(facts=facts, aux_layer_ids=list(manifest.aux_layer_ids), dtype=manifest.dtype, mapping=mapping,
+                   vocab_built=built, n_train=n_train, n_eval=n_eval, datasets=datasets,
+                   options={"train": ray.data.ExecutionOptions(preserve_order=True),
+                            "eval": ray.data.ExecutionOptions(preserve_order=True)})
+
+
+def _online_inputs(cfg: EaglenestConfig, out: Path, facts: Any, limit: int | None) -> _Inputs:
+    """Online: regen's plan and engine stage, streamed (see :mod:`eaglenest.drafter.online`)."""
+    from eaglenest.drafter.online import count_plan_tokens, online_datasets, plan_online, read_resume
+    from eaglenest.regen import ProgressTracker
+
+    tc = cfg.train
+    plan = plan_online(cfg, out, limit)
+    if not plan.train_ids:
+        raise ValueError(f"the sources hold no sample to train on ({plan.inputs} inputs, {plan.quarantined_now} "
+                         f"quarantined, {plan.duplicates} duplicates; see {plan.ledger}/quarantine)")
+    resume = read_resume(out / "ray" / tc.run_name)
+    mapping, built = _vocab(out, facts.vocab_size, tc.drafter.draft_vocab_size,
+                            lambda: count_plan_tokens(plan, str(facts.path), facts.eos_token_ids(), facts.vocab_size))
+    tracker = ProgressTracker.remote()
+    tracker.start.remote(len(plan.train_ids))
+    datasets, options, n_eval = online_datasets(cfg, plan, resume, tracker)
+    rest = "train_rest" in datasets
+    epoch_done = bool(resume.consumed) and not rest  # the checkpoint closed its epoch: the next one starts
+    print(f"[eaglenest train] online: {len(plan.train_ids)} training samples planned ({plan.inputs} inputs, "
+          f"{plan.duplicates} duplicates, {plan.quarantined_now} quarantined while normalizing), {n_eval} held-out "
+          f"regenerated; ledger {plan.ledger}", flush=True)
+    if resume.checkpoint:
+        print(f"[eaglenest train] online resume: epoch {resume.epoch} at step {resume.step}: "
+              f"{len(resume.consumed)} of its samples already trained (not regenerated)"
+              + ("; that epoch is complete" if epoch_done else ""), flush=True)
+    return _Inputs(facts=facts, aux_layer_ids=list(plan.identity["aux_layer_ids"]),
+                   dtype=plan.identity["dtype"], mapping=mapping, vocab_built=built, n_train=len(plan.train_ids),
+                   n_eval=n_eval, datasets=datasets, options=options,
+                   online={"rest_epoch": resume.epoch if rest else None, "epoch_done": epoch_done,
+                           "resume_step": resume.step,
+                           "consumed": resume.consumed, "tracker": tracker},
+                   notes={"ledger": str(plan.ledger), "planned_train": len(plan.train_ids),
+                          "planned_eval": len(plan.eval_ids), "quarantined_while_normalizing": plan.quarantined_now,
+                          "resumed_epoch": resume.epoch if resume.checkpoint else None,
+                          "already_trained_in_resumed_epoch": len(resume.consumed)})
+
+
+def train_drafter(cfg: EaglenestConfig, data_dir: str | Path | None, output_dir: str | Path, *,
+                  online: bool | None = None, limit: int | None = None) -> dict[str, Any]:
+    """Train (or resume) a drafter; writes checkpoints, metrics, a PNG and ``OUT/export``.
+
+    Offline (default) it reads the shards of a regen folder ``data_dir``; ``online`` (or ``train.data: online``)
+    regenerates and captures while training and writes no hidden state (``limit`` caps every source, as
+    ``eaglenest regen --limit``).
+    """
+    from eaglenest.contracts.drafter_config import DrafterModelConfig
+    from eaglenest.contracts.target import TargetSpec, resolve_target_path
+    from eaglenest.drafter.checkpoint import find_latest_checkpoint
+    from eaglenest.drafter.export import export_checkpoint
+    from eaglenest.drafter.plot import plot_training_curves
+    from eaglenest.runtime import init_ray
+
+    t0 = time.time()
+    tc = cfg.train
+    online = tc.data == "online" if online is None else online
+    out = Path(output_dir).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    facts = TargetSpec.read(resolve_target_path(cfg.target))
+    if not online and data_dir is None:
+        raise ValueError("offline training reads a regen folder: pass --data DIR (or train online: --online)")
+
+    # a running Ray (``ray job submit`` sets RAY_ADDRESS, or ``ray start`` ran here), else a local one sized for the
+    # workers + headroom for the Ray Data list/read tasks (and, online, the engine actors)
+    extra = cfg.regen.num_actors * cfg.regen.num_cpus_per_actor + 1 if online else 0
+    init_ray(num_cpus=max(os.cpu_count() or 1, math.ceil(tc.num_workers * tc.cpus_per_worker + 2 + extra)),
+             include_dashboard=False)
+    inputs = (_online_inputs(cfg, out, facts, limit) if online
+              else _shard_inputs(cfg, Path(data_dir).resolve(), out, facts))
+    mapping, n_train, n_eval = inputs.mapping, inputs.n_train, inputs.n_eval
+    model_cfg = resolve_model_config(cfg, facts, inputs.aux_layer_ids, mapping.draft_vocab_size)
+    cfg_path = out / "drafter_config.json"
+    if cfg_path.is_file():
+        previous = DrafterModelConfig.load(cfg_path)
+        if previous.to_dict() != model_cfg.to_dict():
+            raise ValueError(
+                f"{cfg_path} records a different drafter shape than this config resolves to; resuming would not "
+                "fit the checkpoints. Use a new output folder, or restore the previous config."
+            )
+    else:
+        model_cfg.save(cfg_path)
+
+    rows_per_worker = n_train // tc.num_workers
+    if rows_per_worker == 0:
+        raise ValueError(f"{n_train} training samples cannot feed {tc.num_workers} workers; lower train.num_workers")
+    steps_per_epoch = math.ceil(rows_per_worker / tc.batch_size)
+    total_steps = tc.max_steps or tc.epochs * steps_per_epoch
+    print(f"[eaglenest train] target {facts.path}: {facts.num_layers} layers, hidden {facts.hidden_size}, vocab "
+          f"{facts.vocab_size}", flush=True)
+    print(f"[eaglenest train] draft vocab {mapping.draft_vocab_size} ({'built' if inputs.vocab_built else 'reused'}, "
+          f"covers {100 * mapping.coverage():.1f}% of {'original-answer' if online else 'loss-masked'} tokens); split "
+          f"{n_train} train / {n_eval} held-out; {steps_per_epoch} steps/epoch"
+          f"{' (planned: engine rejects end an epoch early)' if online else ''}, {total_steps} steps", flush=True)
+
+    import ray
+    from ray.train import CheckpointConfig, DataConfig, FailureConfig, RunConfig, ScalingConfig
+
+    from eaglenest.ray_private import trainer_class  # TorchTrainer without Train V2's placement-group cleaner
+
+    datasets = inputs.datasets
     resources = {"CPU": tc.cpus_per_worker}
     if tc.use_gpu:
         resources["GPU"] = 1
+    online_cfg = None
+    if inputs.online is not None:
+        online_cfg = {k: v for k, v in inputs.online.items() if k != "tracker"}
     loop_config = {
         "cfg": cfg.model_dump(),
         "model_cfg": model_cfg.to_dict(),
         "vocab_path": str(out / "vocab.safetensors"),
         "out": str(out),
-        "dtype": manifest.dtype,
+        "dtype": inputs.dtype,
         "total_steps": total_steps,
         "steps_per_epoch": steps_per_epoch,
+        "online": online_cfg,
     }
     trainer = trainer_class()(
         _train_loop,
@@ -168,11 +263,17 @@ def train_drafter(cfg: EaglenestConfig, data_dir: str | Path, output_dir: str | 
             failure_config=FailureConfig(max_failures=0),
         ),
         datasets=datasets,
-        dataset_config=DataConfig(
-            datasets_to_split="all", execution_options=ray.data.ExecutionOptions(preserve_order=True)
-        ),
+        dataset_config=DataConfig(datasets_to_split="all", execution_options=inputs.options),
     )
-    result = trainer.fit()
+    engine_timeline: list = []
+    try:
+        result = trainer.fit()
+    finally:
+        if inputs.online is not None:
+            with contextlib.suppress(Exception):
+                engine_timeline = ray.get(inputs.online["tracker"].batch_timeline.remote(), timeout=30)
+            with contextlib.suppress(Exception):
+                ray.kill(inputs.online["tracker"])
     if result.error is not None:
         raise RuntimeError(f"drafter training failed: {result.error}") from result.error
 
@@ -197,12 +298,44 @@ def train_drafter(cfg: EaglenestConfig, data_dir: str | Path, output_dir: str | 
         "final_eval": evals[-1] if evals else None,
         "wall_s": time.time() - t0,
     }
+    if online:
+        summary["online"] = _online_summary(out, inputs.notes or {}, engine_timeline)
     (out / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
     fe = summary["final_eval"]
     if fe:
         print(f"[eaglenest train] done: step {fe['step']} held-out acc_0 {fe['acc_0']:.3f}, simulated accept length "
               f"{fe['sim_accept_length']:.2f}; export {export_dir}", flush=True)
     return summary
+
+
+def _online_summary(out: Path, notes: dict[str, Any], timeline: list) -> dict[str, Any]:
+    """What an online run did: samples trained per epoch, the ledger's quarantine, engine busy time, and the
+    hidden-state bytes found on disk under OUT afterwards (the mode's promise: 0)."""
+    from eaglenest.drafter.online import EPOCHS_FILE, hidden_state_files
+
+    ledger = Path(notes["ledger"])
+    epochs = read_metrics(ledger / EPOCHS_FILE)
+    (ledger / "engine_timeline.json").write_text(json.dumps(timeline) + "\n")
+    files = hidden_state_files(out)
+    import shutil
+
+    import pyarrow.parquet as pq
+
+    reasons: dict[str, str] = {}  # by id: every epoch regenerates, so an engine reject may be filed again
+    for f in sorted((ledger / "quarantine").glob("*.parquet")):
+        t = pq.read_table(f, columns=["id", "reason"])
+        reasons.update(zip(t.column("id").to_pylist(), t.column("reason").to_pylist(), strict=True))
+    quarantined: dict[str, int] = {}
+    for r in reasons.values():
+        quarantined[r] = quarantined.get(r, 0) + 1
+    shutil.rmtree(ledger / "plan", ignore_errors=True)  # the work list of a finished run (rebuilt by every start)
+    busy = sum(b[1] - b[0] for b in timeline)
+    return {**notes, "epochs": epochs, "quarantined_per_reason": quarantined,
+            "hidden_state_files": [str(f) for f in files],
+            "hidden_state_bytes_written": sum(f.stat().st_size for f in files),
+            "engine_batches": len(timeline), "engine_busy_s": round(busy, 2),
+            "engine_window_s": round(max(b[1] for b in timeline) - min(b[0] for b in timeline), 2) if timeline
+            else 0.0}
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
@@ -301,6 +434,11 @@ class _Window:
         self.sums = torch.zeros(3, ttt_steps, dtype=torch.float64, device=device)
         self.device, self.world = device, world
         self.tokens, self.t0 = 0, time.time()
+        self.wait_s = 0.0
+
+    def add_wait(self, seconds: float) -> None:
+        """Time this worker waited for its next batch (data starvation: the regen side was slower)."""
+        self.wait_s += seconds
 
     def add_step(self, sums: Any) -> None:
         """A finite step's per-step sums (skipped steps add none)."""
@@ -318,12 +456,13 @@ class _Window:
         w = _all_reduce(self.sums.clone(), self.world)
         toks = _all_reduce(torch.tensor([float(self.tokens)], dtype=torch.float64, device=self.device), self.world)
         m = step_metrics(w[0].cpu(), w[1].cpu(), w[2].cpu())
+        elapsed = max(1e-9, time.time() - self.t0)
         rec = {"kind": "train", "step": state.step, "epoch": state.epoch, "lr": lr,
-               "tokens_per_s": float(toks.item()) / max(1e-9, time.time() - self.t0),
+               "tokens_per_s": float(toks.item()) / elapsed, "data_wait_fraction": min(1.0, self.wait_s / elapsed),
                "nonfinite_steps": state.nonfinite_steps, "time": time.time(), **m}
         rec["loss"] = sum(step_weight_decay ** k * rec[f"loss_{k}"] for k in range(ttt_steps))
         self.sums.zero_()
-        self.tokens, self.t0 = 0, time.time()
+        self.tokens, self.t0, self.wait_s = 0, time.time(), 0.0
         return rec
 
 
@@ -346,6 +485,9 @@ class _Worker:
         self.out = Path(config["out"])
         self.vocab_path = config["vocab_path"]
         self.total_steps, self.dtype_name = int(config["total_steps"]), config["dtype"]
+        self.online: dict[str, Any] | None = config.get("online")
+        self.consumed: list[str] = []
+        """online: ids of the current epoch this worker trained on (rank 0 also holds those of the checkpoint)"""
         ctx = ray.train.get_context()
         self.rank, self.world = ctx.get_world_rank(), ctx.get_world_size()
         self.device = ray.train.torch.get_device()
@@ -426,13 +568,52 @@ class _Worker:
 
         from eaglenest.drafter.checkpoint import save_training_checkpoint
 
+        state = asdict(self.state)
+        if self.online is not None:
+            from eaglenest.drafter.online import STATE_KEY
+
+            state[STATE_KEY] = self._gather(self.consumed)
         with tempfile.TemporaryDirectory(prefix="eaglenest-ckpt-") as d:
             ck = None
             if self.rank == 0:
                 save_training_checkpoint(d, drafter=self.drafter, optimizer=self.optimizer, scheduler=self.scheduler,
-                                         mapping=self.mapping, state=asdict(self.state))
+                                         mapping=self.mapping, state=state)
                 ck = ray.train.Checkpoint.from_directory(d)
             ray.train.report(metrics, checkpoint=ck, checkpoint_dir_name=f"checkpoint_step{self.state.step:08d}")
+        self._checkpointed = self.state.step
+
+    def _gather(self, ids: list[str]) -> list[str]:
+        """Every worker's ``ids``, concatenated (all workers must call it)."""
+        import torch.distributed as dist
+
+        if self.world == 1 or not (dist.is_available() and dist.is_initialized()):
+            return list(ids)
+        parts: list[Any] = [None] * self.world
+        dist.all_gather_object(parts, list(ids))
+        return [i for p in parts for i in p]
+
+    def _trim_epoch_records(self) -> None:
+        """Drop epoch records a killed run wrote past the checkpoint this start resumes from."""
+        from eaglenest.drafter.online import EPOCHS_FILE, LEDGER
+
+        path = self.out / LEDGER / EPOCHS_FILE
+        keep = [r for r in read_metrics(path) if r["step"] <= self.state.step] if self.state.step else []
+        path.write_text("".join(json.dumps(r) + "\n" for r in keep))
+
+    def end_epoch(self) -> None:
+        """Online: record the completed epoch's sample count in the ledger; the next epoch starts empty."""
+        if self.online is None:
+            return
+        from eaglenest.drafter.online import EPOCHS_FILE, LEDGER
+
+        ids = self._gather(self.consumed)
+        self.consumed = []
+        n = len(ids)
+        if self.rank == 0:
+            with (self.out / LEDGER / EPOCHS_FILE).open("a") as f:
+                f.write(json.dumps({"epoch": self.state.epoch, "samples": n, "distinct_samples": len(set(ids)),
+                                    "step": self.state.step, "time": time.time()}) + "\n")
+            _log(f"epoch {self.state.epoch} done: {n} samples regenerated and trained on")
 
     # ------------------------------------------------------------------------------------------ steps and eval
     def forward(self, table: Any, module: Any):
@@ -498,11 +679,27 @@ class _Worker:
     def run(self) -> None:
         import ray.train
 
-        from eaglenest.drafter.epochs import EvalBatches, TrainEpochs
+        from eaglenest.drafter.epochs import EvalBatches, OnlineEpochs, TrainEpochs
         from eaglenest.drafter.steps import window_sums
 
         tc, state = self.tc, self.state
-        epochs = TrainEpochs(ray.train.get_dataset_shard("train"), tc.batch_size, tc.seed, TRAIN_CACHE_BYTES)
+        if self.online is None:
+            epochs = TrainEpochs(ray.train.get_dataset_shard("train"), tc.batch_size, tc.seed, TRAIN_CACHE_BYTES)
+        else:
+            if state.step != self.online["resume_step"]:
+                raise RuntimeError(
+                    f"online resume: the driver planned this start from the checkpoint at step "
+                    f"{self.online['resume_step']}, but Ray Train restored step {state.step}; rerun the command "
+                    "(the plan is rebuilt from the checkpoint Ray Train hands out)")
+            rest = ray.train.get_dataset_shard("train_rest") if self.online["rest_epoch"] is not None else None
+            epochs = OnlineEpochs(ray.train.get_dataset_shard("train"), rest, self.online["rest_epoch"],
+                                  tc.batch_size, tc.seed)
+            if self.rank == 0:
+                self._trim_epoch_records()
+            if self.online["epoch_done"]:  # the checkpoint closed its epoch
+                state.epoch, state.epoch_batches = state.epoch + 1, 0
+            elif self.rank == 0:
+                self.consumed = list(self.online["consumed"])  # the resumed epoch's samples trained before
         eval_batches = None
         if tc.eval_fraction > 0:
             try:  # the driver drops the eval dataset when the split holds no sample (small data, small fraction)
@@ -514,10 +711,14 @@ class _Worker:
             self.eval_and_log(eval_batches, 0)
         window = _Window(tc.ttt_steps, self.device, self.world)
         self._consecutive_bad = 0
+        self._checkpointed = state.step
         self.drafter.train()
-        while state.step < self.total_steps:
-            skip = state.epoch_batches
+        while state.step < self.total_steps and (self.online is None or state.epoch < tc.epochs):
+            # offline, a resumed epoch skips the batches it trained on; online, its stream no longer holds them
+            skip = state.epoch_batches if self.online is None else 0
+            ready = time.perf_counter()
             for i, table in enumerate(epochs.epoch(state.epoch)):
+                window.add_wait(time.perf_counter() - ready)
                 if i < skip:
                     continue  # data position: the batches this epoch already trained on before the checkpoint
                 o, ntok, ok = self.train_step(table)
@@ -526,12 +727,16 @@ class _Worker:
                     window.add_step(window_sums(o))
                 else:
                     self.nonfinite()
+                if self.online is not None:
+                    self.consumed.extend(table.column("id").to_pylist())
                 self.scheduler.step()
                 state.step += 1
-                state.epoch_batches = i + 1
+                state.epoch_batches = (i + 1) if self.online is None else state.epoch_batches + 1
                 window.add_tokens(ntok)
                 step = state.step
-                last = step >= self.total_steps
+                # online, the planned step count is an upper bound (engine rejects shorten an epoch): the last
+                # epoch's end closes the run below, unless train.max_steps stops it first
+                last = step >= self.total_steps and (self.online is None or tc.max_steps is not None)
                 if step % tc.log_every == 0 or last:
                     rec = window.record(state, self.scheduler.get_last_lr()[0], tc.step_weight_decay, tc.ttt_steps)
                     self.reporter.write(rec)
@@ -542,11 +747,20 @@ class _Worker:
                     self.checkpoint({"step": step})
                 if last:
                     break
+                ready = time.perf_counter()
             else:
+                self.end_epoch()
                 state.epoch += 1
                 state.epoch_batches = 0
                 continue
             break
+        if state.step > self._checkpointed:
+            # online runs end with their last epoch, which may come before the planned step count (engine rejects)
+            rec = window.record(state, self.scheduler.get_last_lr()[0], tc.step_weight_decay, tc.ttt_steps)
+            self.reporter.write(rec)
+            self.reporter.progress(state.step, state.epoch, rec)
+            self.eval_and_log(eval_batches, state.step)
+            self.checkpoint({"step": state.step})
 
 
 def _train_loop(config: dict[str, Any]) -> None:

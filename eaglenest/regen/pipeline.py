@@ -52,7 +52,7 @@ def _sampling(s: SamplingConfig) -> dict[str, Any]:
     return {"temperature": s.temperature, "top_p": s.top_p, "max_new_tokens": s.max_new_tokens, "seed": s.seed}
 
 
-def _resolved_sources(cfg: EaglenestConfig) -> list:
+def resolved_sources(cfg: EaglenestConfig) -> list:
     out = []
     for s in cfg.regen.sources:
         out.append(s.model_copy(update={"path": cfg.resolve(s.path)}) if s.path else s)
@@ -72,7 +72,7 @@ def run_regen(cfg: EaglenestConfig, output: str | Path | None = None, limit: int
     """
     t_start = time.monotonic()
     rc = cfg.regen
-    sources = _resolved_sources(cfg)
+    sources = resolved_sources(cfg)
     check_sources(sources)
     out_dir = Path(output if output is not None else cfg.resolve(rc.output) or rc.output).resolve()
     with output_lock(out_dir):
@@ -167,13 +167,11 @@ def _previous_engine_version(out_dir: Path) -> str | None:
 def _run_engine_stage(cfg: EaglenestConfig, files: list[str], out_dir: Path, identity: dict[str, Any], tracker: Any,
                       log: Callable[[str], None], interval: float) -> dict[str, int]:
     import ray
-    from ray.data import ActorPoolStrategy
 
     from eaglenest.regen.progress import format_progress
-    from eaglenest.regen.stage import EngineActor, ShardDatasink
+    from eaglenest.regen.stage import ShardDatasink
 
     rc = cfg.regen
-    sampling = {s.name: _sampling(s.sampling or rc.sampling) for s in rc.sources}
     ray.get(tracker.start.remote(_count_rows(files)))
     sink = ShardDatasink(out_dir, rows_per_shard=rc.rows_per_shard, hidden_size=identity["hidden_size"],
                          storage_dtype=rc.storage_dtype, tracker=tracker)
@@ -190,21 +188,36 @@ def _run_engine_stage(cfg: EaglenestConfig, files: list[str], out_dir: Path, ide
     try:
         with data_context(enable_progress_bars=True, enable_operator_progress_bars=sys.stdout.isatty(),
                           preserve_order=False, use_datasource_v2=False):
-            ds = ray.data.read_parquet(files, num_cpus=WRITE_CPUS, file_extensions=None)
-            ds = ds.map_batches(
-                EngineActor,
-                fn_constructor_kwargs={"target": cfg.target.model_dump(), "regen": rc.model_dump(),
-                                       "sampling": sampling, "identity": identity, "tracker": tracker},
-                batch_size=rc.batch_size, batch_format="pyarrow", zero_copy_batch=True,
-                compute=ActorPoolStrategy(size=rc.num_actors),
-                num_cpus=rc.num_cpus_per_actor, num_gpus=rc.num_gpus_per_actor,
-            )
+            ds = regenerate_dataset(ray.data.read_parquet(files, num_cpus=WRITE_CPUS, file_extensions=None),
+                                    cfg, identity, tracker)
             ds.write_datasink(sink, ray_remote_args={"num_cpus": WRITE_CPUS})
     finally:
         stop.set()
         thread.join(timeout=5)
     log(format_progress(ray.get(tracker.snapshot.remote())))
     return sink.totals
+
+
+def regenerate_dataset(plan_rows: Any, cfg: EaglenestConfig, identity: dict[str, Any], tracker: Any = None) -> Any:
+    """``plan_rows`` (a Ray Data dataset of plan rows) through the engine actor pool: rows of ``RESULT_SCHEMA``.
+
+    The one definition of the engine stage: ``run_regen`` writes its output to shards, online training
+    (``eaglenest train --online``) streams it to the trainer's workers.
+    """
+    from ray.data import ActorPoolStrategy
+
+    from eaglenest.regen.stage import EngineActor
+
+    rc = cfg.regen
+    sampling = {s.name: _sampling(s.sampling or rc.sampling) for s in rc.sources}
+    return plan_rows.map_batches(
+        EngineActor,
+        fn_constructor_kwargs={"target": cfg.target.model_dump(), "regen": rc.model_dump(),
+                               "sampling": sampling, "identity": identity, "tracker": tracker},
+        batch_size=rc.batch_size, batch_format="pyarrow", zero_copy_batch=True,
+        compute=ActorPoolStrategy(size=rc.num_actors),
+        num_cpus=rc.num_cpus_per_actor, num_gpus=rc.num_gpus_per_actor,
+    )
 
 
 def _count_rows(files: list[str]) -> int:

@@ -199,3 +199,15 @@ class ShardDatasink(Datasink):
             for k, v in (r or {}).items():
                 totals[k] = totals.get(k, 0) + int(v)
         self.totals = totals
+
+
+def keep_regenerated(table: pa.Table, ledger_dir: str, columns: list[str]) -> pa.Table:
+    """Online training's ledger step: rejected rows go to ``ledger_dir/quarantine`` (atomic files, as in a regen
+    folder), regenerated rows go on with ``columns`` only (hidden states stay in the object store, never on disk)."""
+    from eaglenest.regen.output import write_quarantine
+
+    is_ok = pc.equal(table.column("status"), OK)
+    bad = table.filter(pc.invert(is_ok))
+    if bad.num_rows:
+        write_quarantine(bad, Path(ledger_dir), "regen")
+    return table.filter(is_ok).select(columns)

@@ -1,0 +1,221 @@
+"""Online training's data side: regen's plan and engine stage streamed into Ray Train (hidden states never written).
+
+``eaglenest train --online`` (or ``train.data: online``) builds regen's plan from the configured sources, runs it
+through the same engine actor pool as ``eaglenest regen`` (:func:`eaglenest.regen.regenerate_dataset`) and hands
+the result to Ray Train as a streaming dataset, so hidden states go engine -> object store -> worker. Only the
+ledger is written, under ``OUT/online``: ``run.json`` (the target identity), ``plan/`` (the work list, rebuilt by
+every start) and ``quarantine/`` (rows the normalizer or the engine stage rejected, as in a regen folder).
+
+What "exactly once" means here: **per epoch**, each planned training sample contributes to exactly one optimizer
+step of the drafter that survives. The workers record the ids they trained on in every checkpoint; a killed run
+resumes from its newest checkpoint and regenerates only the samples of that epoch the checkpoint has not seen
+(samples trained after the checkpoint are regenerated again: their updates died with the run). Quarantined samples
+are done for good (delete their ledger file to retry them).
+
+A second epoch **re-regenerates** its samples (the engines run again with the same sampling seed): at the scale this
+mode exists for, a cache would be the terabytes of hidden states it avoids, and refusing would make multi-epoch
+training impossible. Engine time therefore grows with ``train.epochs``; `eaglenest plan` prints it.
+
+The held-out split is regenerated once per start, before training, and kept in the object store (small by
+``train.eval_max_samples``). The draft vocabulary is counted from the training split's original answers tokenized
+with the target's tokenizer (plus the end-of-turn token once per answer): the regenerated answers do not exist yet
+when the drafter is built.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from eaglenest.config import EaglenestConfig
+from eaglenest.drafter.data import COLUMNS, is_eval_sample
+
+LEDGER = "online"
+READ_CPUS = 0.25
+LEDGER_CPUS = 0.25
+EPOCHS_FILE = "epochs.jsonl"
+"""ledger file: one record per completed epoch (samples trained, step, time)"""
+STATE_KEY = "online_consumed"
+"""train_state.json key of a checkpoint: the ids of the current epoch the drafter has trained on."""
+
+
+@dataclass
+class OnlineResume:
+    """Where the newest checkpoint of a run stands: the epoch and the ids of it already trained on."""
+
+    epoch: int = 0
+    step: int = 0
+    consumed: list[str] = field(default_factory=list)
+    checkpoint: str | None = None
+
+
+def read_resume(run_dir: Path) -> OnlineResume:
+    """The position of the checkpoint Ray Train will restore for this run (a fresh run: epoch 0, nothing consumed).
+
+    Asked through Ray Train's own record of the run (``Result.from_path``), not the newest folder on disk: a
+    checkpoint written but not yet registered when the driver died is not the one the workers get back.
+    """
+    from ray.train import Result
+
+    from eaglenest.drafter.checkpoint import STATE
+
+    if not run_dir.is_dir():
+        return OnlineResume()
+    try:
+        ckpt = Result.from_path(str(run_dir)).checkpoint
+    except RuntimeError:  # the run never registered a checkpoint
+        return OnlineResume()
+    if ckpt is None:
+        return OnlineResume()
+    path = Path(ckpt.path)
+    state = json.loads((path / STATE).read_text())
+    return OnlineResume(epoch=int(state.get("epoch", 0)), step=int(state.get("step", 0)),
+                        consumed=list(state.get(STATE_KEY) or []), checkpoint=str(path))
+
+
+@dataclass
+class OnlinePlan:
+    """The ledger folder, the target identity and the split of this start's plan."""
+
+    ledger: Path
+    identity: dict[str, Any]
+    files: list[str]
+    train_ids: list[str]
+    eval_ids: list[str]
+    quarantined_now: int
+    inputs: int
+    duplicates: int
+
+
+def plan_online(cfg: EaglenestConfig, out: Path, limit: int | None = None) -> OnlinePlan:
+    """Normalize and dedup the sources into ``OUT/online/plan`` (quarantined ids of earlier starts are skipped)."""
+    from eaglenest.regen import (
+        Completed,
+        build_plan,
+        check_identity,
+        check_sources,
+        quarantine_files,
+        remove_stale_temporaries,
+        resolved_sources,
+        target_identity,
+    )
+
+    sources = resolved_sources(cfg)
+    check_sources(sources)
+    ledger = out / LEDGER
+    identity = target_identity(cfg)
+    check_identity(ledger, identity)
+    remove_stale_temporaries(ledger)
+    done = Completed()
+    for f in quarantine_files(ledger):
+        done.quarantine_ids.update(pq.read_table(f, columns=["id"]).column("id").to_pylist())
+    plan = build_plan(sources, ledger, limit=limit, completed=done, rows_per_file=cfg.regen.batch_size)
+    tc = cfg.train
+    train_ids = [i for i in plan.plan_ids if not is_eval_sample(i, tc.eval_fraction, tc.seed)]
+    eval_ids = [i for i in plan.plan_ids if is_eval_sample(i, tc.eval_fraction, tc.seed)]
+    return OnlinePlan(ledger=ledger, identity=identity, files=plan.files, train_ids=train_ids, eval_ids=eval_ids,
+                      quarantined_now=sum(plan.quarantined_now.values()), inputs=sum(plan.inputs_per_source.values()),
+                      duplicates=sum(plan.duplicates_per_source.values()))
+
+
+def count_plan_tokens(plan: OnlinePlan, target_path: str, eos_token_ids: tuple[int, ...], vocab_size: int) -> Any:
+    """Token frequencies of the training split's original answers (the draft vocab of an online run).
+
+    Native (pre-tokenized) samples count their loss-masked ids; conversations count each assistant answer's text
+    tokenized with the target's tokenizer, plus the template's end-of-turn token once per answer (the drafter must
+    be able to propose the end of a turn).
+    """
+    from transformers import AutoTokenizer
+
+    from eaglenest.drafter.vocab import count_tokens
+    from eaglenest.regen import TemplateFacts
+
+    tok = AutoTokenizer.from_pretrained(target_path)
+    turn_end = TemplateFacts.probe(tok, eos_token_ids).turn_end_id
+    train = set(plan.train_ids)
+    rows: list[tuple[list[int], list[int]]] = []
+    for f in plan.files:
+        for r in pq.read_table(f, columns=["id", "messages", "native", "native_input_ids",
+                                           "native_loss_mask"]).to_pylist():
+            if r["id"] not in train:
+                continue
+            if r["native"]:
+                ids = r["native_input_ids"] or []
+                if all(0 <= i < vocab_size for i in ids):  # the engine stage quarantines the others
+                    rows.append((ids, r["native_loss_mask"]))
+                continue
+            for m in r["messages"] or []:
+                if m["role"] == "assistant":
+                    ids = tok.encode(m["content"] or "", add_special_tokens=False) + [turn_end]
+                    rows.append((ids, [1] * len(ids)))
+    return count_tokens(rows, vocab_size)
+
+
+def _split_rows(table: pa.Table, *, fraction: float, seed: int, want_eval: bool,
+                exclude: frozenset[str] = frozenset()) -> pa.Table:
+    keep = [is_eval_sample(i, fraction, seed) == want_eval and i not in exclude
+            for i in table.column("id").to_pylist()]
+    return table.filter(pa.array(keep, type=pa.bool_()))
+
+
+def online_datasets(cfg: EaglenestConfig, plan: OnlinePlan, resume: OnlineResume,
+                    tracker: Any = None) -> tuple[dict[str, Any], dict[str, Any], int]:
+    """Ray Train's datasets and their execution options; the held-out one is regenerated now (materialized).
+
+    ``train`` regenerates the whole training split (every epoch iterates it anew: a re-regeneration);
+    ``train_rest`` (only when resuming inside an epoch) the part of ``resume.epoch`` the checkpoint has not trained
+    on. Returns (datasets, execution options per dataset, held-out rows regenerated).
+    """
+    import ray.data
+    from ray.data import ExecutionOptions, ExecutionResources
+
+    from eaglenest.regen import data_context, keep_regenerated, regenerate_dataset
+
+    tc = cfg.train
+    buffer = ExecutionOptions(resource_limits=ExecutionResources(object_store_memory=tc.online_buffer_mb << 20),
+                              preserve_order=False)
+
+    def stream(want_eval: bool, exclude: frozenset[str] = frozenset(), limit: int | None = None) -> Any:
+        ds = ray.data.read_parquet(plan.files, num_cpus=READ_CPUS, file_extensions=None)
+        ds = ds.map_batches(_split_rows, batch_format="pyarrow", num_cpus=READ_CPUS,
+                            fn_kwargs={"fraction": tc.eval_fraction, "seed": tc.seed, "want_eval": want_eval,
+                                       "exclude": exclude})
+        if limit is not None:
+            ds = ds.limit(limit)
+        ds = regenerate_dataset(ds, cfg, plan.identity, tracker)
+        return ds.map_batches(keep_regenerated, batch_format="pyarrow", num_cpus=LEDGER_CPUS,
+                              fn_kwargs={"ledger_dir": str(plan.ledger), "columns": COLUMNS})
+
+    datasets: dict[str, Any] = {}
+    options: dict[str, Any] = {}
+    n_eval = 0
+    # no per-operator bars from the workers' streams: the trainer's progress lines are the run's progress
+    with data_context(preserve_order=False, use_datasource_v2=False, enable_progress_bars=False):
+        if plan.eval_ids and tc.eval_fraction > 0:
+            datasets["eval"] = stream(True, limit=tc.eval_max_samples).materialize()
+            n_eval = datasets["eval"].count()
+            if n_eval == 0:
+                del datasets["eval"]
+        datasets["train"] = stream(False)
+        options["train"] = buffer
+        if resume.consumed and set(plan.train_ids) - set(resume.consumed):
+            datasets["train_rest"] = stream(False, exclude=frozenset(resume.consumed))
+            options["train_rest"] = buffer
+    return datasets, options, n_eval
+
+
+def hidden_state_files(out: Path) -> list[Path]:
+    """Parquet files under ``out`` that hold hidden states (an online run must leave none)."""
+    found = []
+    for p in out.rglob("*.parquet"):
+        try:
+            if "aux_hidden_states" in pq.read_schema(p).names:
+                found.append(p)
+        except Exception:  # noqa: BLE001 - an unreadable file holds no readable hidden states either
+            continue
+    return found

@@ -1,0 +1,115 @@
+"""Online training end to end (`eaglenest train --online`): regen streams into Ray Train, nothing hidden is written;
+SIGKILL of the driver mid-epoch, rerun, and the resumed epoch regenerates only what the checkpoint had not seen.
+
+The killed run is an `eaglenest train --online` subprocess attached to the test session's Ray, in its own process
+group (the kill takes the driver and nothing else; Ray reaps its job's actors and workers)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import yaml
+
+from eaglenest.engines.tiny import corpus_chats
+
+RUN = "online-test"
+EAGLENEST = Path(sys.executable).with_name("eaglenest")
+MALFORMED_REASON = "wrong_type"
+
+
+def write_inputs(tmp: Path, n: int) -> Path:
+    src = tmp / "chats.jsonl"
+    rows = [{"messages": c["messages"]} for c in corpus_chats()[:n]]
+    rows.append({"messages": "not a list"})  # a malformed row: quarantined into the ledger while normalizing
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = {
+        "target": {"model": "tiny", "device": "cpu", "dtype": "float32"},
+        "regen": {"sources": [{"name": "chats", "domain": "chat", "adapter": "openai", "path": str(src)}],
+                  "sampling": {"temperature": 0.0, "max_new_tokens": 12}, "batch_size": 4, "num_actors": 1,
+                  "num_cpus_per_actor": 0.5, "min_tokens": 4, "max_tokens": 256},
+        "train": {"drafter": {"draft_vocab_size": 200}, "ttt_steps": 3, "batch_size": 4, "epochs": 2,
+                  "checkpoint_every": 2, "eval_every": 100, "log_every": 2, "eval_fraction": 0.15,
+                  "eval_max_samples": 8, "learning_rate": 0.003, "warmup_ratio": 0.1, "run_name": RUN,
+                  "cpus_per_worker": 0.5},
+    }
+    path = tmp / "online.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def registered_state(run_dir: Path) -> dict | None:
+    """train_state.json of the checkpoint Ray Train has registered for this run (what a rerun resumes from)."""
+    try:
+        latest = json.loads((run_dir / "checkpoint_manager_snapshot.json").read_text())["latest_checkpoint_result"]
+        return json.loads((run_dir / latest["checkpoint_dir_name"] / "train_state.json").read_text())
+    except (FileNotFoundError, json.JSONDecodeError, KeyError, TypeError):
+        return None
+
+
+def test_online_training_writes_no_hidden_states_and_resumes_after_sigkill(ray_session, tmp_path) -> None:
+    cfg = write_inputs(tmp_path, 40)
+    out = tmp_path / "out"
+    cmd = [str(EAGLENEST), "train", "--config", str(cfg), "--online", "--output", str(out)]
+    env = dict(os.environ, RAY_ADDRESS=ray_session.get_runtime_context().gcs_address)
+    run_dir = out / "ray" / RUN
+
+    with open(tmp_path / "run1.log", "wb") as log:
+        first = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path,
+                                 start_new_session=True)
+        deadline = time.time() + 300
+        killed_at = None
+        while time.time() < deadline and first.poll() is None:
+            state = registered_state(run_dir)
+            if state and state["epoch"] == 0 and state.get("online_consumed"):
+                killed_at = state["step"]
+                break
+            time.sleep(0.1)
+        assert first.poll() is None, "training ended before a checkpoint could be interrupted:\n" + \
+            (tmp_path / "run1.log").read_text()[-3000:]
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait()
+    assert killed_at is not None and not (out / "export").exists()
+
+    second = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=500, cwd=tmp_path)
+    log = second.stdout + second.stderr
+    assert second.returncode == 0, log[-4000:]
+
+    summary = json.loads((out / "summary.json").read_text())
+    online = summary["online"]
+    # resumed inside epoch 0, from a checkpoint that had trained on some of its samples
+    assert online["resumed_epoch"] == 0
+    trained_before = online["already_trained_in_resumed_epoch"]
+    assert 0 < trained_before < online["planned_train"]
+    assert "already trained (not regenerated)" in log
+    # every epoch trained on each of its samples once: the resumed epoch too (before + after the kill)
+    epochs = online["epochs"]
+    assert [e["epoch"] for e in epochs] == [0, 1]
+    engine_rejects = sum(n for r, n in online["quarantined_per_reason"].items() if r != MALFORMED_REASON)
+    n_ok = online["planned_train"]
+    assert engine_rejects == 0, online["quarantined_per_reason"]  # the chats fit regen.max_tokens
+    assert epochs[0]["samples"] == epochs[0]["distinct_samples"] == n_ok
+    assert epochs[1]["samples"] == epochs[1]["distinct_samples"] == n_ok
+    resumes = [json.loads(x) for x in (out / "resume_log.jsonl").read_text().splitlines()]
+    # (a newer checkpoint may have been registered between the test's look and the kill)
+    assert len(resumes) == 1 and resumes[0]["resumed_from_step"] >= killed_at
+
+    # nothing hidden on disk: no shards, no parquet with hidden-state columns anywhere under OUT
+    assert online["hidden_state_bytes_written"] == 0 and online["hidden_state_files"] == []
+    assert not (out / "shards").exists()
+    for p in out.rglob("*.parquet"):
+        assert "aux_hidden_states" not in pq.read_schema(p).names, p
+    # the ledger: the malformed row is quarantined with its reason; the finished run's plan is gone
+    assert online["quarantined_per_reason"] == {MALFORMED_REASON: 1}
+    assert not (out / "online" / "plan").exists()
+
+    # the export is a drafter for the target's layers, and held-out metrics were recorded
+    exported = json.loads((out / "export" / "config.json").read_text())
+    assert exported["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]
+    assert summary["final_eval"] is not None and summary["eval_samples"] > 0
