@@ -9,7 +9,8 @@ Storage modes (hidden-state bytes per token, H = the target's hidden size, as ``
 token ids and the loss mask add 5 bytes per token in every mode):
 - ``bfloat16``: the three aux layers and the final normed state, 2 bytes each: 8·H;
 - ``float8_e4m3fn``: 1 byte each plus one int8 power-of-two exponent per token and state: 4·H + 4;
-- ``online``: hidden states stream from the engines to the trainer and are never written: 0 (not built yet).
+- ``online`` (``eaglenest train --online``): hidden states stream from the engines to the trainer and are never
+  written: 0. Every epoch regenerates its samples, so the engines work ``epochs`` times as long.
 """
 
 from __future__ import annotations
@@ -79,11 +80,13 @@ def plan(inp: SizingInputs) -> dict[str, Any]:
                            "bytes_per_token": {m: hidden_bytes_per_token(inp.hidden_size, m) + IDS_AND_MASK_BYTES
                                                for m in STORAGE_MODES},
                            "storage_bytes": storage, "engine_hours": None, "engine_gpu_hours": None,
+                           "online_engine_hours": None,
                            "training_hours": None, "training_gpu_hours": None}
     if inp.engine_tokens_per_s:
         wall = generated / (inp.engine_tokens_per_s * inp.num_engines) / 3600
         out["engine_hours"] = wall
         out["engine_gpu_hours"] = wall * inp.num_engines * inp.gpus_per_engine
+        out["online_engine_hours"] = wall * inp.epochs  # online re-regenerates every epoch
     if inp.train_tokens_per_s:
         wall = tokens * inp.epochs / (inp.train_tokens_per_s * inp.num_workers) / 3600
         out["training_hours"] = wall
@@ -121,7 +124,10 @@ def format_plan(inp: SizingInputs, p: dict[str, Any]) -> str:
               f"training: {_hours(p['training_hours'], 'give --train-tokens-per-s')} wall on {inp.num_workers} "
               f"worker(s), {inp.epochs} epoch(s)"
               + (f" at {inp.train_tokens_per_s:,.0f} tok/s each = {p['training_gpu_hours']:,.0f} GPU hours"
-                 if inp.train_tokens_per_s else "")]
+                 if inp.train_tokens_per_s else ""),
+              f"online (train --online): engines regenerate every epoch: "
+              f"{_hours(p['online_engine_hours'], 'give --engine-tokens-per-s')} of engine wall for {inp.epochs} "
+              "epoch(s), running beside training (the slower side sets the pace), 0 bytes of hidden states"]
     lines += [f"note: {n}" for n in inp.notes]
     return "\n".join(lines)
 

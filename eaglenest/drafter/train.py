@@ -266,6 +266,8 @@ def train_drafter(cfg: EaglenestConfig, data_dir: str | Path | None, output_dir:
         dataset_config=DataConfig(datasets_to_split="all", execution_options=inputs.options),
     )
     engine_timeline: list = []
+    if inputs.notes is not None:
+        inputs.notes["stream_started"] = time.time()  # engine batches before this regenerated the held-out split
     try:
         result = trainer.fit()
     finally:

@@ -123,7 +123,7 @@ class EngineActor:
         table = results_table(results)
         if self.tracker is not None:
             st = self.regen.stats
-            self.tracker.generated.remote(st.generated_tokens, (t0, time.time(), os.getpid()),
+            self.tracker.generated.remote(st.generated_tokens, (t0, time.time(), os.getpid(), len(samples)),
                                           (st.generate_seconds, st.capture_seconds))
         return table
 

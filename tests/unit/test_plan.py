@@ -31,6 +31,7 @@ def test_plan_arithmetic_on_a_small_config():
     assert p["bytes_per_token"] == {"bfloat16": 805, "float8_e4m3fn": 409, "online": 5}
     assert p["storage_bytes"] == {"bfloat16": 390 * 805, "float8_e4m3fn": 390 * 409, "online": 390 * 5}
     assert p["engine_hours"] == pytest.approx(260 / 100 / 3600)
+    assert p["online_engine_hours"] == pytest.approx(inp.epochs * 260 / 100 / 3600)  # re-regenerated every epoch
     assert p["engine_gpu_hours"] == pytest.approx(260 / 100 / 3600 * 8)
     assert p["training_hours"] == pytest.approx(390 * 2 / 100 / 3600)
     missing = plan(SizingInputs(hidden_size=100, sources=[], prompt_tokens=1, answer_tokens=1))

@@ -1,0 +1,56 @@
+"""Online training's small parts without Ray: which stream an epoch reads, the split/exclusion filter, CLI refusals."""
+
+from __future__ import annotations
+
+import argparse
+
+import pyarrow as pa
+
+from eaglenest.drafter.data import is_eval_sample
+from eaglenest.drafter.epochs import OnlineEpochs
+from eaglenest.drafter.online import _split_rows
+
+
+class FakeShard:
+    """Stands in for a Ray Train dataset shard: records how it was iterated."""
+
+    def __init__(self, name: str) -> None:
+        self.name, self.calls = name, []
+
+    def iter_batches(self, **kw):
+        self.calls.append(kw)
+        yield pa.table({"id": [self.name]})
+
+
+def test_a_resumed_epoch_reads_the_rest_stream_and_later_epochs_the_full_one() -> None:
+    train, rest = FakeShard("train"), FakeShard("rest")
+    epochs = OnlineEpochs(train, rest, rest_epoch=1, batch_size=4, seed=7)
+    assert [t.column("id")[0].as_py() for e in (1, 2) for t in epochs.epoch(e)] == ["rest", "train"]
+    assert train.calls[0]["local_shuffle_seed"] == 7 + 2000  # a different order every epoch, fixed by the seed
+    fresh = OnlineEpochs(train, None, None, batch_size=4, seed=7)
+    assert [t.column("id")[0].as_py() for t in fresh.epoch(0)] == ["train"]
+
+
+def test_split_rows_keeps_one_side_and_drops_excluded_ids() -> None:
+    ids = [f"s{i}" for i in range(200)]
+    table = pa.table({"id": ids})
+    train = _split_rows(table, fraction=0.2, seed=3, want_eval=False).column("id").to_pylist()
+    held = _split_rows(table, fraction=0.2, seed=3, want_eval=True).column("id").to_pylist()
+    assert sorted(train + held) == sorted(ids) and held
+    assert all(is_eval_sample(i, 0.2, 3) for i in held)
+    rest = _split_rows(table, fraction=0.2, seed=3, want_eval=False, exclude=frozenset(train[:5]))
+    assert rest.column("id").to_pylist() == train[5:]
+
+
+def test_train_cli_refuses_data_with_online_and_neither(tmp_path, capsys) -> None:
+    from eaglenest.drafter.cli import run_train
+
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("target: {model: tiny}\n")
+    base = {"config": str(cfg), "output": str(tmp_path / "o"), "max_steps": None, "limit": None}
+    assert run_train(argparse.Namespace(**base, data="x", online=True)) == 2
+    assert "drop --data or --online" in capsys.readouterr().err
+    assert run_train(argparse.Namespace(**base, data=None, online=False)) == 2
+    assert "--online" in capsys.readouterr().err
+    assert run_train(argparse.Namespace(**{**base, "limit": 3}, data="x", online=False)) == 2
+    assert "--limit" in capsys.readouterr().err
