@@ -175,6 +175,9 @@ class TrainConfig(Section):
     data: Literal["shards", "online"] = Field(
         "shards", description="shards: read a regen folder (--data); online: regenerate and capture while training, "
         "streaming hidden states from the engines to the workers (nothing written; `eaglenest train --online`)")
+    online_vocab_samples: int = Field(
+        1024, ge=1, description="online: training samples regenerated once up front to count the draft vocabulary "
+        "(their hidden states are dropped; the vocab must exist before the drafter)")
     online_buffer_mb: int = Field(
         256, ge=1, description="online: object-store bytes the regen stream may hold ahead of the trainer; engines "
         "stall (back-pressure) rather than fill memory when the trainer is slower")

@@ -17,13 +17,16 @@ mode exists for, a cache would be the terabytes of hidden states it avoids, and 
 training impossible. Engine time therefore grows with ``train.epochs``; `eaglenest plan` prints it.
 
 The held-out split is regenerated once per start, before training, and kept in the object store (small by
-``train.eval_max_samples``). The draft vocabulary is counted from the training split's original answers tokenized
-with the target's tokenizer (plus the end-of-turn token once per answer): the regenerated answers do not exist yet
-when the drafter is built.
+``train.eval_max_samples``). The draft vocabulary is counted on the first start from ``train.online_vocab_samples``
+training samples regenerated up front (ids and loss masks only; their hidden states are dropped): it must exist
+before the drafter does, and the target's own answers are what the drafter will propose. (Counting the dataset's
+original answers instead covered 82% of the regenerated tokens on the tiny target, against 100% for offline
+training's count, and cost 16% of held-out accept length: BENCHMARKS.md "Online training".)
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -123,44 +126,71 @@ def plan_online(cfg: EaglenestConfig, out: Path, limit: int | None = None) -> On
                       duplicates=sum(plan.duplicates_per_source.values()))
 
 
-def count_plan_tokens(plan: OnlinePlan, target_path: str, eos_token_ids: tuple[int, ...], vocab_size: int) -> Any:
-    """Token frequencies of the training split's original answers (the draft vocab of an online run).
+def vocab_sample(train_ids: list[str], n: int, seed: int) -> list[str]:
+    """``n`` training ids spread over every source (a salted-hash order, not the plan's source order)."""
+    def key(i: str) -> bytes:
+        return hashlib.sha256(f"eaglenest-vocab:{seed}:{i}".encode()).digest()
 
-    Native (pre-tokenized) samples count their loss-masked ids; conversations count each assistant answer's text
-    tokenized with the target's tokenizer, plus the template's end-of-turn token once per answer (the drafter must
-    be able to propose the end of a turn).
+    return sorted(train_ids, key=key)[:n]
+
+
+def count_regenerated_tokens(cfg: EaglenestConfig, plan: OnlinePlan, vocab_size: int) -> Any:
+    """Token frequencies of regenerated answers of a sample of the training split (the draft vocab of an online run).
+
+    The vocab must be fixed before the drafter exists, and the target's own answers are what it will draft, so
+    ``train.online_vocab_samples`` training samples are regenerated once up front (hidden states dropped as they
+    arrive, only ids and loss masks counted); the original answers would miss the target's own token choices.
     """
-    from transformers import AutoTokenizer
-
     from eaglenest.drafter.vocab import count_tokens
-    from eaglenest.regen import TemplateFacts
 
-    tok = AutoTokenizer.from_pretrained(target_path)
-    turn_end = TemplateFacts.probe(tok, eos_token_ids).turn_end_id
-    train = set(plan.train_ids)
-    rows: list[tuple[list[int], list[int]]] = []
-    for f in plan.files:
-        for r in pq.read_table(f, columns=["id", "messages", "native", "native_input_ids",
-                                           "native_loss_mask"]).to_pylist():
-            if r["id"] not in train:
-                continue
-            if r["native"]:
-                ids = r["native_input_ids"] or []
-                if all(0 <= i < vocab_size for i in ids):  # the engine stage quarantines the others
-                    rows.append((ids, r["native_loss_mask"]))
-                continue
-            for m in r["messages"] or []:
-                if m["role"] == "assistant":
-                    ids = tok.encode(m["content"] or "", add_special_tokens=False) + [turn_end]
-                    rows.append((ids, [1] * len(ids)))
-    return count_tokens(rows, vocab_size)
+    ids = frozenset(vocab_sample(plan.train_ids, cfg.train.online_vocab_samples, cfg.train.seed))
+    counts = None
+    with _quiet_data():
+        ds = _stream(cfg, plan, want_eval=False, include=ids).select_columns(["input_ids", "loss_mask"])
+        for batch in ds.iter_batches(batch_format="pyarrow", batch_size=None):
+            c = count_tokens(zip(batch.column("input_ids").to_pylist(), batch.column("loss_mask").to_pylist(),
+                                 strict=True), vocab_size)
+            counts = c if counts is None else counts + c
+    if counts is None:
+        import torch
+
+        counts = torch.zeros(vocab_size, dtype=torch.long)
+    return counts
 
 
 def _split_rows(table: pa.Table, *, fraction: float, seed: int, want_eval: bool,
-                exclude: frozenset[str] = frozenset()) -> pa.Table:
-    keep = [is_eval_sample(i, fraction, seed) == want_eval and i not in exclude
+                exclude: frozenset[str] = frozenset(), include: frozenset[str] | None = None) -> pa.Table:
+    keep = [is_eval_sample(i, fraction, seed) == want_eval and i not in exclude and (include is None or i in include)
             for i in table.column("id").to_pylist()]
     return table.filter(pa.array(keep, type=pa.bool_()))
+
+
+def _quiet_data() -> Any:
+    """Ray Data options of every online stream (no per-operator bars: the trainer's lines are the progress)."""
+    from eaglenest.regen import data_context
+
+    return data_context(preserve_order=False, use_datasource_v2=False, enable_progress_bars=False)
+
+
+def _stream(cfg: EaglenestConfig, plan: OnlinePlan, *, want_eval: bool, exclude: frozenset[str] = frozenset(),
+            include: frozenset[str] | None = None, limit: int | None = None, tracker: Any = None) -> Any:
+    """Plan rows of one side of the split -> engine stage -> ledger: the regenerated rows, in ``COLUMNS``."""
+    import ray.data
+
+    from eaglenest.regen import keep_regenerated, regenerate_dataset
+
+    tc = cfg.train
+    ds = ray.data.read_parquet(plan.files, num_cpus=READ_CPUS, file_extensions=None)
+    if not want_eval:  # the plan is written source by source: mix them (a fixed order; epochs differ by shuffle)
+        ds = ds.randomize_block_order(seed=tc.seed)
+    ds = ds.map_batches(_split_rows, batch_format="pyarrow", num_cpus=READ_CPUS,
+                        fn_kwargs={"fraction": tc.eval_fraction, "seed": tc.seed, "want_eval": want_eval,
+                                   "exclude": exclude, "include": include})
+    if limit is not None:
+        ds = ds.limit(limit)
+    ds = regenerate_dataset(ds, cfg, plan.identity, tracker)
+    return ds.map_batches(keep_regenerated, batch_format="pyarrow", num_cpus=LEDGER_CPUS,
+                          fn_kwargs={"ledger_dir": str(plan.ledger), "columns": COLUMNS})
 
 
 def online_datasets(cfg: EaglenestConfig, plan: OnlinePlan, resume: OnlineResume,
@@ -171,40 +201,26 @@ def online_datasets(cfg: EaglenestConfig, plan: OnlinePlan, resume: OnlineResume
     ``train_rest`` (only when resuming inside an epoch) the part of ``resume.epoch`` the checkpoint has not trained
     on. Returns (datasets, execution options per dataset, held-out rows regenerated).
     """
-    import ray.data
     from ray.data import ExecutionOptions, ExecutionResources
-
-    from eaglenest.regen import data_context, keep_regenerated, regenerate_dataset
 
     tc = cfg.train
     buffer = ExecutionOptions(resource_limits=ExecutionResources(object_store_memory=tc.online_buffer_mb << 20),
                               preserve_order=False)
-
-    def stream(want_eval: bool, exclude: frozenset[str] = frozenset(), limit: int | None = None) -> Any:
-        ds = ray.data.read_parquet(plan.files, num_cpus=READ_CPUS, file_extensions=None)
-        ds = ds.map_batches(_split_rows, batch_format="pyarrow", num_cpus=READ_CPUS,
-                            fn_kwargs={"fraction": tc.eval_fraction, "seed": tc.seed, "want_eval": want_eval,
-                                       "exclude": exclude})
-        if limit is not None:
-            ds = ds.limit(limit)
-        ds = regenerate_dataset(ds, cfg, plan.identity, tracker)
-        return ds.map_batches(keep_regenerated, batch_format="pyarrow", num_cpus=LEDGER_CPUS,
-                              fn_kwargs={"ledger_dir": str(plan.ledger), "columns": COLUMNS})
-
     datasets: dict[str, Any] = {}
     options: dict[str, Any] = {}
     n_eval = 0
-    # no per-operator bars from the workers' streams: the trainer's progress lines are the run's progress
-    with data_context(preserve_order=False, use_datasource_v2=False, enable_progress_bars=False):
+    with _quiet_data():
         if plan.eval_ids and tc.eval_fraction > 0:
-            datasets["eval"] = stream(True, limit=tc.eval_max_samples).materialize()
+            datasets["eval"] = _stream(cfg, plan, want_eval=True, limit=tc.eval_max_samples,
+                                       tracker=tracker).materialize()
             n_eval = datasets["eval"].count()
             if n_eval == 0:
                 del datasets["eval"]
-        datasets["train"] = stream(False)
+        datasets["train"] = _stream(cfg, plan, want_eval=False, tracker=tracker)
         options["train"] = buffer
         if resume.consumed and set(plan.train_ids) - set(resume.consumed):
-            datasets["train_rest"] = stream(False, exclude=frozenset(resume.consumed))
+            datasets["train_rest"] = _stream(cfg, plan, want_eval=False, exclude=frozenset(resume.consumed),
+                                             tracker=tracker)
             options["train_rest"] = buffer
     return datasets, options, n_eval
 

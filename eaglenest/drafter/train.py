@@ -139,7 +139,7 @@ def _shard_inputs(cfg: EaglenestConfig, data_dir: Path, out: Path, facts: Any) -
 
 def _online_inputs(cfg: EaglenestConfig, out: Path, facts: Any, limit: int | None) -> _Inputs:
     """Online: regen's plan and engine stage, streamed (see :mod:`eaglenest.drafter.online`)."""
-    from eaglenest.drafter.online import count_plan_tokens, online_datasets, plan_online, read_resume
+    from eaglenest.drafter.online import count_regenerated_tokens, online_datasets, plan_online, read_resume
     from eaglenest.regen import ProgressTracker
 
     tc = cfg.train
@@ -149,7 +149,7 @@ def _online_inputs(cfg: EaglenestConfig, out: Path, facts: Any, limit: int | Non
                          f"quarantined, {plan.duplicates} duplicates; see {plan.ledger}/quarantine)")
     resume = read_resume(out / "ray" / tc.run_name)
     mapping, built = _vocab(out, facts.vocab_size, tc.drafter.draft_vocab_size,
-                            lambda: count_plan_tokens(plan, str(facts.path), facts.eos_token_ids(), facts.vocab_size))
+                            lambda: count_regenerated_tokens(cfg, plan, facts.vocab_size))
     tracker = ProgressTracker.remote()
     tracker.start.remote(len(plan.train_ids))
     datasets, options, n_eval = online_datasets(cfg, plan, resume, tracker)
@@ -226,7 +226,7 @@ def train_drafter(cfg: EaglenestConfig, data_dir: str | Path | None, output_dir:
     print(f"[eaglenest train] target {facts.path}: {facts.num_layers} layers, hidden {facts.hidden_size}, vocab "
           f"{facts.vocab_size}", flush=True)
     print(f"[eaglenest train] draft vocab {mapping.draft_vocab_size} ({'built' if inputs.vocab_built else 'reused'}, "
-          f"covers {100 * mapping.coverage():.1f}% of {'original-answer' if online else 'loss-masked'} tokens); split "
+          f"covers {100 * mapping.coverage():.1f}% of the loss-masked tokens it was counted on); split "
           f"{n_train} train / {n_eval} held-out; {steps_per_epoch} steps/epoch"
           f"{' (planned: engine rejects end an epoch early)' if online else ''}, {total_steps} steps", flush=True)
 

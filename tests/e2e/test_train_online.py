@@ -37,7 +37,7 @@ def write_inputs(tmp: Path, n: int) -> Path:
         "train": {"drafter": {"draft_vocab_size": 200}, "ttt_steps": 3, "batch_size": 4, "epochs": 2,
                   "checkpoint_every": 2, "eval_every": 100, "log_every": 2, "eval_fraction": 0.15,
                   "eval_max_samples": 8, "learning_rate": 0.003, "warmup_ratio": 0.1, "run_name": RUN,
-                  "cpus_per_worker": 0.5},
+                  "cpus_per_worker": 0.5, "online_vocab_samples": 16},
     }
     path = tmp / "online.yaml"
     path.write_text(yaml.safe_dump(cfg))

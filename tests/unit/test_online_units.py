@@ -54,3 +54,15 @@ def test_train_cli_refuses_data_with_online_and_neither(tmp_path, capsys) -> Non
     assert "--online" in capsys.readouterr().err
     assert run_train(argparse.Namespace(**{**base, "limit": 3}, data="x", online=False)) == 2
     assert "--limit" in capsys.readouterr().err
+
+
+def test_the_vocab_sample_is_spread_over_sources_and_fixed_by_the_seed() -> None:
+    from eaglenest.drafter.online import vocab_sample
+
+    ids = [f"a{i}" for i in range(50)] + [f"b{i}" for i in range(50)]  # plan order: source a, then source b
+    pick = vocab_sample(ids, 20, seed=0)
+    assert len(pick) == 20 and pick == vocab_sample(ids, 20, seed=0) != vocab_sample(ids, 20, seed=1)
+    assert any(i.startswith("a") for i in pick) and any(i.startswith("b") for i in pick)
+    table = pa.table({"id": ids})
+    got = _split_rows(table, fraction=0.0, seed=0, want_eval=False, include=frozenset(pick))
+    assert sorted(got.column("id").to_pylist()) == sorted(pick)
