@@ -111,16 +111,3 @@ class TrainEpochs:
         for start in range(0, shuffled.num_rows, self.batch_size):
             yield shuffled.slice(start, self.batch_size)
 
-
-class OnlineEpochs:
-    """Online training's batches: every epoch streams a fresh regeneration (no hidden state is kept), except that a
-    resumed epoch streams ``rest``, the part of it its checkpoint had not trained on."""
-
-    def __init__(self, train: Any, rest: Any, rest_epoch: int | None, batch_size: int, seed: int) -> None:
-        self.train, self.rest, self.rest_epoch = train, rest, rest_epoch
-        self.batch_size, self.seed = batch_size, seed
-
-    def epoch(self, epoch: int) -> Iterator[pa.Table]:
-        shard = self.rest if self.rest is not None and epoch == self.rest_epoch else self.train
-        return stream_batches(shard, self.batch_size, local_shuffle_buffer_size=4 * self.batch_size,
-                              local_shuffle_seed=self.seed + 1000 * epoch)

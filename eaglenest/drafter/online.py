@@ -6,11 +6,16 @@ the result to Ray Train as a streaming dataset, so hidden states go engine -> ob
 ledger is written, under ``OUT/online``: ``run.json`` (the target identity), ``plan/`` (the work list, rebuilt by
 every start) and ``quarantine/`` (rows the normalizer or the engine stage rejected, as in a regen folder).
 
+The whole run is **one stream**: the plan is read once per epoch, epoch after epoch (each epoch in its own block
+order), and every row carries its epoch, so one engine pool serves every epoch and the trainer never waits for an
+engine restart at an epoch boundary. Boundaries are soft: the last rows of an epoch may still be in flight when the
+first of the next arrive.
+
 What "exactly once" means here: **per epoch**, each planned training sample contributes to exactly one optimizer
-step of the drafter that survives. The workers record the ids they trained on in every checkpoint; a killed run
-resumes from its newest checkpoint and regenerates only the samples of that epoch the checkpoint has not seen
-(samples trained after the checkpoint are regenerated again: their updates died with the run). Quarantined samples
-are done for good (delete their ledger file to retry them).
+step of the drafter that survives. The workers record the (epoch, id) pairs they trained on in every checkpoint; a
+killed run resumes from the checkpoint Ray Train restores and regenerates, for every epoch, only the samples that
+checkpoint has not seen (samples trained after it are regenerated again: their updates died with the run).
+Quarantined samples are done for good (delete their ledger file to retry them).
 
 A second epoch **re-regenerates** its samples (the engines run again with the same sampling seed): at the scale this
 mode exists for, a cache would be the terabytes of hidden states it avoids, and refusing would make multi-epoch
@@ -44,17 +49,22 @@ LEDGER_CPUS = 0.25
 EPOCHS_FILE = "epochs.jsonl"
 """ledger file: one record per completed epoch (samples trained, step, time)"""
 STATE_KEY = "online_consumed"
-"""train_state.json key of a checkpoint: the ids of the current epoch the drafter has trained on."""
+"""train_state.json key of a checkpoint: {epoch: ids trained on} over the run so far"""
+EPOCH = "epoch"
+"""the column every streamed row carries: the epoch it belongs to"""
 
 
 @dataclass
 class OnlineResume:
-    """Where the newest checkpoint of a run stands: the epoch and the ids of it already trained on."""
+    """Where the checkpoint a rerun restores stands: its step and the ids each epoch has trained on."""
 
-    epoch: int = 0
     step: int = 0
-    consumed: list[str] = field(default_factory=list)
+    consumed: dict[int, list[str]] = field(default_factory=dict)
     checkpoint: str | None = None
+
+    @property
+    def trained(self) -> int:
+        return sum(len(v) for v in self.consumed.values())
 
 
 def read_resume(run_dir: Path) -> OnlineResume:
@@ -77,8 +87,8 @@ def read_resume(run_dir: Path) -> OnlineResume:
         return OnlineResume()
     path = Path(ckpt.path)
     state = json.loads((path / STATE).read_text())
-    return OnlineResume(epoch=int(state.get("epoch", 0)), step=int(state.get("step", 0)),
-                        consumed=list(state.get(STATE_KEY) or []), checkpoint=str(path))
+    consumed = {int(e): list(ids) for e, ids in (state.get(STATE_KEY) or {}).items()}
+    return OnlineResume(step=int(state.get("step", 0)), consumed=consumed, checkpoint=str(path))
 
 
 @dataclass
@@ -146,7 +156,7 @@ def count_regenerated_tokens(cfg: EaglenestConfig, plan: OnlinePlan, vocab_size:
     ids = frozenset(vocab_sample(plan.train_ids, cfg.train.online_vocab_samples, cfg.train.seed))
     counts = None
     with _quiet_data():
-        ds = _stream(cfg, plan, want_eval=False, include=ids).select_columns(["input_ids", "loss_mask"])
+        ds = _stream(cfg, plan, want_eval=False, epochs=[0], include=ids).select_columns(["input_ids", "loss_mask"])
         for batch in ds.iter_batches(batch_format="pyarrow", batch_size=None):
             c = count_tokens(zip(batch.column("input_ids").to_pylist(), batch.column("loss_mask").to_pylist(),
                                  strict=True), vocab_size)
@@ -165,6 +175,29 @@ def _split_rows(table: pa.Table, *, fraction: float, seed: int, want_eval: bool,
     return table.filter(pa.array(keep, type=pa.bool_()))
 
 
+def _plan_rows(items: pa.Table, *, fraction: float, seed: int, want_eval: bool,
+               exclude: dict[int, frozenset[str]], include: frozenset[str] | None) -> pa.Table:
+    """(plan file, epoch) items -> that file's rows of one side of the split, minus the epoch's exclusions, tagged
+    with the epoch."""
+    parts = []
+    for path, epoch in zip(items.column("path").to_pylist(), items.column(EPOCH).to_pylist(), strict=True):
+        rows = _split_rows(pq.read_table(path), fraction=fraction, seed=seed, want_eval=want_eval,
+                           exclude=exclude.get(epoch, frozenset()), include=include)
+        parts.append(rows.append_column(EPOCH, pa.array([epoch] * rows.num_rows, type=pa.int32())))
+    return pa.concat_tables(parts)
+
+
+def epoch_order(files: list[str], epochs: list[int], seed: int) -> list[dict[str, Any]]:
+    """The stream's work list: every plan file once per epoch, epoch after epoch, each epoch in its own order."""
+    import random
+
+    items = []
+    for e in epochs:
+        order = list(files)
+        random.Random(f"eaglenest-epoch:{seed}:{e}").shuffle(order)  # mixes sources; another order every epoch
+        items += [{"path": f, EPOCH: e} for f in order]
+    return items
+
 def _quiet_data() -> Any:
     """Ray Data options of every online stream (no per-operator bars: the trainer's lines are the progress)."""
     from eaglenest.regen import data_context
@@ -172,57 +205,63 @@ def _quiet_data() -> Any:
     return data_context(preserve_order=False, use_datasource_v2=False, enable_progress_bars=False)
 
 
-def _stream(cfg: EaglenestConfig, plan: OnlinePlan, *, want_eval: bool, exclude: frozenset[str] = frozenset(),
-            include: frozenset[str] | None = None, limit: int | None = None, tracker: Any = None) -> Any:
-    """Plan rows of one side of the split -> engine stage -> ledger: the regenerated rows, in ``COLUMNS``."""
+def _stream(cfg: EaglenestConfig, plan: OnlinePlan, *, want_eval: bool, epochs: list[int],
+            exclude: dict[int, frozenset[str]] | None = None, include: frozenset[str] | None = None,
+            limit: int | None = None, tracker: Any = None) -> Any:
+    """Plan rows of one side of the split, for ``epochs`` -> engine stage -> ledger: regenerated rows in
+    ``COLUMNS`` + their epoch."""
     import ray.data
 
     from eaglenest.regen import keep_regenerated, regenerate_dataset
 
     tc = cfg.train
-    ds = ray.data.read_parquet(plan.files, num_cpus=READ_CPUS, file_extensions=None)
-    if not want_eval:  # the plan is written source by source: mix them (a fixed order; epochs differ by shuffle)
-        ds = ds.randomize_block_order(seed=tc.seed)
-    ds = ds.map_batches(_split_rows, batch_format="pyarrow", num_cpus=READ_CPUS,
+    items = epoch_order(plan.files, epochs, tc.seed)
+    ds = ray.data.from_items(items, override_num_blocks=len(items)) if items else ray.data.from_items([])
+    ds = ds.map_batches(_plan_rows, batch_size=1, batch_format="pyarrow", num_cpus=READ_CPUS,
                         fn_kwargs={"fraction": tc.eval_fraction, "seed": tc.seed, "want_eval": want_eval,
-                                   "exclude": exclude, "include": include})
+                                   "exclude": exclude or {}, "include": include})
     if limit is not None:
         ds = ds.limit(limit)
     ds = regenerate_dataset(ds, cfg, plan.identity, tracker)
     return ds.map_batches(keep_regenerated, batch_format="pyarrow", num_cpus=LEDGER_CPUS,
-                          fn_kwargs={"ledger_dir": str(plan.ledger), "columns": COLUMNS})
+                          fn_kwargs={"ledger_dir": str(plan.ledger), "columns": [*COLUMNS, EPOCH]})
+
+
+def remaining_epochs(plan: OnlinePlan, resume: OnlineResume, epochs: int) -> dict[int, frozenset[str]]:
+    """Epochs with samples left to train on -> the ids each has already trained on (to skip)."""
+    todo = set(plan.train_ids)
+    out = {}
+    for e in range(epochs):
+        done = frozenset(resume.consumed.get(e, ()))
+        if todo - done:
+            out[e] = done
+    return out
 
 
 def online_datasets(cfg: EaglenestConfig, plan: OnlinePlan, resume: OnlineResume,
-                    tracker: Any = None) -> tuple[dict[str, Any], dict[str, Any], int]:
+                    tracker: Any = None) -> tuple[dict[str, Any], dict[str, Any], int, list[int]]:
     """Ray Train's datasets and their execution options; the held-out one is regenerated now (materialized).
 
-    ``train`` regenerates the whole training split (every epoch iterates it anew: a re-regeneration);
-    ``train_rest`` (only when resuming inside an epoch) the part of ``resume.epoch`` the checkpoint has not trained
-    on. Returns (datasets, execution options per dataset, held-out rows regenerated).
+    ``train`` is one stream over every epoch that has samples left (all of them on a fresh start). Returns
+    (datasets, execution options per dataset, held-out rows regenerated, the epochs streamed).
     """
     from ray.data import ExecutionOptions, ExecutionResources
 
     tc = cfg.train
     buffer = ExecutionOptions(resource_limits=ExecutionResources(object_store_memory=tc.online_buffer_mb << 20),
                               preserve_order=False)
+    todo = remaining_epochs(plan, resume, tc.epochs)
     datasets: dict[str, Any] = {}
-    options: dict[str, Any] = {}
     n_eval = 0
     with _quiet_data():
         if plan.eval_ids and tc.eval_fraction > 0:
-            datasets["eval"] = _stream(cfg, plan, want_eval=True, limit=tc.eval_max_samples,
+            datasets["eval"] = _stream(cfg, plan, want_eval=True, epochs=[0], limit=tc.eval_max_samples,
                                        tracker=tracker).materialize()
             n_eval = datasets["eval"].count()
             if n_eval == 0:
                 del datasets["eval"]
-        datasets["train"] = _stream(cfg, plan, want_eval=False, tracker=tracker)
-        options["train"] = buffer
-        if resume.consumed and set(plan.train_ids) - set(resume.consumed):
-            datasets["train_rest"] = _stream(cfg, plan, want_eval=False, exclude=frozenset(resume.consumed),
-                                             tracker=tracker)
-            options["train_rest"] = buffer
-    return datasets, options, n_eval
+        datasets["train"] = _stream(cfg, plan, want_eval=False, epochs=sorted(todo), exclude=todo, tracker=tracker)
+    return datasets, {"train": buffer}, n_eval, sorted(todo)
 
 
 def hidden_state_files(out: Path) -> list[Path]:

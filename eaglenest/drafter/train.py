@@ -152,26 +152,23 @@ def _online_inputs(cfg: EaglenestConfig, out: Path, facts: Any, limit: int | Non
                             lambda: count_regenerated_tokens(cfg, plan, facts.vocab_size))
     tracker = ProgressTracker.remote()
     tracker.start.remote(len(plan.train_ids))
-    datasets, options, n_eval = online_datasets(cfg, plan, resume, tracker)
-    rest = "train_rest" in datasets
-    epoch_done = bool(resume.consumed) and not rest  # the checkpoint closed its epoch: the next one starts
+    datasets, options, n_eval, epochs = online_datasets(cfg, plan, resume, tracker)
     print(f"[eaglenest train] online: {len(plan.train_ids)} training samples planned ({plan.inputs} inputs, "
           f"{plan.duplicates} duplicates, {plan.quarantined_now} quarantined while normalizing), {n_eval} held-out "
           f"regenerated; ledger {plan.ledger}", flush=True)
     if resume.checkpoint:
-        print(f"[eaglenest train] online resume: epoch {resume.epoch} at step {resume.step}: "
-              f"{len(resume.consumed)} of its samples already trained (not regenerated)"
-              + ("; that epoch is complete" if epoch_done else ""), flush=True)
+        per_epoch = ", ".join(f"epoch {e}: {len(v)}" for e, v in sorted(resume.consumed.items()))
+        print(f"[eaglenest train] online resume from step {resume.step}: {resume.trained} samples already trained "
+              f"({per_epoch}) are not regenerated; streaming epoch(s) {epochs}", flush=True)
     return _Inputs(facts=facts, aux_layer_ids=list(plan.identity["aux_layer_ids"]),
                    dtype=plan.identity["dtype"], mapping=mapping, vocab_built=built, n_train=len(plan.train_ids),
                    n_eval=n_eval, datasets=datasets, options=options,
-                   online={"rest_epoch": resume.epoch if rest else None, "epoch_done": epoch_done,
-                           "resume_step": resume.step,
-                           "consumed": resume.consumed, "tracker": tracker},
+                   online={"resume_step": resume.step, "consumed": resume.consumed, "tracker": tracker},
                    notes={"ledger": str(plan.ledger), "planned_train": len(plan.train_ids),
                           "planned_eval": len(plan.eval_ids), "quarantined_while_normalizing": plan.quarantined_now,
-                          "resumed_epoch": resume.epoch if resume.checkpoint else None,
-                          "already_trained_in_resumed_epoch": len(resume.consumed)})
+                          "resumed_from_step": resume.step if resume.checkpoint else None,
+                          "already_trained_before_resume": resume.trained,
+                          "already_trained_per_epoch": {e: len(v) for e, v in sorted(resume.consumed.items())}})
 
 
 def train_drafter(cfg: EaglenestConfig, data_dir: str | Path | None, output_dir: str | Path, *,
@@ -488,8 +485,8 @@ class _Worker:
         self.vocab_path = config["vocab_path"]
         self.total_steps, self.dtype_name = int(config["total_steps"]), config["dtype"]
         self.online: dict[str, Any] | None = config.get("online")
-        self.consumed: list[str] = []
-        """online: ids of the current epoch this worker trained on (rank 0 also holds those of the checkpoint)"""
+        self.consumed: dict[int, list[str]] = {}
+        """online: epoch -> ids this worker trained on (rank 0 also holds those of the checkpoint it resumed)"""
         ctx = ray.train.get_context()
         self.rank, self.world = ctx.get_world_rank(), ctx.get_world_size()
         self.device = ray.train.torch.get_device()
@@ -570,11 +567,11 @@ class _Worker:
 
         from eaglenest.drafter.checkpoint import save_training_checkpoint
 
-        state = asdict(self.state)
+        state: dict[str, Any] = asdict(self.state)
         if self.online is not None:
             from eaglenest.drafter.online import STATE_KEY
 
-            state[STATE_KEY] = self._gather(self.consumed)
+            state[STATE_KEY] = {str(e): ids for e, ids in self._gather(self.consumed).items()}
         with tempfile.TemporaryDirectory(prefix="eaglenest-ckpt-") as d:
             ck = None
             if self.rank == 0:
@@ -584,38 +581,32 @@ class _Worker:
             ray.train.report(metrics, checkpoint=ck, checkpoint_dir_name=f"checkpoint_step{self.state.step:08d}")
         self._checkpointed = self.state.step
 
-    def _gather(self, ids: list[str]) -> list[str]:
-        """Every worker's ``ids``, concatenated (all workers must call it)."""
+    def _gather(self, consumed: dict[int, list[str]]) -> dict[int, list[str]]:
+        """Every worker's (epoch -> ids trained on), merged (all workers must call it)."""
         import torch.distributed as dist
 
-        if self.world == 1 or not (dist.is_available() and dist.is_initialized()):
-            return list(ids)
-        parts: list[Any] = [None] * self.world
-        dist.all_gather_object(parts, list(ids))
-        return [i for p in parts for i in p]
+        parts: list[Any] = [consumed]
+        if self.world > 1 and dist.is_available() and dist.is_initialized():
+            parts = [None] * self.world
+            dist.all_gather_object(parts, consumed)
+        merged: dict[int, list[str]] = {}
+        for part in parts:
+            for e, ids in part.items():
+                merged.setdefault(int(e), []).extend(ids)
+        return merged
 
-    def _trim_epoch_records(self) -> None:
-        """Drop epoch records a killed run wrote past the checkpoint this start resumes from."""
+    def _write_epoch_records(self) -> None:
+        """Online, at the end: samples trained per epoch over the whole run (resumes included) into the ledger."""
         from eaglenest.drafter.online import EPOCHS_FILE, LEDGER
 
-        path = self.out / LEDGER / EPOCHS_FILE
-        keep = [r for r in read_metrics(path) if r["step"] <= self.state.step] if self.state.step else []
-        path.write_text("".join(json.dumps(r) + "\n" for r in keep))
-
-    def end_epoch(self) -> None:
-        """Online: record the completed epoch's sample count in the ledger; the next epoch starts empty."""
-        if self.online is None:
+        merged = self._gather(self.consumed)
+        if self.rank != 0:
             return
-        from eaglenest.drafter.online import EPOCHS_FILE, LEDGER
-
-        ids = self._gather(self.consumed)
-        self.consumed = []
-        n = len(ids)
-        if self.rank == 0:
-            with (self.out / LEDGER / EPOCHS_FILE).open("a") as f:
-                f.write(json.dumps({"epoch": self.state.epoch, "samples": n, "distinct_samples": len(set(ids)),
-                                    "step": self.state.step, "time": time.time()}) + "\n")
-            _log(f"epoch {self.state.epoch} done: {n} samples regenerated and trained on")
+        lines = []
+        for e, ids in sorted(merged.items()):
+            lines.append(json.dumps({"epoch": e, "samples": len(ids), "distinct_samples": len(set(ids))}) + "\n")
+            _log(f"epoch {e}: {len(ids)} samples regenerated and trained on")
+        (self.out / LEDGER / EPOCHS_FILE).write_text("".join(lines))
 
     # ------------------------------------------------------------------------------------------ steps and eval
     def forward(self, table: Any, module: Any):
@@ -681,88 +672,118 @@ class _Worker:
     def run(self) -> None:
         import ray.train
 
-        from eaglenest.drafter.epochs import EvalBatches, OnlineEpochs, TrainEpochs
-        from eaglenest.drafter.steps import window_sums
+        from eaglenest.drafter.epochs import EvalBatches
 
-        tc, state = self.tc, self.state
-        if self.online is None:
-            epochs = TrainEpochs(ray.train.get_dataset_shard("train"), tc.batch_size, tc.seed, TRAIN_CACHE_BYTES)
-        else:
-            if state.step != self.online["resume_step"]:
-                raise RuntimeError(
-                    f"online resume: the driver planned this start from the checkpoint at step "
-                    f"{self.online['resume_step']}, but Ray Train restored step {state.step}; rerun the command "
-                    "(the plan is rebuilt from the checkpoint Ray Train hands out)")
-            rest = ray.train.get_dataset_shard("train_rest") if self.online["rest_epoch"] is not None else None
-            epochs = OnlineEpochs(ray.train.get_dataset_shard("train"), rest, self.online["rest_epoch"],
-                                  tc.batch_size, tc.seed)
-            if self.rank == 0:
-                self._trim_epoch_records()
-            if self.online["epoch_done"]:  # the checkpoint closed its epoch
-                state.epoch, state.epoch_batches = state.epoch + 1, 0
-            elif self.rank == 0:
-                self.consumed = list(self.online["consumed"])  # the resumed epoch's samples trained before
+        tc = self.tc
         eval_batches = None
         if tc.eval_fraction > 0:
             try:  # the driver drops the eval dataset when the split holds no sample (small data, small fraction)
                 eval_batches = EvalBatches(ray.train.get_dataset_shard("eval"), tc.batch_size, EVAL_CACHE_BYTES)
             except KeyError:
                 eval_batches = None
-
-        if state.step == 0:
+        if self.state.step == 0:
             self.eval_and_log(eval_batches, 0)
-        window = _Window(tc.ttt_steps, self.device, self.world)
+        self.window = _Window(tc.ttt_steps, self.device, self.world)
         self._consecutive_bad = 0
-        self._checkpointed = state.step
+        self._checkpointed = self.state.step
         self.drafter.train()
-        while state.step < self.total_steps and (self.online is None or state.epoch < tc.epochs):
-            # offline, a resumed epoch skips the batches it trained on; online, its stream no longer holds them
-            skip = state.epoch_batches if self.online is None else 0
+        if self.online is None:
+            self._run_offline(eval_batches)
+        else:
+            self._run_online(eval_batches)
+        if self.state.step > self._checkpointed:
+            # online runs end with their stream, which may come before the planned step count (engine rejects)
+            self._record(self.state.step)
+            self.eval_and_log(eval_batches, self.state.step)
+            self.checkpoint({"step": self.state.step})
+
+    def _run_offline(self, eval_batches) -> None:
+        """Epoch by epoch over the shards; a resumed epoch skips the batches its checkpoint trained on."""
+        import ray.train
+
+        from eaglenest.drafter.epochs import TrainEpochs
+
+        tc, state = self.tc, self.state
+        epochs = TrainEpochs(ray.train.get_dataset_shard("train"), tc.batch_size, tc.seed, TRAIN_CACHE_BYTES)
+        while state.step < self.total_steps:
+            skip = state.epoch_batches
             ready = time.perf_counter()
             for i, table in enumerate(epochs.epoch(state.epoch)):
-                window.add_wait(time.perf_counter() - ready)
+                self.window.add_wait(time.perf_counter() - ready)
                 if i < skip:
                     continue  # data position: the batches this epoch already trained on before the checkpoint
-                o, ntok, ok = self.train_step(table)
-                if ok:
-                    self._consecutive_bad = 0
-                    window.add_step(window_sums(o))
-                else:
-                    self.nonfinite()
-                if self.online is not None:
-                    self.consumed.extend(table.column("id").to_pylist())
-                self.scheduler.step()
-                state.step += 1
-                state.epoch_batches = (i + 1) if self.online is None else state.epoch_batches + 1
-                window.add_tokens(ntok)
-                step = state.step
-                # online, the planned step count is an upper bound (engine rejects shorten an epoch): the last
-                # epoch's end closes the run below, unless train.max_steps stops it first
-                last = step >= self.total_steps and (self.online is None or tc.max_steps is not None)
-                if step % tc.log_every == 0 or last:
-                    rec = window.record(state, self.scheduler.get_last_lr()[0], tc.step_weight_decay, tc.ttt_steps)
-                    self.reporter.write(rec)
-                    self.reporter.progress(step, state.epoch, rec)
-                if step % tc.eval_every == 0 or last:
-                    self.eval_and_log(eval_batches, step)
-                if step % tc.checkpoint_every == 0 or last:
-                    self.checkpoint({"step": step})
-                if last:
-                    break
+                state.epoch_batches = i + 1
+                if self._step(table, eval_batches, stop_at_total=True):
+                    return
                 ready = time.perf_counter()
-            else:
-                self.end_epoch()
-                state.epoch += 1
-                state.epoch_batches = 0
-                continue
-            break
-        if state.step > self._checkpointed:
-            # online runs end with their last epoch, which may come before the planned step count (engine rejects)
-            rec = window.record(state, self.scheduler.get_last_lr()[0], tc.step_weight_decay, tc.ttt_steps)
-            self.reporter.write(rec)
-            self.reporter.progress(state.step, state.epoch, rec)
-            self.eval_and_log(eval_batches, state.step)
-            self.checkpoint({"step": state.step})
+            state.epoch += 1
+            state.epoch_batches = 0
+
+    def _run_online(self, eval_batches) -> None:
+        """One stream over every epoch left (rows tagged with their epoch); its end is the end of training."""
+        import ray.train
+
+        from eaglenest.drafter.epochs import stream_batches
+        from eaglenest.drafter.online import EPOCH
+
+        tc, state = self.tc, self.state
+        if state.step != self.online["resume_step"]:
+            raise RuntimeError(
+                f"online resume: the driver planned this start from the checkpoint at step "
+                f"{self.online['resume_step']}, but Ray Train restored step {state.step}; rerun the command "
+                "(the plan is rebuilt from the checkpoint Ray Train hands out)")
+        if self.rank == 0:  # what the restored checkpoint had trained on stays recorded in the next ones
+            self.consumed = {int(e): list(ids) for e, ids in self.online["consumed"].items()}
+        stream = stream_batches(ray.train.get_dataset_shard("train"), tc.batch_size,
+                                local_shuffle_buffer_size=4 * tc.batch_size, local_shuffle_seed=tc.seed + state.step)
+        ready = time.perf_counter()
+        for table in stream:
+            self.window.add_wait(time.perf_counter() - ready)
+            for sample_id, epoch in zip(table.column("id").to_pylist(), table.column(EPOCH).to_pylist(), strict=True):
+                self.consumed.setdefault(int(epoch), []).append(sample_id)
+            state.epoch = max(state.epoch, _column_max(table.column(EPOCH)))
+            # the planned step count is an upper bound (engine rejects shorten the stream): only train.max_steps
+            # stops an online run before its stream ends
+            if self._step(table, eval_batches, stop_at_total=tc.max_steps is not None):
+                break
+            ready = time.perf_counter()
+        self._write_epoch_records()
+
+    def _step(self, table: Any, eval_batches, *, stop_at_total: bool) -> bool:
+        """One training step plus its record / eval / checkpoint; True when training is done."""
+        from eaglenest.drafter.steps import window_sums
+
+        tc, state = self.tc, self.state
+        o, ntok, ok = self.train_step(table)
+        if ok:
+            self._consecutive_bad = 0
+            self.window.add_step(window_sums(o))
+        else:
+            self.nonfinite()
+        self.scheduler.step()
+        state.step += 1
+        self.window.add_tokens(ntok)
+        step = state.step
+        last = stop_at_total and step >= self.total_steps
+        if step % tc.log_every == 0 or last:
+            self._record(step)
+        if step % tc.eval_every == 0 or last:
+            self.eval_and_log(eval_batches, step)
+        if step % tc.checkpoint_every == 0 or last:
+            self.checkpoint({"step": step})
+        return last
+
+    def _record(self, step: int) -> None:
+        rec = self.window.record(self.state, self.scheduler.get_last_lr()[0], self.tc.step_weight_decay,
+                                 self.tc.ttt_steps)
+        self.reporter.write(rec)
+        self.reporter.progress(step, self.state.epoch, rec)
+
+
+def _column_max(column: Any) -> int:
+    import pyarrow.compute as pc
+
+    return int(pc.max(column).as_py())
 
 
 def _train_loop(config: dict[str, Any]) -> None:

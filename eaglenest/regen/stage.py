@@ -41,6 +41,10 @@ RESULT_SCHEMA = pa.schema([
 ])
 
 
+PASS_THROUGH = ("epoch",)
+"""plan columns the engine stage hands on unchanged (online training tags every row with its epoch)"""
+
+
 def results_table(results: list[Result]) -> pa.Table:
     rows = []
     for r in results:
@@ -121,6 +125,9 @@ class EngineActor:
         samples = samples_from_table(batch)
         results = self.regen.run(samples, lambda s: self.sampling[s.source])
         table = results_table(results)
+        for name in PASS_THROUGH:  # results come back in input order: extra plan columns ride along by position
+            if name in batch.column_names:
+                table = table.append_column(name, batch.column(name))
         if self.tracker is not None:
             st = self.regen.stats
             self.tracker.generated.remote(st.generated_tokens, (t0, time.time(), os.getpid(), len(samples)),

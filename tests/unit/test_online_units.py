@@ -1,4 +1,4 @@
-"""Online training's small parts without Ray: which stream an epoch reads, the split/exclusion filter, CLI refusals."""
+"""Online training's small parts without Ray: the epoch-major work list, resume exclusions, split filter, CLI."""
 
 from __future__ import annotations
 
@@ -7,28 +7,26 @@ import argparse
 import pyarrow as pa
 
 from eaglenest.drafter.data import is_eval_sample
-from eaglenest.drafter.epochs import OnlineEpochs
-from eaglenest.drafter.online import _split_rows
+from eaglenest.drafter.online import OnlinePlan, OnlineResume, _split_rows, epoch_order, remaining_epochs
 
 
-class FakeShard:
-    """Stands in for a Ray Train dataset shard: records how it was iterated."""
+def test_the_stream_reads_every_plan_file_once_per_epoch_epoch_after_epoch() -> None:
+    files = [f"plan/part-{i}.parquet" for i in range(6)]
+    items = epoch_order(files, [0, 1, 2], seed=5)
+    assert [it["epoch"] for it in items] == [0] * 6 + [1] * 6 + [2] * 6
+    orders = [[it["path"] for it in items if it["epoch"] == e] for e in range(3)]
+    assert all(sorted(o) == files for o in orders)
+    assert orders[0] != orders[1] or orders[1] != orders[2]  # each epoch in its own order (fixed by the seed)
+    assert items == epoch_order(files, [0, 1, 2], seed=5)
 
-    def __init__(self, name: str) -> None:
-        self.name, self.calls = name, []
 
-    def iter_batches(self, **kw):
-        self.calls.append(kw)
-        yield pa.table({"id": [self.name]})
-
-
-def test_a_resumed_epoch_reads_the_rest_stream_and_later_epochs_the_full_one() -> None:
-    train, rest = FakeShard("train"), FakeShard("rest")
-    epochs = OnlineEpochs(train, rest, rest_epoch=1, batch_size=4, seed=7)
-    assert [t.column("id")[0].as_py() for e in (1, 2) for t in epochs.epoch(e)] == ["rest", "train"]
-    assert train.calls[0]["local_shuffle_seed"] == 7 + 2000  # a different order every epoch, fixed by the seed
-    fresh = OnlineEpochs(train, None, None, batch_size=4, seed=7)
-    assert [t.column("id")[0].as_py() for t in fresh.epoch(0)] == ["train"]
+def test_a_resume_streams_only_what_each_epoch_has_not_trained_on() -> None:
+    plan = OnlinePlan(ledger=None, identity={}, files=[], train_ids=["a", "b", "c"], eval_ids=[], quarantined_now=0,
+                      inputs=3, duplicates=0)
+    fresh = remaining_epochs(plan, OnlineResume(), 2)
+    assert fresh == {0: frozenset(), 1: frozenset()}
+    resumed = remaining_epochs(plan, OnlineResume(step=4, consumed={0: ["a", "b", "c"], 1: ["b"]}), 2)
+    assert resumed == {1: frozenset({"b"})}  # epoch 0 complete: not streamed again
 
 
 def test_split_rows_keeps_one_side_and_drops_excluded_ids() -> None:
