@@ -37,7 +37,7 @@ for _k, _v in {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disab
 
 
 def config(src: Path, *, seed: int, epochs: int, max_new_tokens: int, run: str, buffer_mb: int = 256,
-           ttt_steps: int = 4) -> Any:
+           ttt_steps: int = 4, intermediate_size: int | None = None) -> Any:
     from eaglenest.config import EaglenestConfig
 
     return EaglenestConfig.model_validate({
@@ -46,7 +46,8 @@ def config(src: Path, *, seed: int, epochs: int, max_new_tokens: int, run: str, 
                   "sampling": {"temperature": 0.0, "max_new_tokens": max_new_tokens}, "batch_size": 8,
                   "num_actors": 1, "num_cpus_per_actor": 0.5, "min_tokens": 4, "max_tokens": 512,
                   "rows_per_shard": 32, "storage_dtype": "bfloat16"},
-        "train": {"drafter": {"draft_vocab_size": 256}, "ttt_steps": ttt_steps, "batch_size": 8, "epochs": epochs,
+        "train": {"drafter": {"draft_vocab_size": 256, "intermediate_size": intermediate_size},
+                  "ttt_steps": ttt_steps, "batch_size": 8, "epochs": epochs,
                   "learning_rate": 3e-3, "warmup_ratio": 0.05, "eval_fraction": 0.1, "eval_every": 100_000,
                   "eval_max_samples": 32, "log_every": 1, "checkpoint_every": 100_000, "num_workers": 1,
                   "cpus_per_worker": 1, "seed": seed, "run_name": run, "online_buffer_mb": buffer_mb},
@@ -100,7 +101,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--num-prompts", type=int, default=40)
-    p.add_argument("--tight-buffer-mb", type=int, default=1, help="0: skip the back-pressure run")
+    p.add_argument("--tight-buffer-mb", type=int, default=1, help="0: skip the back-pressure runs")
+    p.add_argument("--slow-intermediate-size", type=int, default=16384,
+                   help="back-pressure runs: the drafter's MLP width, which makes the trainer slower than the engines")
+    p.add_argument("--backpressure-only", action="store_true", help="run only the back-pressure part")
     p.add_argument("--out", default=str(REPO / "out" / "bench" / "online"))
     a = p.parse_args(argv)
     import shutil
@@ -110,18 +114,16 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(1)
     from eaglenest.config import SpecConfig, TargetConfig
-    from eaglenest.drafter.online import hidden_state_files
-    from eaglenest.drafter.train import train_drafter
     from eaglenest.engines.base import SamplingParams
     from eaglenest.engines.hf import HFEngine
     from eaglenest.engines.tiny import corpus_chats
-    from eaglenest.regen.pipeline import run_regen
     from eaglenest.speculative.evaluate import evaluate_acceptance, load_prompts
     from eaglenest.speculative.model import load_drafter
 
     out = Path(a.out)
-    shutil.rmtree(out, ignore_errors=True)
-    out.mkdir(parents=True)
+    if not a.backpressure_only:
+        shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True, exist_ok=True)
     src = out / "chats.jsonl"
     src.write_text("".join(json.dumps({"messages": c["messages"]}) + "\n" for c in corpus_chats()[: a.chats]))
     seeds = [int(s) for s in a.seeds.split(",") if s.strip()]
@@ -138,6 +140,22 @@ def main(argv: list[str] | None = None) -> int:
 
     doc: dict[str, Any] = {"command": " ".join(["python", "benchmarks/online_train.py"] + sys.argv[1:]),
                            "chats": a.chats, "epochs": a.epochs, "seeds": seeds, "heldout_prompts": len(heldout)}
+    if not a.backpressure_only:
+        compare(a, doc, src, out, seeds, accept)
+    if a.tight_buffer_mb:
+        backpressure(a, doc, src, out)
+    name = "online_train_backpressure.json" if a.backpressure_only else "online_train.json"
+    (out / name).write_text(json.dumps(doc, indent=2) + "\n")
+    ray.shutdown()
+    return 0
+
+
+def compare(a: argparse.Namespace, doc: dict[str, Any], src: Path, out: Path, seeds: list[int], accept: Any) -> None:
+    """Offline regen + training vs online training, per seed: accept length, throughput, bytes on disk."""
+    from eaglenest.drafter.online import hidden_state_files
+    from eaglenest.drafter.train import train_drafter
+    from eaglenest.regen.pipeline import run_regen
+
     mk = dict(epochs=a.epochs, max_new_tokens=a.max_new_tokens)
     t0 = time.perf_counter()
     regen = run_regen(config(src, seed=0, run="r", **mk), out / "regen", log=lambda m: None)
@@ -195,26 +213,31 @@ def main(argv: list[str] | None = None) -> int:
           f"(steady: {doc['offline_regen']['steady_samples_per_s']:.2f} / {off_train_steady:.2f} / {on_steady:.2f} = "
           f"{on_steady / slower_steady:.2f}x)", flush=True)
 
-    if a.tight_buffer_mb:
-        # engines faster than the trainer (short answers, a heavier TTT unroll): the default buffer, then a small one
-        doc["backpressure"] = []
-        for mb in (256, a.tight_buffer_mb):
-            d = out / f"backpressure-{mb}mb"
-            cfg = config(src, seed=0, epochs=1, max_new_tokens=8, run=f"bp{mb}", buffer_mb=mb, ttt_steps=7)
-            t0 = time.perf_counter()
-            s = train_drafter(cfg, None, d, online=True)
-            rows = s["online"]["epochs"][0]["samples"]
-            bp = {"buffer_mb": mb, "seconds": round(time.perf_counter() - t0, 1), "samples": rows,
-                  "steady_samples_per_s": round(steady_train_rate(d, 8), 3),
-                  "data_wait_share": round(steady_wait(d), 3), **in_flight(d, 8)}
-            doc["backpressure"].append(bp)
-            print(f"[back-pressure] buffer {mb} MB: {rows} samples; trainer {bp['steady_samples_per_s']:.2f}/s, data "
-                  f"wait {bp['data_wait_share']:.2f}; engine busy {bp['engine_busy_share']:.2f} of its "
-                  f"{bp['engine_window_s']:.0f} s window; peak rows regenerated-not-trained {bp['peak_rows']}",
-                  flush=True)
-    (out / "online_train.json").write_text(json.dumps(doc, indent=2) + "\n")
-    ray.shutdown()
-    return 0
+
+def backpressure(a: argparse.Namespace, doc: dict[str, Any], src: Path, out: Path) -> None:
+    """Engines much faster than the trainer: how far they run ahead at the default and at a small buffer."""
+    import shutil
+
+    from eaglenest.drafter.train import train_drafter
+
+    # short answers for fast engines; a wide drafter MLP and a 7-step unroll for a slow trainer
+    doc["backpressure"] = []
+    for mb in (256, a.tight_buffer_mb):
+        d = out / f"backpressure-{mb}mb"
+        shutil.rmtree(d, ignore_errors=True)
+        cfg = config(src, seed=0, epochs=1, max_new_tokens=8, run=f"bp{mb}", buffer_mb=mb, ttt_steps=7,
+                     intermediate_size=a.slow_intermediate_size)
+        t0 = time.perf_counter()
+        s = train_drafter(cfg, None, d, online=True)
+        rows = s["online"]["epochs"][0]["samples"]
+        bp = {"buffer_mb": mb, "seconds": round(time.perf_counter() - t0, 1), "samples": rows,
+              "steady_samples_per_s": round(steady_train_rate(d, 8), 3),
+              "data_wait_share": round(steady_wait(d), 3), **in_flight(d, 8)}
+        doc["backpressure"].append(bp)
+        print(f"[back-pressure] buffer {mb} MB: {rows} samples; trainer {bp['steady_samples_per_s']:.2f}/s, data "
+              f"wait {bp['data_wait_share']:.2f}; engine busy {bp['engine_busy_share']:.2f} of its "
+              f"{bp['engine_window_s']:.0f} s window; peak rows regenerated-not-trained {bp['peak_rows']}",
+              flush=True)
 
 
 if __name__ == "__main__":

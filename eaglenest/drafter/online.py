@@ -45,7 +45,6 @@ from eaglenest.drafter.data import COLUMNS, is_eval_sample
 
 LEDGER = "online"
 READ_CPUS = 0.25
-LEDGER_CPUS = 0.25
 EPOCHS_FILE = "epochs.jsonl"
 """ledger file: one record per completed epoch (samples trained, step, time)"""
 STATE_KEY = "online_consumed"
@@ -212,7 +211,7 @@ def _stream(cfg: EaglenestConfig, plan: OnlinePlan, *, want_eval: bool, epochs: 
     ``COLUMNS`` + their epoch."""
     import ray.data
 
-    from eaglenest.regen import keep_regenerated, regenerate_dataset
+    from eaglenest.regen import regenerate_dataset
 
     tc = cfg.train
     items = epoch_order(plan.files, epochs, tc.seed)
@@ -222,9 +221,7 @@ def _stream(cfg: EaglenestConfig, plan: OnlinePlan, *, want_eval: bool, epochs: 
                                    "exclude": exclude or {}, "include": include})
     if limit is not None:
         ds = ds.limit(limit)
-    ds = regenerate_dataset(ds, cfg, plan.identity, tracker)
-    return ds.map_batches(keep_regenerated, batch_format="pyarrow", num_cpus=LEDGER_CPUS,
-                          fn_kwargs={"ledger_dir": str(plan.ledger), "columns": [*COLUMNS, EPOCH]})
+    return regenerate_dataset(ds, cfg, plan.identity, tracker, ledger_dir=str(plan.ledger), columns=[*COLUMNS, EPOCH])
 
 
 def remaining_epochs(plan: OnlinePlan, resume: OnlineResume, epochs: int) -> dict[int, frozenset[str]]:

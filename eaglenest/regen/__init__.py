@@ -46,7 +46,6 @@ _LAZY = {
     "remove_stale_temporaries": "eaglenest.regen.output",
     "scan_completed": "eaglenest.regen.output",
     "write_quarantine": "eaglenest.regen.output",
-    "keep_regenerated": "eaglenest.regen.stage",
     "ProgressTracker": "eaglenest.regen.progress",
     "METRIC_NAMES": "eaglenest.regen.progress",  # the names of eaglenest.contracts.metrics.REGEN
 }
@@ -60,7 +59,6 @@ __all__ = [
     "check_identity",
     "check_sources",
     "data_context",
-    "keep_regenerated",
     "output_lock",
     "quarantine_files",
     "regenerate_dataset",

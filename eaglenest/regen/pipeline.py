@@ -198,11 +198,13 @@ def _run_engine_stage(cfg: EaglenestConfig, files: list[str], out_dir: Path, ide
     return sink.totals
 
 
-def regenerate_dataset(plan_rows: Any, cfg: EaglenestConfig, identity: dict[str, Any], tracker: Any = None) -> Any:
+def regenerate_dataset(plan_rows: Any, cfg: EaglenestConfig, identity: dict[str, Any], tracker: Any = None, *,
+                       ledger_dir: str | None = None, columns: list[str] | None = None) -> Any:
     """``plan_rows`` (a Ray Data dataset of plan rows) through the engine actor pool: rows of ``RESULT_SCHEMA``.
 
     The one definition of the engine stage: ``run_regen`` writes its output to shards, online training
-    (``eaglenest train --online``) streams it to the trainer's workers.
+    (``eaglenest train --online``) streams it to the trainer's workers. With ``ledger_dir`` the actors file rejected
+    rows there themselves (quarantine files, as in a regen folder) and pass on only regenerated rows, in ``columns``.
     """
     from ray.data import ActorPoolStrategy
 
@@ -213,7 +215,9 @@ def regenerate_dataset(plan_rows: Any, cfg: EaglenestConfig, identity: dict[str,
     return plan_rows.map_batches(
         EngineActor,
         fn_constructor_kwargs={"target": cfg.target.model_dump(), "regen": rc.model_dump(),
-                               "sampling": sampling, "identity": identity, "tracker": tracker},
+                               "sampling": sampling, "identity": identity, "tracker": tracker,
+                               "ledger": None if ledger_dir is None else {"ledger_dir": ledger_dir,
+                                                                          "columns": columns}},
         batch_size=rc.batch_size, batch_format="pyarrow", zero_copy_batch=True,
         compute=ActorPoolStrategy(size=rc.num_actors),
         num_cpus=rc.num_cpus_per_actor, num_gpus=rc.num_gpus_per_actor,

@@ -88,7 +88,7 @@ class EngineActor:
     """``map_batches`` callable: regenerates and captures whole batches with one engine per actor."""
 
     def __init__(self, target: dict[str, Any], regen: dict[str, Any], sampling: dict[str, dict[str, Any]],
-                 identity: dict[str, Any], tracker: Any = None):
+                 identity: dict[str, Any], tracker: Any = None, ledger: dict[str, Any] | None = None):
         _quiet_model_libraries()
         from eaglenest.config import TargetConfig
         from eaglenest.engines import SamplingParams, load_engine
@@ -116,6 +116,7 @@ class EngineActor:
                                               max_new_tokens=s["max_new_tokens"], seed=s["seed"])
                          for name, s in sampling.items()}
         self.tracker = tracker
+        self.ledger = ledger  # online training: file rejects here and pass on only the regenerated rows
         if tracker is not None:
             tracker.engine_info.remote({"engine": info.engine, "engine_version": info.engine_version,
                                         "model": info.model, "pid": os.getpid()})
@@ -132,6 +133,8 @@ class EngineActor:
             st = self.regen.stats
             self.tracker.generated.remote(st.generated_tokens, (t0, time.time(), os.getpid(), len(samples)),
                                           (st.generate_seconds, st.capture_seconds))
+        if self.ledger is not None:
+            return keep_regenerated(table, **self.ledger)
         return table
 
 
