@@ -229,11 +229,11 @@ def test_metrics_reach_prometheus_under_the_alerting_names(demo_run):
 def test_limit_caps_every_source(ray_session, tmp_path):
     """--limit N reads at most N rows of every source (on top of max_samples); planning is where it applies."""
     from eaglenest.regen.output import Completed
-    from eaglenest.regen.pipeline import _resolved_sources
+    from eaglenest.regen.pipeline import resolved_sources
     from eaglenest.regen.sources import build_plan
 
     cfg = load_config(REPO / "configs" / "demo.yaml")
-    plan = build_plan(_resolved_sources(cfg), tmp_path, limit=2, completed=Completed(), rows_per_file=4)
+    plan = build_plan(resolved_sources(cfg), tmp_path, limit=2, completed=Completed(), rows_per_file=4)
     for src in SOURCES:
         assert plan.inputs_per_source[src["name"]] == 2, src["name"]
         first_two = EXPECTED[src["path"]][:2]
