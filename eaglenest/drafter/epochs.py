@@ -110,4 +110,3 @@ class TrainEpochs:
         shuffled = rows.take(order)
         for start in range(0, shuffled.num_rows, self.batch_size):
             yield shuffled.slice(start, self.batch_size)
-

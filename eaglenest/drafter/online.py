@@ -46,7 +46,7 @@ from eaglenest.drafter.data import COLUMNS, is_eval_sample
 LEDGER = "online"
 READ_CPUS = 0.25
 EPOCHS_FILE = "epochs.jsonl"
-"""ledger file: one record per completed epoch (samples trained, step, time)"""
+"""ledger file, written at the end of a run: one record per epoch (samples trained on, distinct samples)"""
 STATE_KEY = "online_consumed"
 """train_state.json key of a checkpoint: {epoch: ids trained on} over the run so far"""
 EPOCH = "epoch"
@@ -107,13 +107,12 @@ class OnlinePlan:
 def plan_online(cfg: EaglenestConfig, out: Path, limit: int | None = None) -> OnlinePlan:
     """Normalize and dedup the sources into ``OUT/online/plan`` (quarantined ids of earlier starts are skipped)."""
     from eaglenest.regen import (
-        Completed,
         build_plan,
         check_identity,
         check_sources,
-        quarantine_files,
         remove_stale_temporaries,
         resolved_sources,
+        scan_completed,
         target_identity,
     )
 
@@ -123,9 +122,7 @@ def plan_online(cfg: EaglenestConfig, out: Path, limit: int | None = None) -> On
     identity = target_identity(cfg)
     check_identity(ledger, identity)
     remove_stale_temporaries(ledger)
-    done = Completed()
-    for f in quarantine_files(ledger):
-        done.quarantine_ids.update(pq.read_table(f, columns=["id"]).column("id").to_pylist())
+    done = scan_completed(ledger)  # the ledger has no shards: its quarantined ids, done for good
     plan = build_plan(sources, ledger, limit=limit, completed=done, rows_per_file=cfg.regen.batch_size)
     tc = cfg.train
     train_ids = [i for i in plan.plan_ids if not is_eval_sample(i, tc.eval_fraction, tc.seed)]
@@ -150,20 +147,17 @@ def count_regenerated_tokens(cfg: EaglenestConfig, plan: OnlinePlan, vocab_size:
     ``train.online_vocab_samples`` training samples are regenerated once up front (hidden states dropped as they
     arrive, only ids and loss masks counted); the original answers would miss the target's own token choices.
     """
+    import torch
+
     from eaglenest.drafter.vocab import count_tokens
 
     ids = frozenset(vocab_sample(plan.train_ids, cfg.train.online_vocab_samples, cfg.train.seed))
-    counts = None
+    counts = torch.zeros(vocab_size, dtype=torch.long)
     with _quiet_data():
         ds = _stream(cfg, plan, want_eval=False, epochs=[0], include=ids).select_columns(["input_ids", "loss_mask"])
         for batch in ds.iter_batches(batch_format="pyarrow", batch_size=None):
-            c = count_tokens(zip(batch.column("input_ids").to_pylist(), batch.column("loss_mask").to_pylist(),
-                                 strict=True), vocab_size)
-            counts = c if counts is None else counts + c
-    if counts is None:
-        import torch
-
-        counts = torch.zeros(vocab_size, dtype=torch.long)
+            counts += count_tokens(zip(batch.column("input_ids").to_pylist(), batch.column("loss_mask").to_pylist(),
+                                       strict=True), vocab_size)
     return counts
 
 

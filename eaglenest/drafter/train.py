@@ -55,7 +55,6 @@ def resolve_model_config(cfg: EaglenestConfig, facts, aux_layer_ids: list[int], 
 class _Inputs:
     """What the trainer is fed: datasets (+ per-dataset execution options), the draft vocab and the split sizes."""
 
-    facts: Any
     aux_layer_ids: list[int]
     dtype: str
     mapping: Any
@@ -65,8 +64,9 @@ class _Inputs:
     datasets: dict[str, Any]
     options: dict[str, Any]
     online: dict[str, Any] | None = None
-    """online runs: what the workers need to know (resume epoch, whether a ``train_rest`` stream exists)"""
+    """online runs: what the workers need (the restored step, the ids trained on before it) and the tracker"""
     notes: dict[str, Any] | None = None
+    """online runs: the plan and resume figures that go into ``summary.json``"""
 
 
 def _vocab(out: Path, vocab_size: int, draft_vocab_size: int, count: Any):
@@ -101,6 +101,18 @@ def prepare_vocab(out: Path, files: list[Path], vocab_size: int, draft_vocab_siz
         files, vocab_size, ids_filter=lambda i: not is_eval_sample(i, fraction, seed)))
 
 
+def _init_ray(cfg: EaglenestConfig, *, online: bool) -> None:
+    """A running Ray (``ray job submit`` sets RAY_ADDRESS, or ``ray start`` ran here), else a local one sized for the
+    workers + headroom for the Ray Data list/read tasks (and, online, the engine actors). Called once the input
+    folder has passed its checks, so a refused one costs no Ray start."""
+    from eaglenest.runtime import init_ray
+
+    tc = cfg.train
+    extra = cfg.regen.num_actors * cfg.regen.num_cpus_per_actor + 1 if online else 0
+    init_ray(num_cpus=max(os.cpu_count() or 1, math.ceil(tc.num_workers * tc.cpus_per_worker + 2 + extra)),
+             include_dashboard=False)
+
+
 def _shard_inputs(cfg: EaglenestConfig, data_dir: Path, out: Path, facts: Any) -> _Inputs:
     """Offline: a regen folder's shards, checked against the target; the held-out split by sample id."""
     from eaglenest.contracts.shards import read_manifest, shard_files
@@ -117,6 +129,7 @@ def _shard_inputs(cfg: EaglenestConfig, data_dir: Path, out: Path, facts: Any) -
     n_train, n_eval = count_split_rows(files, tc.eval_fraction, tc.seed)
     print(f"[eaglenest train] shards {len(files)} files, {manifest.num_samples} samples at layers "
           f"{manifest.aux_layer_ids} (physical)", flush=True)
+    _init_ray(cfg, online=False)
     import ray.data
 
     data_ctx = ray.data.DataContext.get_current()
@@ -131,7 +144,7 @@ def _shard_inputs(cfg: EaglenestConfig, data_dir: Path, out: Path, facts: Any) -
         del datasets["eval"]
     if "eval" in datasets and tc.eval_max_samples:
         datasets["eval"] = datasets["eval"].limit(tc.eval_max_samples)
-    return _Inputs(facts=facts, aux_layer_ids=list(manifest.aux_layer_ids), dtype=manifest.dtype, mapping=mapping,
+    return _Inputs(aux_layer_ids=list(manifest.aux_layer_ids), dtype=manifest.dtype, mapping=mapping,
                    vocab_built=built, n_train=n_train, n_eval=n_eval, datasets=datasets,
                    options={"train": ray.data.ExecutionOptions(preserve_order=True),
                             "eval": ray.data.ExecutionOptions(preserve_order=True)})
@@ -143,6 +156,7 @@ def _online_inputs(cfg: EaglenestConfig, out: Path, facts: Any, limit: int | Non
     from eaglenest.regen import ProgressTracker
 
     tc = cfg.train
+    _init_ray(cfg, online=True)  # planning already runs on Ray Data
     plan = plan_online(cfg, out, limit)
     if not plan.train_ids:
         raise ValueError(f"the sources hold no sample to train on ({plan.inputs} inputs, {plan.quarantined_now} "
@@ -160,7 +174,7 @@ def _online_inputs(cfg: EaglenestConfig, out: Path, facts: Any, limit: int | Non
         per_epoch = ", ".join(f"epoch {e}: {len(v)}" for e, v in sorted(resume.consumed.items()))
         print(f"[eaglenest train] online resume from step {resume.step}: {resume.trained} samples already trained "
               f"({per_epoch}) are not regenerated; streaming epoch(s) {epochs}", flush=True)
-    return _Inputs(facts=facts, aux_layer_ids=list(plan.identity["aux_layer_ids"]),
+    return _Inputs(aux_layer_ids=list(plan.identity["aux_layer_ids"]),
                    dtype=plan.identity["dtype"], mapping=mapping, vocab_built=built, n_train=len(plan.train_ids),
                    n_eval=n_eval, datasets=datasets, options=options,
                    online={"resume_step": resume.step, "consumed": resume.consumed, "tracker": tracker},
@@ -184,7 +198,6 @@ def train_drafter(cfg: EaglenestConfig, data_dir: str | Path | None, output_dir:
     from eaglenest.drafter.checkpoint import find_latest_checkpoint
     from eaglenest.drafter.export import export_checkpoint
     from eaglenest.drafter.plot import plot_training_curves
-    from eaglenest.runtime import init_ray
 
     t0 = time.time()
     tc = cfg.train
@@ -195,11 +208,6 @@ def train_drafter(cfg: EaglenestConfig, data_dir: str | Path | None, output_dir:
     if not online and data_dir is None:
         raise ValueError("offline training reads a regen folder: pass --data DIR (or train online: --online)")
 
-    # a running Ray (``ray job submit`` sets RAY_ADDRESS, or ``ray start`` ran here), else a local one sized for the
-    # workers + headroom for the Ray Data list/read tasks (and, online, the engine actors)
-    extra = cfg.regen.num_actors * cfg.regen.num_cpus_per_actor + 1 if online else 0
-    init_ray(num_cpus=max(os.cpu_count() or 1, math.ceil(tc.num_workers * tc.cpus_per_worker + 2 + extra)),
-             include_dashboard=False)
     inputs = (_online_inputs(cfg, out, facts, limit) if online
               else _shard_inputs(cfg, Path(data_dir).resolve(), out, facts))
     mapping, n_train, n_eval = inputs.mapping, inputs.n_train, inputs.n_eval
@@ -310,16 +318,16 @@ def train_drafter(cfg: EaglenestConfig, data_dir: str | Path | None, output_dir:
 def _online_summary(out: Path, notes: dict[str, Any], timeline: list) -> dict[str, Any]:
     """What an online run did: samples trained per epoch, the ledger's quarantine, engine busy time, and the
     hidden-state bytes found on disk under OUT afterwards (the mode's promise: 0)."""
+    import shutil
+
+    import pyarrow.parquet as pq
+
     from eaglenest.drafter.online import EPOCHS_FILE, hidden_state_files
 
     ledger = Path(notes["ledger"])
     epochs = read_metrics(ledger / EPOCHS_FILE)
     (ledger / "engine_timeline.json").write_text(json.dumps(timeline) + "\n")
     files = hidden_state_files(out)
-    import shutil
-
-    import pyarrow.parquet as pq
-
     reasons: dict[str, str] = {}  # by id: every epoch regenerates, so an engine reject may be filed again
     for f in sorted((ledger / "quarantine").glob("*.parquet")):
         t = pq.read_table(f, columns=["id", "reason"])

@@ -174,8 +174,7 @@ class ShardDatasink(Datasink):
         if not tables:
             return {}
         table = pa.concat_tables(tables)
-        is_ok = pc.equal(table.column("status"), OK)
-        ok, bad = table.filter(is_ok), table.filter(pc.invert(is_ok))
+        ok, bad = split_status(table)
         h, dt = self.hidden_size, self.storage_dtype
         for n, a, b in zip(ok.column("num_tokens").to_pylist(), pc.binary_length(ok.column("aux_hidden_states"))
                            .to_pylist(), pc.binary_length(ok.column("last_hidden_state")).to_pylist(), strict=True):
@@ -211,13 +210,18 @@ class ShardDatasink(Datasink):
         self.totals = totals
 
 
+def split_status(table: pa.Table) -> tuple[pa.Table, pa.Table]:
+    """Engine-stage rows -> (regenerated, rejected)."""
+    is_ok = pc.equal(table.column("status"), OK)
+    return table.filter(is_ok), table.filter(pc.invert(is_ok))
+
+
 def keep_regenerated(table: pa.Table, ledger_dir: str, columns: list[str]) -> pa.Table:
     """Online training's ledger step: rejected rows go to ``ledger_dir/quarantine`` (atomic files, as in a regen
     folder), regenerated rows go on with ``columns`` only (hidden states stay in the object store, never on disk)."""
     from eaglenest.regen.output import write_quarantine
 
-    is_ok = pc.equal(table.column("status"), OK)
-    bad = table.filter(pc.invert(is_ok))
+    ok, bad = split_status(table)
     if bad.num_rows:
         write_quarantine(bad, Path(ledger_dir), "regen")
-    return table.filter(is_ok).select(columns)
+    return ok.select(columns)
