@@ -32,8 +32,8 @@ first-step losses on the same initial weights.
 Model FLOPs counted: every matmul of the drafter over the K steps (fwd x1 + bwd x2), the attention score/value
 matmuls over the causal step-0 keys plus the diagonal keys (fwd x1 + bwd x2), and the teacher head (fwd only).
 The reference is a square GEMM in the same dtype (bf16 on GPU, fp32 on CPU); the "model-shaped" GEMM (tokens x
-2H @ 2H x (q+k+v)) is reported too. Needs torch, pydantic (the eaglenest package imports its config) and this repository; no Ray, no transformers. On
-the H200 image, which lacks pydantic, source the SGLang bundle's `.gpu/bin/install.sh` first.
+2H @ 2H x (q+k+v)) is reported too. Needs torch, pydantic (the eaglenest package imports its config) and this
+repository; no Ray, no transformers. On the H200 image, which lacks pydantic, source `.gpu/bin/install.sh` first.
 """
 
 from __future__ import annotations
