@@ -54,6 +54,7 @@ TRAIN_PROMPTS = int(os.environ.get("E2E_TRAIN_PROMPTS", "3200" if MODE == "gpu" 
 TTT_STEPS = int(os.environ.get("E2E_TTT_STEPS", "4" if MODE == "gpu" else "3"))
 """The served chain drafts 3 tokens (3-1-4), so TTT unrolls 4 steps: steps the engine never drafts cost time only."""
 TRAIN_WORKERS = int(os.environ.get("E2E_TRAIN_WORKERS", "1"))
+CAPTURE = os.environ.get("E2E_CAPTURE", "generation")  # regen's hidden states: recorded while generating, or prefill
 
 TINY_STANDIN = {  # CPU smoke shape: same code path, seconds instead of minutes
     "vocab_size": 800, "hidden_size": 64, "num_layers": 4, "num_heads": 4, "intermediate_size": 128, "seq_len": 64,
@@ -140,7 +141,7 @@ def write_configs() -> dict[str, Any]:
     import yaml
 
     sglang = {"mem_fraction_static": 0.55, "context_length": 2048, "capture_mem_fraction_static": 0.5,
-              "capture_max_tokens": 32768}
+              "capture_max_tokens": 32768, "capture": CAPTURE}
     cfg = {
         "target": {"model": str(MODEL), "engine": "sglang" if gpu() else "hf", "device": "cuda" if gpu() else "cpu",
                    "dtype": "bfloat16" if gpu() else "float32", **({"sglang": sglang} if gpu() else {})},

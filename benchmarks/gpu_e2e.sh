@@ -17,7 +17,8 @@
 #   call 1: carry [".gpu/c1", ".gpu/c2", ".gpu/bin", ".whl"]  command: bash benchmarks/gpu_e2e.sh --phase1
 #   call 2: carry [".gpu/r1"]                                  command: bash benchmarks/gpu_e2e.sh --phase2
 # (If the runner is still going when call 2 ends, another `--phase2` call collects the rest.)
-# Knobs: E2E_PRETRAIN_STEPS, E2E_TRAIN_PROMPTS, E2E_EPOCHS, E2E_TTT_STEPS, E2E_MAX_NEW_TOKENS; E2E_REGEN_ACTORS=2 E2E_TRAIN_WORKERS=2 E2E_NUM_GPUS=2 on
+# Knobs: E2E_PRETRAIN_STEPS, E2E_TRAIN_PROMPTS, E2E_EPOCHS, E2E_TTT_STEPS, E2E_MAX_NEW_TOKENS, E2E_CAPTURE
+# (generation | prefill: how regen gets hidden states; default generation); E2E_REGEN_ACTORS=2 E2E_TRAIN_WORKERS=2 E2E_NUM_GPUS=2 on
 # a 2-GPU machine (regen data parallel, DDP training).
 set -uo pipefail
 ROOT=${E2E_ROOT:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)}  # the runner runs from a copy: E2E_ROOT

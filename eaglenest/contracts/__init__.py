@@ -2,7 +2,7 @@
 
 - ``target``: TargetSpec, the one reader of a target folder (config, eos, dtype, embed/lm_head shapes and tensors)
 - ``layers``: physical <-> SGLang/vLLM layer ids (and SGLang's first-id rule)
-- ``shards``: the hidden-state shard schema + manifest
+- ``shards``: the hidden-state shard schema + manifest; ``states``: which positions' states training reads
 - ``drafter_config`` / ``drafter_format``: the drafter's hyperparameters; the export folder + sidecar, written and
   read only there
 - ``preflight``: every drafter x target x algorithm x engine check, and ``derive_algorithm``

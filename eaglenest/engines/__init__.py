@@ -5,6 +5,7 @@ from __future__ import annotations
 from eaglenest.config import TargetConfig
 from eaglenest.engines.base import (
     Capture,
+    CaptureHint,
     Generation,
     Message,
     SamplingParams,
@@ -30,6 +31,7 @@ def load_engine(cfg: TargetConfig) -> TargetEngine:
 
 __all__ = [
     "Capture",
+    "CaptureHint",
     "Generation",
     "Message",
     "SamplingParams",

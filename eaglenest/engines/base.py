@@ -84,6 +84,19 @@ class Capture:
 
 
 @dataclass(frozen=True)
+class CaptureHint:
+    """Lets an engine that records hidden states while it generates reuse them instead of a second prefill.
+
+    ``ref``: the ``Generation.meta["capture_ref"]`` of the sequence's last generation (its prompt and answer cover
+    the sequence); ``loss_mask``: the sequence's mask, which says which positions' states training never reads
+    (``contracts.shards.unread_state_positions``) and so may be missing. Engines without such recording ignore hints.
+    """
+
+    ref: str
+    loss_mask: Sequence[int]
+
+
+@dataclass(frozen=True)
 class TargetInfo:
     """What downstream contracts check against: layer count, sizes, vocab, dtype, engine identity."""
 
@@ -124,9 +137,13 @@ class TargetEngine(abc.ABC):
 
     @abc.abstractmethod
     def capture(
-        self, sequences: Sequence[Sequence[int]], layer_ids: Sequence[int] | None = None
+        self, sequences: Sequence[Sequence[int]], layer_ids: Sequence[int] | None = None, *,
+        hints: Sequence[CaptureHint | None] | None = None,
     ) -> list[Capture]:
-        """Teacher-forced prefill of each sequence; aux states at physical ``layer_ids`` + the final normed state."""
+        """Teacher-forced prefill of each sequence; aux states at physical ``layer_ids`` + the final normed state.
+
+        ``hints`` (one per sequence, or None) let an engine that recorded the states during generation return those.
+        """
 
     def render_prompt(self, messages: Sequence[Message], tools: Sequence[dict] | None = None) -> list[int]:
         """Token ids of a conversation followed by the assistant generation prompt, via the target's chat template."""

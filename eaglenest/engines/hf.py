@@ -10,7 +10,7 @@ import torch
 from eaglenest.config import TargetConfig
 from eaglenest.contracts.layers import default_aux_layer_ids, validate_aux_layer_ids
 from eaglenest.contracts.target import TargetSpec, resolve_target_path
-from eaglenest.engines.base import Capture, Generation, SamplingParams, TargetEngine, TargetInfo
+from eaglenest.engines.base import Capture, CaptureHint, Generation, SamplingParams, TargetEngine, TargetInfo
 from eaglenest.engines.hf_compat import cache_kwargs, new_dynamic_cache, output_cache
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -141,7 +141,8 @@ class HFEngine(TargetEngine):
 
     # --------------------------------------------------------------------------------------------------- capture
     @torch.no_grad()
-    def capture(self, sequences: Sequence[Sequence[int]], layer_ids: Sequence[int] | None = None) -> list[Capture]:
+    def capture(self, sequences: Sequence[Sequence[int]], layer_ids: Sequence[int] | None = None, *,
+                hints: Sequence[CaptureHint | None] | None = None) -> list[Capture]:
         ids_list = validate_aux_layer_ids(layer_ids if layer_ids is not None else self.aux_layer_ids,
                                           self.info.num_layers)
         if not sequences:

@@ -32,6 +32,11 @@ anything unlisted; upgrading sglang means re-reading exactly these:
 - Streaming (``eaglenest.engines.sglang_stream``): ``Engine.loop``, ``Engine.async_generate(input_ids=,
   sampling_params=, stream=True, rid=)`` (cumulative chunks: ``incremental_streaming_output`` stays off),
   ``Engine.tokenizer_manager.abort_request(rid)``.
+- Capture during generation (``target.sglang.capture: generation``; ``sglang_hooks`` / ``sglang_recorded``): the
+  ``forward_hooks`` server argument (resolved and attached by ``model_executor/hook_manager.py`` after graph capture),
+  ``disable_cuda_graph`` / ``disable_radix_cache``, ``Engine.generate(rid=[...])``, the Llama decoder layer's call
+  ``layer(positions, hidden_states, forward_batch, residual) -> (hidden, residual)``, ``model.norm(hidden, residual)
+  -> (normed, residual)``, and ``ForwardBatch.rids / forward_mode / extend_seq_lens_cpu / input_ids / positions``.
 - Output dict of ``Engine.generate``: ``output_ids``, ``meta_info.finish_reason.type/matched``, ``prompt_tokens``,
   ``completion_tokens``, ``spec_verify_ct``, ``spec_accept_length``, ``spec_num_correct_drafts``,
   ``spec_num_proposed_drafts``.
@@ -47,14 +52,17 @@ import torch
 from eaglenest.config import SGLangEngineConfig, SpecConfig, TargetConfig
 from eaglenest.contracts.layers import default_aux_layer_ids, validate_aux_layer_ids
 from eaglenest.contracts.target import TargetSpec, resolve_target_path
-from eaglenest.engines.base import Capture, Generation, SamplingParams, TargetEngine, TargetInfo
+from eaglenest.engines.base import Capture, CaptureHint, Generation, SamplingParams, TargetEngine, TargetInfo
 from eaglenest.engines.sglang_args import (
     SGLANG_VERSION,
     capture_server_kwargs,
+    check_generation_capture,
     check_prompts,
     engine_kwargs,
+    generation_capture_kwargs,
     run_generate,
 )
+from eaglenest.engines.sglang_recorded import GenerationRecorder
 from eaglenest.engines.sglang_spec import SpeculativeLaunch, speculative_engine_kwargs
 from eaglenest.engines.sglang_symbols import SGLANG_INTERNALS, installed_sglang_version, require_sglang, sglang_symbol
 
@@ -96,6 +104,13 @@ class SGLangEngine(TargetEngine):
         else:
             kwargs = engine_kwargs(self.model_path, self.engine_cfg, dtype=self.dtype,
                                    trust_remote_code=cfg.trust_remote_code)
+        self.recorder: GenerationRecorder | None = None
+        if drafter is None and self.engine_cfg.capture == "generation":
+            check_generation_capture(self.spec.architecture, self.engine_cfg.tp_size)
+            self.recorder = GenerationRecorder(self.engine_cfg.capture_dir, self.aux_layer_ids,
+                                               hidden_size=self.info.hidden_size,
+                                               dtype="bfloat16" if self.dtype == "auto" else self.dtype)
+            kwargs = generation_capture_kwargs(kwargs, self.recorder.hooks)
         self.engine_kwargs = kwargs
         self._engine: Any = None
         self._capture: Any = None
@@ -120,6 +135,8 @@ class SGLangEngine(TargetEngine):
         if self._engine is None:
             Engine = sglang_symbol("sglang:Engine")
             self._engine = Engine(**self.engine_kwargs)
+            if self.recorder is not None:
+                self.recorder.sink.start()
         return self._engine
 
     def start(self) -> None:
@@ -130,8 +147,11 @@ class SGLangEngine(TargetEngine):
         """All prompts in one ``Engine.generate`` call (sglang batches them continuously); exact output ids."""
         if not prompts:
             return []
+        rids = self.recorder.new_rids(len(prompts)) if self.recorder is not None else None
         gens = run_generate(self.engine.generate, prompts, sampling, decode=self._decode,
-                            vocab_size=self.info.vocab_size, eos_token_ids=self.info.eos_token_ids)
+                            vocab_size=self.info.vocab_size, eos_token_ids=self.info.eos_token_ids, rids=rids)
+        if self.recorder is not None and rids is not None:
+            self.recorder.expect(rids, prompts, gens)
         if self.launch is not None:
             for g in gens:
                 g.meta.setdefault("algorithm", self.launch.algorithm)
@@ -163,13 +183,26 @@ class SGLangEngine(TargetEngine):
                                                 max_tokens=self.engine_cfg.capture_max_tokens)
         return self._capture
 
-    def capture(self, sequences: Sequence[Sequence[int]], layer_ids: Sequence[int] | None = None) -> list[Capture]:
-        """Prefill-only capture through SGLang's own model code; tensors in the model dtype, on the CPU."""
+    def capture(self, sequences: Sequence[Sequence[int]], layer_ids: Sequence[int] | None = None, *,
+                hints: Sequence[CaptureHint | None] | None = None) -> list[Capture]:
+        """Hidden states of each sequence; tensors in the model dtype, on the CPU.
+
+        With ``target.sglang.capture: generation`` the states recorded while generating are reused (``hints``), and
+        sequences without usable recordings are captured by a one-token generation over them (its prefill records
+        every position); otherwise a prefill-only capture through SGLang's model code in this process.
+        """
         ids = validate_aux_layer_ids(layer_ids if layer_ids is not None else self.aux_layer_ids, self.info.num_layers)
         if not sequences:
             return []
         seqs = check_prompts(sequences, vocab_size=self.info.vocab_size)
+        if self.recorder is not None and list(ids) == list(self.aux_layer_ids):
+            return self.recorder.capture(seqs, hints, prefill=self._prefill_recorded)
         return self.capture_runner.capture(seqs, ids)
+
+    def _prefill_recorded(self, seqs: list[list[int]], rids: list[str]) -> None:
+        """One-token generations over ``seqs``: their prefill runs every position through the recording hooks."""
+        params = [{"max_new_tokens": 1, "temperature": 0.0} for _ in seqs]
+        self.engine.generate(input_ids=seqs, sampling_params=params, rid=rids)
 
     # ------------------------------------------------------------------------------------------------ weights
     def lm_head_weight(self) -> torch.Tensor:
@@ -186,6 +219,8 @@ class SGLangEngine(TargetEngine):
         if self._engine is not None:
             self._engine.shutdown()
             self._engine = None
+        if self.recorder is not None:
+            self.recorder.close()
 
 
 def target_info(spec: TargetSpec, tokenizer: Any, dtype: str) -> TargetInfo:

@@ -83,7 +83,37 @@ def engine_kwargs(
 
 _PROTECTED = ("model_path", "incremental_streaming_output", "speculative_algorithm", "speculative_draft_model_path",
               "speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens",
-              "disable_radix_cache", "chunked_prefill_size")
+              "disable_radix_cache", "chunked_prefill_size", "forward_hooks")
+
+
+GENERATION_CAPTURE_ARCHITECTURES = ("LlamaForCausalLM",)
+"""Targets whose SGLang model code the capture hooks are verified against (call convention, module names, residual
+stream: tests/unit/test_sglang_contract.py; states vs the prefill capture on the H200: BENCHMARKS.md)."""
+
+
+def check_generation_capture(architecture: str, tp_size: int) -> None:
+    """Refuse ``target.sglang.capture: generation`` where it is not verified, with the way out."""
+    if architecture not in GENERATION_CAPTURE_ARCHITECTURES:
+        raise ValueError(
+            f"target.sglang.capture: generation is verified for {list(GENERATION_CAPTURE_ARCHITECTURES)} targets "
+            f"only (the hooks rely on that model code's layer call convention); this target is {architecture}: use "
+            f"target.sglang.capture: prefill")
+    if tp_size != 1:
+        raise ValueError(
+            f"target.sglang.capture: generation is verified with tp_size 1 only (target.sglang.tp_size is "
+            f"{tp_size}): use target.sglang.capture: prefill, or one actor per GPU")
+
+
+def generation_capture_kwargs(kw: dict[str, Any], hooks: list[dict[str, Any]]) -> dict[str, Any]:
+    """Generation kwargs that record hidden states while generating (``eaglenest.engines.sglang_hooks``).
+
+    Hooks do not run inside CUDA-graph replays, and a radix-cache hit would skip a prompt's rows, so both are off;
+    speculative decoding would feed draft rows through the same layers, so it is refused.
+    """
+    if kw.get("speculative_algorithm"):
+        raise ValueError("capture during generation records the target's own forwards; it cannot run under "
+                         "speculative decoding (use it for regen only)")
+    return {**kw, "forward_hooks": hooks, "disable_radix_cache": True, "disable_cuda_graph": True}
 
 
 def _merge_extra(kw: dict[str, Any], extra: Mapping[str, Any]) -> None:
@@ -275,7 +305,9 @@ def generation_from_output(
         if cut >= 0:
             text, reason = text[:cut], "stop"
     prompt_tokens = int(meta.get("prompt_tokens", prompt_len) or prompt_len)
-    gen_meta = {"engine": "sglang", **spec_meta(meta)}
+    gen_meta: dict[str, Any] = {"engine": "sglang", **spec_meta(meta)}
+    if "completion_tokens" in meta:
+        gen_meta["completion_tokens"] = int(meta["completion_tokens"])  # forwards the engine ran for this request
     if "e2e_latency" in meta:
         gen_meta["e2e_latency"] = float(meta["e2e_latency"])
     return Generation(token_ids=ids, text=text, finish_reason=reason, prompt_tokens=prompt_tokens, meta=gen_meta)
@@ -327,16 +359,18 @@ def run_generate(
     decode: Callable[[list[int]], str],
     vocab_size: int | None = None,
     eos_token_ids: Sequence[int] = (),
+    rids: Sequence[str] | None = None,
 ) -> list[Generation]:
     """Submit every prompt in ONE ``generate(input_ids=[...], sampling_params=[...])`` call and parse the answers.
 
     One call lets sglang's scheduler batch continuously (and share prefixes); looping here would serialise it.
+    ``rids`` names the requests (capture during generation finds their rows by these ids).
     """
     if not prompts:
         return []
     ids = check_prompts(prompts, vocab_size=vocab_size)
     sp = per_request_sampling(sampling, len(ids), stop_token_ids=eos_token_ids)
-    outs = generate(input_ids=ids, sampling_params=sp)
+    outs = generate(input_ids=ids, sampling_params=sp, **({"rid": list(rids)} if rids is not None else {}))
     if isinstance(outs, Mapping):
         outs = [outs]
     if len(outs) != len(ids):

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from eaglenest.contracts.shards import tensor_to_bytes
-from eaglenest.engines.base import Generation, SamplingParams, TargetEngine, render_chat_text
+from eaglenest.engines.base import CaptureHint, Generation, SamplingParams, TargetEngine, render_chat_text
 from eaglenest.regen.formats import (
     ASSISTANT_RENDER_MISMATCH,
     ENGINE_ERROR,
@@ -138,6 +138,8 @@ class _State:
     turns: list[dict[str, Any]] = field(default_factory=list)
     failure: tuple[str, str] | None = None
     done: bool = False
+    capture_ref: str | None = None
+    """the engine's handle on the states it recorded during this sample's last generation (if it records any)"""
 
     def fail(self, reason: str, detail: str) -> None:
         self.failure = (reason, detail)
@@ -294,6 +296,7 @@ class Regenerator:
                         st.fail(ENGINE_ERROR, f"generate: {type(out).__name__}: {out}"[:500])
                     else:
                         self.stats.generated_tokens += len(out.token_ids)
+                        st.capture_ref = out.meta.get("capture_ref")
                         self._close_turn(st, out)
 
     def _capture_all(self, states: list[_State]) -> list[Result]:
@@ -306,7 +309,8 @@ class Regenerator:
                 st.fail(*problem)
         ready = [st for st in ready if st.failure is None]
         t0 = time.perf_counter()
-        caps = _isolated(lambda g: self.engine.capture([st.ids for st in g], self.layer_ids), ready) if ready else []
+        caps = _isolated(lambda g: self.engine.capture([st.ids for st in g], self.layer_ids, hints=_hints(g)),
+                         ready) if ready else []
         self.stats.capture_seconds += time.perf_counter() - t0
         h = self.engine.info.hidden_size
         captured: dict[int, Any] = {}
@@ -333,6 +337,12 @@ class Regenerator:
                                        truncated_turns=st.truncated, dropped_turns=st.dropped,
                                        assistant_turns=st.turns))
         return results
+
+
+def _hints(states: list[_State]) -> list[CaptureHint | None] | None:
+    """Per sequence, what lets the engine reuse states it recorded while generating (None: nothing recorded)."""
+    hints = [CaptureHint(st.capture_ref, st.mask) if st.capture_ref else None for st in states]
+    return hints if any(hints) else None
 
 
 def _answer_candidates(body_text: str) -> list[dict[str, Any]]:

@@ -200,7 +200,7 @@ class FailingEngine(TargetEngine):
             raise RuntimeError("device-side assert triggered")
         return self.inner.generate_ids(prompts, sampling)
 
-    def capture(self, sequences, layer_ids=None):
+    def capture(self, sequences, layer_ids=None, *, hints=None):
         return self.inner.capture(sequences, layer_ids)
 
 

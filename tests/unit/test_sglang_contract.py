@@ -256,3 +256,67 @@ def test_streaming_surface_we_call() -> None:
     field = {f.name: f for f in dataclasses.fields(ServerArgs)}["incremental_streaming_output"]
     assert field.default is False  # and eaglenest pins it off: chunks are cumulative
     assert engine_kwargs("m", SGLangEngineConfig())["incremental_streaming_output"] is False
+
+
+def test_generation_capture_launch_and_the_surface_its_hooks_read(folders: tuple[Path, Path]) -> None:
+    """Capture during generation (eaglenest.engines.sglang_hooks) reads ForwardBatch fields, relies on Llama's call
+    convention and module names, on hooks firing only outside CUDA graphs, and on Engine.generate taking rids."""
+    import ast
+    import dataclasses
+    import importlib.util
+
+    from sglang.srt.model_executor import model_runner
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+    from sglang.srt.models.llama import LlamaDecoderLayer, LlamaModel
+
+    from eaglenest.engines.sglang_args import generation_capture_kwargs
+    from eaglenest.engines.sglang_hooks import hook_specs
+
+    target, _ = folders
+    kw = generation_capture_kwargs(engine_kwargs(str(target), SGLangEngineConfig()), hook_specs("/tmp/x", [2, 4, 5]))
+    sa = ServerArgs(**kw, **CPU_ONLY)
+    assert sa.forward_hooks == kw["forward_hooks"]
+    assert sa.disable_radix_cache is True and sa.disable_cuda_graph is True
+    assert {"rids", "forward_mode", "extend_seq_lens_cpu", "input_ids", "positions"} <= {
+        f.name for f in dataclasses.fields(ForwardBatch)}
+    assert ForwardMode.DECODE.is_decode() and ForwardMode.IDLE.is_idle()
+    assert ForwardMode.EXTEND.is_extend() and ForwardMode.MIXED.is_extend() and not ForwardMode.DECODE.is_extend()
+    assert list(inspect.signature(LlamaDecoderLayer.forward).parameters) == [
+        "self", "positions", "hidden_states", "forward_batch", "residual"]
+    src = " ".join(inspect.getsource(LlamaModel.forward).split())
+    assert "aux_hidden_states.append(hidden_states + residual)" in src  # the stream EAGLE3 capture takes = ours
+    assert "layer( positions, hidden_states, forward_batch, residual, )" in src
+    assert "hidden_states, _ = self.norm(hidden_states, residual)" in src
+    runner_src = inspect.getsource(model_runner)
+    assert "register_forward_hooks(self.model, self.server_args.forward_hooks)" in runner_src
+    engine_src = Path(importlib.util.find_spec("sglang.srt.entrypoints.engine").origin).read_text()
+    engine_cls = next(n for n in ast.walk(ast.parse(engine_src)) if isinstance(n, ast.ClassDef) and n.name == "Engine")
+    generate = next(f for f in engine_cls.body if isinstance(f, ast.FunctionDef) and f.name == "generate")
+    assert "rid" in {a.arg for a in generate.args.args + generate.args.kwonlyargs}
+
+
+def test_capture_hooks_through_sglangs_own_register_forward_hooks(tmp_path: Path) -> None:
+    """The hook specs as sglang's hook manager resolves and attaches them, on tests/capture_toy.py's CPU stand-in."""
+    import torch
+    from capture_toy import AUX, H, Model, Scheduler
+    from sglang.srt.model_executor.hook_manager import register_forward_hooks
+
+    from eaglenest.engines.base import CaptureHint
+    from eaglenest.engines.sglang_recorded import GenerationRecorder
+
+    model = Model()
+    rec = GenerationRecorder(str(tmp_path), AUX, hidden_size=H, dtype="float32")
+    register_forward_hooks(model, rec.hooks)
+    rec.sink.start()
+    prompts = [[3, 4, 5, 6, 7, 8, 9], [10, 11, 12]]
+    rids = rec.new_rids(2)
+    gens = Scheduler(model).generate(prompts, [3, 2], rids)
+    rec.expect(rids, prompts, gens)
+    seqs = [p + g.token_ids for p, g in zip(prompts, gens, strict=True)]
+    hints = [CaptureHint(g.meta["capture_ref"], [0] * len(p) + [1] * len(g.token_ids))
+             for p, g in zip(prompts, gens, strict=True)]
+    caps = rec.capture(seqs, hints, prefill=lambda s, r: pytest.fail("no prefill expected"))
+    for seq, cap in zip(seqs, caps, strict=True):
+        got = torch.cat([cap.aux_hidden_states, cap.last_hidden_state], dim=-1)
+        torch.testing.assert_close(got[:-1], model.model.reference(seq)[:-1], rtol=1e-6, atol=1e-6)
+    rec.close()

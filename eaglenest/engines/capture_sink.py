@@ -1,0 +1,231 @@
+"""The engine actor's side of capture during generation: read the hooks' chunk files, assemble per-sample states.
+
+``eaglenest.engines.sglang_hooks`` writes one chunk per forward (rows of many requests) from SGLang's scheduler
+process. A background thread here reads chunks as they appear (while the actor's main thread waits on
+``Engine.generate``), files each row under its request id, and deletes the file. After generation the engine asks for
+a sequence's states by the request id of its last generation: rows are placed by their recorded positions, their
+recorded input ids must equal the sequence's, and every position training reads must be present
+(``contracts.shards.unread_state_positions`` names the ones that may be missing). Anything else is reported, and the
+engine captures that sample by a prefill instead.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from eaglenest.contracts.states import unread_state_positions
+from eaglenest.engines.base import Capture
+from eaglenest.engines.sglang_hooks import ALIGN, CHUNK_SUFFIX, ERROR_FILE, chunk_name
+
+
+class CaptureSinkError(RuntimeError):
+    """The scheduler-side recorder failed (its traceback is in the message)."""
+
+
+@dataclass
+class Chunk:
+    """One forward's rows: the request of each row (as a list of ``(rid, count)`` runs), positions, ids, states."""
+
+    runs: list[tuple[str, int]]
+    positions: torch.Tensor  # [rows] int64
+    ids: torch.Tensor  # [rows] int64
+    states: torch.Tensor  # [rows, width]
+
+
+def read_chunk(path: Path) -> Chunk:
+    """One chunk file, mapped rather than read (on /dev/shm the states are never copied; the mapping outlives the
+    file's deletion and goes when the tensors do)."""
+    size = path.stat().st_size
+    raw = torch.from_file(str(path), shared=False, size=size, dtype=torch.uint8)
+    (hlen,) = struct.unpack("<Q", raw[:8].numpy().tobytes())
+    head = json.loads(raw[8:8 + hlen].numpy().tobytes())
+    rows, width, dtype = int(head["rows"]), int(head["width"]), getattr(torch, head["dtype"])
+    off = 8 + hlen
+    ids = raw[off:off + 4 * rows].view(torch.int32).long()
+    positions = raw[off + 4 * rows:off + 8 * rows].view(torch.int32).long()
+    off += 8 * rows + (-(8 * rows) % ALIGN)
+    states = raw[off:off + rows * width * dtype.itemsize].view(dtype).view(rows, width)
+    return Chunk(list(zip(head["rids"], head["counts"], strict=True)), positions, ids, states)
+
+
+class CaptureSink:
+    """Reads chunk files from ``folder`` in sequence order and keeps each request's rows until they are used."""
+
+    def __init__(self, folder: str | Path, *, hidden_size: int, n_aux: int = 3, poll_s: float = 0.02) -> None:
+        self.folder = Path(folder)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.hidden_size = hidden_size
+        self.width = (n_aux + 1) * hidden_size
+        self.poll_s = poll_s
+        self._chunks: list[tuple[Chunk, torch.Tensor]] = []  # with each row's request index
+        self._index: dict[str, int] = {}
+        self._counts: dict[str, int] = defaultdict(int)
+        self._next = 0
+        self._last_chunk_at = time.monotonic()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # ------------------------------------------------------------------------------------------------ reading
+    def start(self) -> None:
+        """Read chunks in the background from now on (generation and reading overlap)."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="eaglenest-capture-reader", daemon=True)
+            self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            if not self.poll():
+                self._stop.wait(self.poll_s)
+
+    def poll(self) -> int:
+        """Read every chunk that is ready, in order; returns how many were read."""
+        n = 0
+        with self._lock:
+            while True:
+                path = self.folder / chunk_name(self._next)
+                if not path.exists():
+                    break
+                chunk = read_chunk(path)
+                idx = []
+                for rid, n in chunk.runs:
+                    idx.append(self._index.setdefault(rid, len(self._index)))
+                    self._counts[rid] += n
+                owner = torch.repeat_interleave(torch.tensor(idx, dtype=torch.long),
+                                                torch.tensor([n for _, n in chunk.runs], dtype=torch.long))
+                self._chunks.append((chunk, owner))
+                path.unlink()
+                self._next += 1
+                n += 1
+            if n:
+                self._last_chunk_at = time.monotonic()
+        return n
+
+    def check(self) -> None:
+        """Raise if the recorder in the scheduler process failed."""
+        err = self.folder / ERROR_FILE
+        if err.exists():
+            raise CaptureSinkError(f"capture during generation failed in SGLang's scheduler: {err.read_text()[:2000]}")
+
+    def wait(self, need: Mapping[str, int], *, quiet_s: float = 1.0, timeout_s: float = 300.0) -> None:
+        """Until every rid has ``need[rid]`` rows, or no chunk arrived for ``quiet_s`` (the engine is idle after a
+        finished ``generate``, so nothing more is coming), or ``timeout_s``."""
+        t0 = time.monotonic()
+        while True:
+            self.poll()
+            self.check()
+            with self._lock:
+                if all(self._counts.get(r, 0) >= n for r, n in need.items()):
+                    return
+                quiet = time.monotonic() - self._last_chunk_at
+            if quiet >= quiet_s or time.monotonic() - t0 >= timeout_s:
+                return
+            time.sleep(self.poll_s)
+
+    # ---------------------------------------------------------------------------------------------- assembling
+    def assemble(self, rid: str, ids: Sequence[int], loss_mask: Sequence[int]) -> tuple[Capture | None, str]:
+        """The states of one sequence from request ``rid``'s rows, or ``(None, why)`` (see :meth:`assemble_many`)."""
+        return self.assemble_many([(rid, ids, loss_mask)])[0]
+
+    def assemble_many(self, wanted: Sequence[tuple[str, Sequence[int], Sequence[int]]]
+                      ) -> list[tuple[Capture | None, str]]:
+        """Per ``(rid, ids, loss_mask)``: the sequence's states from the request's rows, or ``(None, why)``.
+
+        Rows are placed by position; rows past the sequence's end are ignored (a sample cut back to an earlier turn);
+        for a position recorded twice the later row wins (a retracted, recomputed request). The recorded input ids
+        must equal the sequence's, and every position training reads must be present. One sort of all recorded rows
+        serves the whole batch.
+        """
+        with self._lock:
+            chunks = list(self._chunks)
+            index = dict(self._index)
+        if not chunks:
+            return [(None, f"no rows recorded for request {rid}") for rid, _, _ in wanted]
+        owner = torch.cat([o for _, o in chunks])
+        pos = torch.cat([c.positions for c, _ in chunks])
+        toks = torch.cat([c.ids for c, _ in chunks])
+        span = int(pos.max()) + 1
+        key = owner * span + pos
+        order = torch.argsort(key, stable=True)
+        skey = key[order]
+        last = torch.ones_like(skey, dtype=torch.bool)  # the latest row of each (request, position)
+        last[:-1] = skey[1:] != skey[:-1]
+        order, skey = order[last], skey[last]
+        rows_of = torch.cumsum(torch.tensor([0] + [c.states.shape[0] for c, _ in chunks]), 0)
+        out: list[tuple[Capture | None, str]] = []
+        placed: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []  # (result index, length, rows, positions)
+        for rid, ids, mask in wanted:
+            r = index.get(rid)
+            if r is None:
+                out.append((None, f"no rows recorded for request {rid}"))
+                continue
+            t = len(ids)
+            lo = int(torch.searchsorted(skey, r * span))
+            hi = int(torch.searchsorted(skey, r * span + min(t, span)))
+            sel = order[lo:hi]
+            p = skey[lo:hi] - r * span
+            want = torch.as_tensor(list(ids), dtype=torch.long)
+            bad = toks[sel] != want[p]
+            if bool(bad.any()):
+                at = int(p[bad][0])
+                out.append((None, f"request {rid} computed token {int(toks[sel][bad][0])} at position {at}, the "
+                                  f"sequence has {int(want[at])}"))
+                continue
+            have = torch.zeros(t, dtype=torch.bool)
+            have[p] = True
+            unread = unread_state_positions(t, mask)
+            missing = [i for i in (~have).nonzero().flatten().tolist() if i not in unread]
+            if missing:
+                out.append((None, f"request {rid} has no states for {len(missing)} positions training reads "
+                                  f"(first {missing[0]})"))
+                continue
+            placed.append((len(out), t, sel, p))
+            out.append((None, ""))
+        if placed:
+            # one buffer for every placed sequence, filled chunk by chunk (one copy of each recorded row)
+            starts = torch.cumsum(torch.tensor([0] + [t for _, t, _, _ in placed]), 0)
+            buf = torch.zeros(int(starts[-1]), self.width, dtype=chunks[0][0].states.dtype)
+            src = torch.cat([sel for _, _, sel, _ in placed])
+            dst = torch.cat([p + starts[i] for i, (_, _, _, p) in enumerate(placed)])
+            which = torch.searchsorted(rows_of, src, right=True) - 1
+            for c in torch.unique(which).tolist():
+                m = which == c
+                buf[dst[m]] = chunks[c][0].states[src[m] - rows_of[c]]
+            h = self.hidden_size
+            for i, (k, t, _, _) in enumerate(placed):
+                states = buf[int(starts[i]):int(starts[i]) + t]
+                out[k] = (Capture(aux_hidden_states=states[:, : self.width - h],
+                                  last_hidden_state=states[:, self.width - h:]), "")
+        return out
+
+    def rows(self, rid: str) -> int:
+        with self._lock:
+            return self._counts.get(rid, 0)
+
+    def discard(self) -> None:
+        """Forget every recorded row (after a batch's capture)."""
+        with self._lock:
+            self._chunks.clear()
+            self._index.clear()
+            self._counts.clear()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        self.discard()
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+    def pending_files(self) -> int:
+        return sum(1 for _ in self.folder.glob(f"*{CHUNK_SUFFIX}"))
+

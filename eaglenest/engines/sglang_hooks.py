@@ -1,0 +1,234 @@
+"""Capture during generation: forward hooks that run inside SGLang's scheduler process.
+
+Regen needs, for every token of a regenerated sample, the residual stream entering three aux layers and the final
+normed state. The prefill capture path gets them from a second, teacher-forced prefill after generation, which costs
+about as much GPU time as the generation itself. SGLang computes exactly these states while it generates (the
+prompt's in the prefill, each answer token's in the decode step that consumes it), so these hooks record them
+there: SGLang's public ``forward_hooks`` server argument loads :func:`capture_hook` by import path inside the
+scheduler process and attaches it to ``model.layers.{k-1}`` (whose output ``hidden + residual`` is the stream
+entering physical layer ``k``) and to ``model.norm`` (the final normed state). Rows are attributed through the
+forward batch's own ``rids``, ``positions`` and ``input_ids``, so nothing depends on scheduling order.
+
+Every forward's rows go GPU -> host on a background thread and into one chunk file in the sink folder (written under
+a temporary name, then renamed); ``eaglenest.engines.capture_sink`` reads them in the engine actor. Hooks do not fire
+inside CUDA-graph replays and a radix-cache hit would skip prompt rows, so the engine that carries these hooks runs
+with CUDA graphs and the radix cache off (``sglang_args.generation_capture_kwargs``).
+
+Chunk file layout (little endian): ``u64`` header length, a JSON header (``rids``, ``counts`` per rid in row order,
+``rows``, ``width``, ``dtype``), then ``rows`` int32 input ids, ``rows`` int32 positions, and ``rows x width`` states
+(the aux streams in the configured order, then the final normed state). A hook failure is written to ``error.txt``
+in the sink and recording stops; the scheduler keeps serving.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import struct
+import threading
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+
+HOOK_FACTORY = "eaglenest.engines.sglang_hooks:capture_hook"
+ERROR_FILE = "error.txt"
+CHUNK_SUFFIX = ".chunk"
+QUEUE_DEPTH = 16
+"""Forwards whose states may wait on the GPU for the writer thread (the hook blocks beyond that: back-pressure)."""
+
+
+def hook_specs(sink: str | Path, physical_ids: list[int], dtype: str = "bfloat16") -> list[dict[str, Any]]:
+    """SGLang ``forward_hooks`` entries recording the streams entering ``physical_ids`` and the final normed state.
+
+    Physical id ``k`` is ``output_hidden_states[k]`` in transformers' numbering: the output of decoder layer ``k-1``,
+    so ``k >= 1`` (the embeddings, ``k = 0``, have no layer whose output is them; use prefill capture for that).
+    """
+    if any(k < 1 for k in physical_ids):
+        raise ValueError(f"capture during generation needs physical aux ids >= 1 (got {physical_ids}); "
+                         f"use target.sglang.capture: prefill for layer 0 (the embeddings)")
+    common = {"sink": str(sink), "n_aux": len(physical_ids), "dtype": dtype}
+    specs = [{"name": f"eaglenest-capture-aux{slot}", "target_modules": [f"model.layers.{k - 1}"],
+              "hook_factory": HOOK_FACTORY, "config": {**common, "role": "aux", "slot": slot}}
+             for slot, k in enumerate(physical_ids)]
+    specs.append({"name": "eaglenest-capture-final", "target_modules": ["model.norm"], "hook_factory": HOOK_FACTORY,
+                  "config": {**common, "role": "final"}})
+    return specs
+
+
+def chunk_name(seq: int) -> str:
+    return f"{seq:012d}{CHUNK_SUFFIX}"
+
+
+ALIGN = 64
+"""The header is padded so the arrays after it start aligned (readers map the file and view it in place)."""
+
+
+def write_chunk(folder: Path, seq: int, rids: list[str], counts: list[int], ids: torch.Tensor,
+                positions: torch.Tensor, states: torch.Tensor) -> None:
+    """One forward's rows as a chunk file (CPU tensors), made visible atomically by a rename."""
+    header = json.dumps({"rids": rids, "counts": counts, "rows": int(states.shape[0]),
+                         "width": int(states.shape[1]), "dtype": str(states.dtype).removeprefix("torch.")}).encode()
+    header += b" " * (-(8 + len(header)) % ALIGN)
+    tmp = folder / f".{seq:012d}.tmp"
+    with open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(header)))
+        f.write(header)
+        f.write(ids.to(torch.int32).contiguous().numpy().tobytes())
+        f.write(positions.to(torch.int32).contiguous().numpy().tobytes())
+        f.write(b"\0" * (-(8 * states.shape[0]) % ALIGN))
+        f.write(states.contiguous().view(torch.uint8).numpy())
+    os.replace(tmp, folder / chunk_name(seq))
+
+
+def row_layout(forward_batch: Any, rows: int) -> tuple[list[str], list[int]] | None:
+    """Which request each row of a forward belongs to: ``(rids, rows per rid)`` in row order, or None to skip.
+
+    Decode: one row per request. Extend (prefill, chunked prefill, mixed): ``extend_seq_lens_cpu`` rows per request.
+    Idle or unattributable forwards (no rids, counts that do not add up) are skipped; the sink then finds those
+    positions missing and the engine falls back to a prefill for the affected samples.
+    """
+    rids = getattr(forward_batch, "rids", None)
+    mode = getattr(forward_batch, "forward_mode", None)
+    if not rids or mode is None or mode.is_idle():
+        return None
+    if mode.is_decode():
+        counts = [1] * len(rids)
+    elif mode.is_extend():
+        lens = getattr(forward_batch, "extend_seq_lens_cpu", None)
+        if lens is None:
+            return None
+        counts = [int(n) for n in lens]
+    else:
+        return None
+    if len(counts) != len(rids) or sum(counts) != rows:
+        return None
+    return [str(r) for r in rids], counts
+
+
+class _Recorder:
+    """Collects one forward's aux streams and final state, and writes them out on a background thread."""
+
+    def __init__(self, sink: str, n_aux: int, dtype: str) -> None:
+        self.folder = Path(sink)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.n_aux = n_aux
+        self.dtype = getattr(torch, dtype)
+        self.pending: dict[int, torch.Tensor] = {}
+        self.forward_batch: Any = None
+        self.seq = 0
+        self.failed = False
+        self.queue: queue.Queue[tuple | None] = queue.Queue(maxsize=QUEUE_DEPTH)
+        self.thread = threading.Thread(target=self._drain, name="eaglenest-capture-writer", daemon=True)
+        self.thread.start()
+
+    def fail(self, where: str) -> None:
+        self.failed = True
+        self.pending.clear()
+        (self.folder / ERROR_FILE).write_text(f"{where}\n{traceback.format_exc()}")
+
+    def aux(self, slot: int, output: Any) -> None:
+        if self.failed:
+            return
+        try:
+            hidden, residual = output if isinstance(output, tuple) else (output, None)
+            self.pending[slot] = hidden + residual if residual is not None else hidden.clone()
+        except Exception:  # noqa: BLE001 - a recording failure must not take the engine down
+            self.fail("aux hook")
+
+    def final(self, args: tuple, output: Any) -> None:
+        if self.failed:
+            return
+        try:
+            self._final(args, output)
+        except Exception:  # noqa: BLE001
+            self.fail("final hook")
+
+    def _final(self, args: tuple, output: Any) -> None:
+        pending, self.pending = self.pending, {}
+        normed = output[0] if isinstance(output, tuple) else output
+        fb = self.forward_batch
+        self.forward_batch = None
+        if fb is None or len(pending) != self.n_aux:
+            return
+        rows = int(normed.shape[0])
+        layout = row_layout(fb, rows)
+        if layout is None:
+            return
+        states = torch.cat([pending[s] for s in range(self.n_aux)] + [normed], dim=-1).to(self.dtype)
+        ids = fb.input_ids[:rows].to(torch.int32)
+        positions = fb.positions[:rows].to(torch.int32)
+        event = torch.cuda.Event() if states.is_cuda else None
+        if event is not None:
+            event.record()
+        self.queue.put((self.seq, layout, ids, positions, states, event))
+        self.seq += 1
+
+    def _drain(self) -> None:
+        copy_stream = None
+        staging: torch.Tensor | None = None  # pinned, reused: a fresh pinned allocation per forward costs more
+        while True:
+            item = self.queue.get()
+            if item is None:
+                return
+            seq, (rids, counts), ids, positions, states, event = item
+            try:
+                if event is None:
+                    host = states
+                else:
+                    event.synchronize()
+                    if copy_stream is None:
+                        copy_stream = torch.cuda.Stream(device=states.device)
+                    nbytes = states.numel() * states.element_size()
+                    if staging is None or staging.numel() < nbytes:
+                        staging = torch.empty(max(nbytes, 64 << 20), dtype=torch.uint8, pin_memory=True)
+                    host = staging[:nbytes].view(states.dtype).view(states.shape)
+                    with torch.cuda.stream(copy_stream):  # off the compute streams: the copy never waits on them
+                        host.copy_(states, non_blocking=True)
+                        copy_stream.synchronize()
+                write_chunk(self.folder, seq, rids, counts, ids.cpu(), positions.cpu(), host)
+            except Exception:  # noqa: BLE001
+                self.fail("writer")
+            del states, ids, positions
+
+
+_RECORDERS: dict[str, _Recorder] = {}
+_LOCK = threading.Lock()
+
+
+def _recorder(cfg: dict[str, Any]) -> _Recorder:
+    with _LOCK:
+        rec = _RECORDERS.get(cfg["sink"])
+        if rec is None:
+            rec = _RECORDERS[cfg["sink"]] = _Recorder(cfg["sink"], int(cfg["n_aux"]), cfg.get("dtype", "bfloat16"))
+        return rec
+
+
+def _is_primary_rank() -> bool:
+    """Under tensor parallelism every rank holds the full (all-reduced) residual stream: rank 0 records."""
+    dist = torch.distributed
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+
+
+def capture_hook(config: dict[str, Any]) -> Any:
+    """SGLang hook factory (``forward_hooks[].hook_factory``): one hook per spec of :func:`hook_specs`."""
+    if not _is_primary_rank():
+        return lambda module, args, output: None
+    rec = _recorder(config)
+    if config["role"] == "aux":
+        slot = int(config["slot"])
+
+        def aux_hook(module: Any, args: tuple, output: Any) -> None:
+            # decoder layers are called as layer(positions, hidden_states, forward_batch, residual); every aux hook
+            # of one forward sees the same batch, so the last one to fire before the final norm decides
+            rec.forward_batch = args[2] if len(args) > 2 else None
+            rec.aux(slot, output)
+
+        return aux_hook
+
+    def final_hook(module: Any, args: tuple, output: Any) -> None:
+        rec.final(args, output)
+
+    return final_hook

@@ -1,0 +1,159 @@
+"""Capture during generation without a GPU: the hooks of ``eaglenest.engines.sglang_hooks`` attached the way SGLang's
+``forward_hooks`` attaches them (module names by fnmatch, the factory resolved from its import path), driven by a
+CPU model with SGLang's Llama call convention through continuous-batching forwards (``tests/capture_toy.py``):
+chunked prefill, mixed extend, decode steps with requests joining and leaving. The assembled states must equal a
+plain teacher-forced forward of each final sequence, at every position training reads. (The contract venv runs the
+same hooks through sglang's own ``register_forward_hooks``: tests/unit/test_sglang_contract.py.)
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from capture_toy import AUX, H, Model, Scheduler, V, attach
+
+from eaglenest.contracts.states import unread_state_positions
+from eaglenest.engines.base import CaptureHint
+from eaglenest.engines.capture_sink import CaptureSinkError
+from eaglenest.engines.sglang_hooks import ERROR_FILE, hook_specs
+from eaglenest.engines.sglang_recorded import GenerationRecorder
+
+
+def setup(tmp_path) -> tuple[Model, Scheduler, GenerationRecorder]:
+    model = Model()
+    rec = GenerationRecorder(str(tmp_path), AUX, hidden_size=H, dtype="float32")
+    attach(model, rec.hooks)
+    rec.sink.start()
+    return model, Scheduler(model), rec
+
+
+def test_states_recorded_while_generating_equal_a_teacher_forced_forward(tmp_path) -> None:
+    model, sched, rec = setup(tmp_path)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(1, V, (n,), generator=g).tolist() for n in (5, 9, 3, 12)]
+    max_new = [4, 6, 1, 3]
+    rids = rec.new_rids(len(prompts))
+    gens = sched.generate(prompts, max_new, rids)
+    rec.expect(rids, prompts, gens)
+    seqs = [p + gen.token_ids for p, gen in zip(prompts, gens, strict=True)]
+    masks = [[0] * len(p) + [1] * len(gen.token_ids) for p, gen in zip(prompts, gens, strict=True)]
+    hints = [CaptureHint(gen.meta["capture_ref"], m) for gen, m in zip(gens, masks, strict=True)]
+
+    def no_prefill(seqs, rids):
+        raise AssertionError("every sequence has its recordings")
+
+    caps = rec.capture(seqs, hints, prefill=no_prefill)
+    assert rec.counts == {"generation": 4}
+    for seq, mask, cap in zip(seqs, masks, caps, strict=True):
+        ref = model.model.reference(seq)
+        got = torch.cat([cap.aux_hidden_states, cap.last_hidden_state], dim=-1)
+        assert got.shape == (len(seq), 4 * H)
+        unread = unread_state_positions(len(seq), mask)
+        assert unread == {len(seq) - 1}  # the last answer token is never fed back
+        read = [t for t in range(len(seq)) if t not in unread]
+        torch.testing.assert_close(got[read], ref[read], rtol=1e-6, atol=1e-6)
+        assert torch.count_nonzero(got[len(seq) - 1]) == 0
+    assert rec.sink.rows(rids[0]) == 0  # the batch is consumed
+    rec.close()
+
+
+def test_cut_back_and_mismatched_sequences_fall_back_to_a_recorded_prefill(tmp_path) -> None:
+    model, sched, rec = setup(tmp_path)
+    prompts = [[3, 4, 5, 6, 7, 8], [9, 10, 11, 12]]
+    rids = rec.new_rids(2)
+    gens = sched.generate(prompts, [5, 5], rids)
+    rec.expect(rids, prompts, gens)
+    # sample 0 was cut back to its prompt's first 5 tokens (an earlier turn boundary): rows past the end are ignored
+    cut = prompts[0][:5]
+    # sample 1 ends in an appended end-of-turn token that the engine never generated (masked out: a truncated answer)
+    truncated = prompts[1] + gens[1].token_ids + [49]
+    # sample 2: the hint points at request 0 but the sequence differs from what it computed -> recorded prefill
+    other = [3, 4, 20, 21, 22]
+    masks = [[0, 0, 0, 1, 1], [0] * 4 + [1] * 5 + [0], [0, 0, 1, 1, 1]]
+    hints = [CaptureHint(rids[0], masks[0]), CaptureHint(rids[1], masks[1]), CaptureHint(rids[0], masks[2])]
+    calls = []
+
+    def prefill(seqs, new_rids):
+        calls.append(seqs)
+        sched.generate(seqs, [1] * len(seqs), new_rids)
+
+    caps = rec.capture([cut, truncated, other], hints, prefill=prefill)
+    assert calls == [[other]]
+    assert rec.counts == {"generation": 2, "prefill": 1}
+    assert "computed token 5 at position 2" in rec.fallback_reasons[-1]
+    for seq, mask, cap in zip([cut, truncated, other], masks, caps, strict=True):
+        ref = model.model.reference(seq)
+        got = torch.cat([cap.aux_hidden_states, cap.last_hidden_state], dim=-1)
+        read = [t for t in range(len(seq)) if t not in unread_state_positions(len(seq), mask)]
+        torch.testing.assert_close(got[read], ref[read], rtol=1e-6, atol=1e-6)
+    assert unread_state_positions(len(truncated), masks[1]) == {len(truncated) - 2, len(truncated) - 1}
+    rec.close()
+
+
+def test_missing_rows_that_training_reads_are_refused(tmp_path) -> None:
+    model, sched, rec = setup(tmp_path)
+    prompts = [[3, 4, 5, 6]]
+    rids = rec.new_rids(1)
+    gens = sched.generate(prompts, [2], rids)
+    rec.expect(rids, prompts, gens)
+    seq = prompts[0] + gens[0].token_ids + [7]  # one token the engine never saw, masked in: its teacher is read
+    rec.sink.wait({rids[0]: 5})
+    cap, why = rec.sink.assemble(rids[0], seq, [0, 0, 0, 0, 1, 1, 1])
+    assert cap is None and "no states for 1 positions training reads (first 5)" in why
+    rec.close()
+
+
+def test_a_recorder_failure_is_reported(tmp_path) -> None:
+    model, sched, rec = setup(tmp_path)
+    (rec.folder / ERROR_FILE).write_text("final hook\nTraceback: boom")
+    with pytest.raises(CaptureSinkError, match="boom"):
+        rec.sink.wait({"x": 1})
+    rec.close()
+
+
+def test_layer_zero_is_refused() -> None:
+    with pytest.raises(ValueError, match="physical aux ids >= 1"):
+        hook_specs("/tmp/x", [0, 3, 5])
+
+
+def test_specs_name_the_modules_sglang_llama_has() -> None:
+    specs = hook_specs("/tmp/x", [2, 16, 29])
+    assert [s["target_modules"] for s in specs] == [["model.layers.1"], ["model.layers.15"], ["model.layers.28"],
+                                                    ["model.norm"]]
+    assert all(s["hook_factory"] == "eaglenest.engines.sglang_hooks:capture_hook" for s in specs)
+
+
+def test_generation_capture_launch_kwargs_and_guards() -> None:
+    from eaglenest.config import SGLangEngineConfig
+    from eaglenest.engines.sglang_args import check_generation_capture, engine_kwargs, generation_capture_kwargs
+
+    hooks = hook_specs("/tmp/x", [2, 4, 5])
+    kw = generation_capture_kwargs(engine_kwargs("m", SGLangEngineConfig()), hooks)
+    assert kw["forward_hooks"] == hooks and kw["disable_radix_cache"] is True and kw["disable_cuda_graph"] is True
+    with pytest.raises(ValueError, match="speculative"):
+        generation_capture_kwargs({"speculative_algorithm": "EAGLE3"}, hooks)
+    with pytest.raises(ValueError, match="forward_hooks"):  # users cannot smuggle their own hooks past it
+        engine_kwargs("m", SGLangEngineConfig(extra_args={"forward_hooks": []}))
+    check_generation_capture("LlamaForCausalLM", 1)
+    with pytest.raises(ValueError, match="DeepseekV3ForCausalLM: use target.sglang.capture: prefill"):
+        check_generation_capture("DeepseekV3ForCausalLM", 1)
+    with pytest.raises(ValueError, match="tp_size 1 only"):
+        check_generation_capture("LlamaForCausalLM", 8)
+
+
+def test_run_generate_names_requests_and_keeps_completion_counts() -> None:
+    from eaglenest.engines.base import SamplingParams
+    from eaglenest.engines.sglang_args import run_generate
+
+    seen = {}
+
+    def generate(**kw):
+        seen.update(kw)
+        return [{"output_ids": [5, 6], "meta_info": {"finish_reason": {"type": "length"}, "completion_tokens": 2,
+                                                     "prompt_tokens": 3}}]
+
+    gens = run_generate(generate, [[1, 2, 3]], SamplingParams(max_new_tokens=2), decode=str, rids=["r0"])
+    assert seen["rid"] == ["r0"] and gens[0].meta["completion_tokens"] == 2
+    seen.clear()
+    run_generate(generate, [[1, 2, 3]], SamplingParams(max_new_tokens=2), decode=str)
+    assert "rid" not in seen  # without rids, sglang names requests itself, as before
