@@ -11,7 +11,8 @@
    (``SGLangCaptureRunner``, SGLang's model code teacher-forced), at every position training reads, plus a control
    with the capture shifted one layer (an off-by-one tap must fail the tolerance);
 3. ``regen``: ``run_regen`` on a local Ray (Ray Data, one GPU actor) with capture during generation, steady state
-   tokens/s against (1).
+   tokens/s against (1); ``regen-inflight2`` the same with ``regen.batches_in_flight: 2``; ``regen-fp8`` with fp8
+   storage.
 
     source .gpu/bin/install.sh && source .gpu/r1/install_ray.sh && \\
         python3 benchmarks/gpu_capture_generation.py --out $OUT/gencap
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -135,20 +137,22 @@ def engine_phase(model: Path, records: list[dict], max_new: int, n_check: int) -
 
 
 def regen_phase(model: Path, source: Path, out_dir: Path, max_new: int, batch: int,
-                storage_dtype: str = "bfloat16") -> dict:
+                storage_dtype: str = "bfloat16", in_flight: int = 1) -> dict:
     import ray
     import yaml
 
     from eaglenest.config import load_config
     from eaglenest.regen.pipeline import run_regen
 
+    shutil.rmtree(out_dir, ignore_errors=True)  # a warm machine keeps /tmp: never resume an earlier call's run
     cfg_path = out_dir.parent / f"{out_dir.name}.yaml"
     cfg_path.write_text(yaml.safe_dump({
         "target": target_cfg(model, "generation").model_dump(),
         "regen": {"sources": [{"name": "gencap", "domain": "chat", "adapter": "sharegpt", "path": str(source)}],
                   "output": str(out_dir), "sampling": {"temperature": 0.0, "max_new_tokens": max_new},
                   "batch_size": batch, "num_actors": 1, "num_cpus_per_actor": 2, "num_gpus_per_actor": 1,
-                  "max_tokens": 4096, "rows_per_shard": 128, "storage_dtype": storage_dtype}}))
+                  "max_tokens": 4096, "rows_per_shard": 128, "storage_dtype": storage_dtype,
+                  "batches_in_flight": in_flight}}))
     cfg = load_config(cfg_path)
     ray.init(runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
     t0 = time.perf_counter()
@@ -156,7 +160,7 @@ def regen_phase(model: Path, source: Path, out_dir: Path, max_new: int, batch: i
     wall = time.perf_counter() - t0
     ray.shutdown()
     run = s["last_run"]
-    res = {"wall_s": round(wall, 1), "batch_size": batch, "storage_dtype": storage_dtype,
+    res = {"wall_s": round(wall, 1), "batch_size": batch, "storage_dtype": storage_dtype, "in_flight": in_flight,
            "generated_tokens": run["generated_tokens"],
            "engine_seconds": run["engine_seconds"], "steady": run["steady"],
            "written": run.get("written"), "quarantined": run.get("quarantined_by_engine_stage")}
@@ -192,6 +196,9 @@ def main() -> int:
                 rec[phase] = engine_phase(model, records, a.max_new_tokens, a.check)
             elif phase == "regen":
                 rec[phase] = regen_phase(model, source, work / "regen-gencap", a.max_new_tokens, a.regen_batch)
+            elif phase == "regen-inflight2":
+                rec[phase] = regen_phase(model, source, work / "regen-gencap-2", a.max_new_tokens, a.regen_batch,
+                                         in_flight=2)
             elif phase == "regen-fp8":
                 rec[phase] = regen_phase(model, source, work / "regen-gencap-fp8", a.max_new_tokens, a.regen_batch,
                                          "float8_e4m3fn")

@@ -130,6 +130,9 @@ class TargetEngine(abc.ABC):
 
     info: TargetInfo
     tokenizer: Any
+    thread_safe: bool = False
+    """whether two threads may call it at once (regen.batches_in_flight > 1 overlaps their batches; otherwise the
+    engine actor runs one batch at a time whatever Ray Data asks)"""
 
     @abc.abstractmethod
     def generate_ids(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> list[Generation]:

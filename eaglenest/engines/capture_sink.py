@@ -67,8 +67,10 @@ class CaptureSink:
         self.hidden_size = hidden_size
         self.width = (n_aux + 1) * hidden_size
         self.poll_s = poll_s
-        self._chunks: list[tuple[Chunk, torch.Tensor]] = []  # with each row's request index
+        self._chunks: list[tuple[Chunk, torch.Tensor, set[int]]] = []  # with each row's request index, and the set
         self._index: dict[str, int] = {}
+        self._next_index = 0
+        self._dead: set[int] = set()
         self._counts: dict[str, int] = defaultdict(int)
         self._next = 0
         self._last_chunk_at = time.monotonic()
@@ -99,11 +101,14 @@ class CaptureSink:
                 chunk = read_chunk(path)
                 idx = []
                 for rid, n in chunk.runs:
-                    idx.append(self._index.setdefault(rid, len(self._index)))
+                    if rid not in self._index:
+                        self._index[rid] = self._next_index
+                        self._next_index += 1
+                    idx.append(self._index[rid])
                     self._counts[rid] += n
                 owner = torch.repeat_interleave(torch.tensor(idx, dtype=torch.long),
                                                 torch.tensor([n for _, n in chunk.runs], dtype=torch.long))
-                self._chunks.append((chunk, owner))
+                self._chunks.append((chunk, owner, set(idx)))
                 path.unlink()
                 self._next += 1
                 n += 1
@@ -151,9 +156,9 @@ class CaptureSink:
             index = dict(self._index)
         if not chunks:
             return [(None, f"no rows recorded for request {rid}") for rid, _, _ in wanted]
-        owner = torch.cat([o for _, o in chunks])
-        pos = torch.cat([c.positions for c, _ in chunks])
-        toks = torch.cat([c.ids for c, _ in chunks])
+        owner = torch.cat([o for _, o, _ in chunks])
+        pos = torch.cat([c.positions for c, _, _ in chunks])
+        toks = torch.cat([c.ids for c, _, _ in chunks])
         span = int(pos.max()) + 1
         key = owner * span + pos
         order = torch.argsort(key, stable=True)
@@ -161,7 +166,7 @@ class CaptureSink:
         last = torch.ones_like(skey, dtype=torch.bool)  # the latest row of each (request, position)
         last[:-1] = skey[1:] != skey[:-1]
         order, skey = order[last], skey[last]
-        rows_of = torch.cumsum(torch.tensor([0] + [c.states.shape[0] for c, _ in chunks]), 0)
+        rows_of = torch.cumsum(torch.tensor([0] + [c.states.shape[0] for c, _, _ in chunks]), 0)
         out: list[tuple[Capture | None, str]] = []
         placed: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []  # (result index, length, rows, positions)
         for rid, ids, mask in wanted:
@@ -212,12 +217,23 @@ class CaptureSink:
         with self._lock:
             return self._counts.get(rid, 0)
 
-    def discard(self) -> None:
-        """Forget every recorded row (after a batch's capture)."""
+    def discard(self, rids: Sequence[str] | None = None) -> None:
+        """Forget the rows of ``rids`` (None: of every request); a chunk goes when none of its requests is left."""
         with self._lock:
-            self._chunks.clear()
-            self._index.clear()
-            self._counts.clear()
+            if rids is None:
+                self._chunks.clear()
+                self._index.clear()
+                self._counts.clear()
+                self._dead.clear()
+                return
+            for r in rids:
+                i = self._index.pop(r, None)
+                self._counts.pop(r, None)
+                if i is not None:
+                    self._dead.add(i)
+            self._chunks = [c for c in self._chunks if not c[2] <= self._dead]
+            if not self._chunks:
+                self._dead.clear()
 
     def close(self) -> None:
         self._stop.set()

@@ -44,6 +44,7 @@ anything unlisted; upgrading sglang means re-reading exactly these:
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -80,6 +81,8 @@ class SGLangEngine(TargetEngine):
     and both start lazily, on first use; ``speculative`` launches the engine with an EAGLE-3 drafter instead.
     """
 
+    thread_safe = True  # engine calls are serialised by a lock; capture of one batch overlaps another's generation
+
     def __init__(self, cfg: TargetConfig, *, model_path: str | None = None, drafter: str | None = None,
                  spec: SpecConfig | None = None):
         require_sglang()
@@ -114,6 +117,7 @@ class SGLangEngine(TargetEngine):
         self.engine_kwargs = kwargs
         self._engine: Any = None
         self._capture: Any = None
+        self._calls = threading.Lock()  # Engine.generate drives the engine's event loop: one call at a time
 
     @property
     def device(self) -> torch.device:
@@ -148,8 +152,9 @@ class SGLangEngine(TargetEngine):
         if not prompts:
             return []
         rids = self.recorder.new_rids(len(prompts)) if self.recorder is not None else None
-        gens = run_generate(self.engine.generate, prompts, sampling, decode=self._decode,
-                            vocab_size=self.info.vocab_size, eos_token_ids=self.info.eos_token_ids, rids=rids)
+        with self._calls:
+            gens = run_generate(self.engine.generate, prompts, sampling, decode=self._decode,
+                                vocab_size=self.info.vocab_size, eos_token_ids=self.info.eos_token_ids, rids=rids)
         if self.recorder is not None and rids is not None:
             self.recorder.expect(rids, prompts, gens)
         if self.launch is not None:
@@ -197,12 +202,14 @@ class SGLangEngine(TargetEngine):
         seqs = check_prompts(sequences, vocab_size=self.info.vocab_size)
         if self.recorder is not None and list(ids) == list(self.aux_layer_ids):
             return self.recorder.capture(seqs, hints, prefill=self._prefill_recorded)
-        return self.capture_runner.capture(seqs, ids)
+        with self._calls:
+            return self.capture_runner.capture(seqs, ids)
 
     def _prefill_recorded(self, seqs: list[list[int]], rids: list[str]) -> None:
         """One-token generations over ``seqs``: their prefill runs every position through the recording hooks."""
         params = [{"max_new_tokens": 1, "temperature": 0.0} for _ in seqs]
-        self.engine.generate(input_ids=seqs, sampling_params=params, rid=rids)
+        with self._calls:
+            self.engine.generate(input_ids=seqs, sampling_params=params, rid=rids)
 
     # ------------------------------------------------------------------------------------------------ weights
     def lm_head_weight(self) -> torch.Tensor:

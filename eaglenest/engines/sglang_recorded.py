@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import threading
 import uuid
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -51,11 +52,24 @@ class GenerationRecorder:
         self._expected: dict[str, int] = {}
         self._prefix = uuid.uuid4().hex[:12]
         self._n = 0
+        self._owned: dict[int, list[str]] = {}  # per calling thread: the requests of the batch it works on
+        self._lock = threading.Lock()
 
     def new_rids(self, n: int) -> list[str]:
-        rids = [f"eaglenest-{self._prefix}-{self._n + i}" for i in range(n)]
-        self._n += n
+        """Fresh request ids, owned by the calling thread until its next :meth:`capture` consumes them."""
+        with self._lock:
+            rids = [f"eaglenest-{self._prefix}-{self._n + i}" for i in range(n)]
+            self._n += n
+            self._owned.setdefault(threading.get_ident(), []).extend(rids)
         return rids
+
+    def _release(self) -> None:
+        """Drop every row and expectation of the calling thread's requests (its batch, earlier turns included)."""
+        with self._lock:
+            rids = self._owned.pop(threading.get_ident(), [])
+            for r in rids:
+                self._expected.pop(r, None)
+        self.sink.discard(rids)
 
     def expect(self, rids: Sequence[str], prompts: Sequence[Sequence[int]], gens: Sequence[Generation]) -> None:
         """Remember the rows each request's forwards produce, and hand its id to the caller as ``capture_ref``."""
@@ -68,12 +82,20 @@ class GenerationRecorder:
                 prefill: Callable[[list[list[int]], list[str]], None]) -> list[Capture]:
         """One Capture per sequence: from its hinted generation's rows, else through ``prefill(seqs, rids)``.
 
-        Consumes the batch: every recorded row is dropped afterwards.
+        Consumes the calling thread's batch: the rows of every request it generated are dropped afterwards (other
+        threads' batches, with ``regen.batches_in_flight`` > 1, keep theirs).
         """
         hints = list(hints) if hints is not None else [None] * len(seqs)
         if len(hints) != len(seqs):
             raise ValueError(f"{len(hints)} capture hints for {len(seqs)} sequences")
         need = {h.ref: self._expected[h.ref] for h in hints if h is not None and h.ref in self._expected}
+        try:
+            return self._capture(seqs, hints, need, prefill)
+        finally:
+            self._release()
+
+    def _capture(self, seqs: Sequence[Sequence[int]], hints: list[CaptureHint | None], need: dict[str, int],
+                 prefill: Callable[[list[list[int]], list[str]], None]) -> list[Capture]:
         if need:
             self.sink.wait(need)
         out: list[Capture | None] = [None] * len(seqs)
@@ -85,15 +107,12 @@ class GenerationRecorder:
                 self.counts["generation"] += 1
             else:
                 self.fallback_reasons = (self.fallback_reasons + [why])[-20:]
-        self.sink.discard()
-        self._expected.clear()
         redo = [i for i, c in enumerate(out) if c is None]
         if redo:
             rids = self.new_rids(len(redo))
             prefill([list(seqs[i]) for i in redo], rids)
             self.sink.wait({r: len(seqs[i]) for r, i in zip(rids, redo, strict=True)})
             got = self.sink.assemble_many([(r, seqs[i], [1] * len(seqs[i])) for r, i in zip(rids, redo, strict=True)])
-            self.sink.discard()
             for i, (cap, why) in zip(redo, got, strict=True):
                 if cap is None:
                     raise CaptureSinkError(f"prefill capture through the generating engine: {why}")

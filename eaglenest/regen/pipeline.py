@@ -206,8 +206,6 @@ def regenerate_dataset(plan_rows: Any, cfg: EaglenestConfig, identity: dict[str,
     (``eaglenest train --online``) streams it to the trainer's workers. With ``ledger_dir`` the actors file rejected
     rows there themselves (quarantine files, as in a regen folder) and pass on only regenerated rows, in ``columns``.
     """
-    from ray.data import ActorPoolStrategy
-
     from eaglenest.regen.stage import EngineActor
 
     rc = cfg.regen
@@ -219,9 +217,19 @@ def regenerate_dataset(plan_rows: Any, cfg: EaglenestConfig, identity: dict[str,
                                "ledger": None if ledger_dir is None else {"ledger_dir": ledger_dir,
                                                                           "columns": columns}},
         batch_size=rc.batch_size, batch_format="pyarrow", zero_copy_batch=True,
-        compute=ActorPoolStrategy(size=rc.num_actors),
+        compute=_actor_pool(rc.num_actors, rc.batches_in_flight),
         num_cpus=rc.num_cpus_per_actor, num_gpus=rc.num_gpus_per_actor,
     )
+
+
+def _actor_pool(size: int, in_flight: int) -> Any:
+    """The engine actors; with ``in_flight`` > 1 each runs that many batches concurrently in threads (the engine
+    serialises its own calls, so what overlaps is one batch's generation with another's capture and output)."""
+    from ray.data import ActorPoolStrategy
+
+    if in_flight == 1:
+        return ActorPoolStrategy(size=size)
+    return ActorPoolStrategy(size=size, max_concurrent_calls_per_actor=in_flight, enable_true_multi_threading=True)
 
 
 def _count_rows(files: list[str]) -> int:

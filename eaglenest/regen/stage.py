@@ -7,7 +7,9 @@ file and the rejected ones to one quarantine file, both atomically, named by the
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -110,8 +112,12 @@ class EngineActor:
         if bad:
             raise RuntimeError(f"the engine's target does not match the driver's view of it: {bad} (config "
                                f"{identity['target']}); check target.model / target.aux_layer_ids")
-        self.regen = Regenerator(self.engine, min_tokens=regen["min_tokens"], max_tokens=regen["max_tokens"],
-                                 storage_dtype=regen["storage_dtype"], layer_ids=layer_ids)
+        self._regen_args = {"min_tokens": regen["min_tokens"], "max_tokens": regen["max_tokens"],
+                            "storage_dtype": regen["storage_dtype"], "layer_ids": layer_ids}
+        self._local = threading.local()
+        self._new_regenerator = Regenerator
+        # an engine that is not thread safe runs one batch at a time even when Ray Data calls from two threads
+        self._exclusive = contextlib.nullcontext() if self.engine.thread_safe else threading.Lock()
         self.sampling = {name: SamplingParams(temperature=s["temperature"], top_p=s["top_p"],
                                               max_new_tokens=s["max_new_tokens"], seed=s["seed"])
                          for name, s in sampling.items()}
@@ -121,10 +127,19 @@ class EngineActor:
             tracker.engine_info.remote({"engine": info.engine, "engine_version": info.engine_version,
                                         "model": info.model, "pid": os.getpid()})
 
+    @property
+    def regen(self) -> Any:
+        """This thread's Regenerator (``regen.batches_in_flight`` > 1: Ray Data calls the actor from several)."""
+        r = getattr(self._local, "regen", None)
+        if r is None:
+            r = self._local.regen = self._new_regenerator(self.engine, **self._regen_args)
+        return r
+
     def __call__(self, batch: pa.Table) -> pa.Table:
         t0 = time.time()
         samples = samples_from_table(batch)
-        results = self.regen.run(samples, lambda s: self.sampling[s.source])
+        with self._exclusive:
+            results = self.regen.run(samples, lambda s: self.sampling[s.source])
         table = results_table(results)
         for name in PASS_THROUGH:  # results come back in input order: extra plan columns ride along by position
             if name in batch.column_names:

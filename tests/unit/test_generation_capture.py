@@ -157,3 +157,57 @@ def test_run_generate_names_requests_and_keeps_completion_counts() -> None:
     seen.clear()
     run_generate(generate, [[1, 2, 3]], SamplingParams(max_new_tokens=2), decode=str)
     assert "rid" not in seen  # without rids, sglang names requests itself, as before
+
+
+def test_two_batches_in_flight_keep_each_others_rows(tmp_path) -> None:
+    """regen.batches_in_flight = 2: two threads (one per batch, as Ray Data runs an actor call) each generate a batch
+    of two turns, then capture; a capture drops only its own thread's requests (earlier turns included), so the other
+    batch still assembles, and nothing is left once both are done."""
+    import threading
+
+    model, sched, rec = setup(tmp_path)
+    batches = {"a": [[3, 4, 5, 6, 7], [8, 9, 10]], "b": [[11, 12, 13, 14], [15, 16, 17, 18, 19, 20]]}
+    go = {k: threading.Event() for k in ("a-gen", "b-gen", "a-cap", "b-cap")}
+    done = {k: threading.Event() for k in go}
+    state: dict = {}
+
+    def worker(name: str) -> None:
+        go[f"{name}-gen"].wait()
+        prompts = batches[name]
+        sched.generate(prompts, [2, 2], rec.new_rids(2))  # an earlier turn, superseded below
+        rids = rec.new_rids(2)
+        gens = sched.generate(prompts, [3, 4], rids)
+        rec.expect(rids, prompts, gens)
+        done[f"{name}-gen"].set()
+        go[f"{name}-cap"].wait()
+        seqs = [p + g.token_ids for p, g in zip(prompts, gens, strict=True)]
+        hints = [CaptureHint(g.meta["capture_ref"], [0] * len(p) + [1] * len(g.token_ids))
+                 for p, g in zip(prompts, gens, strict=True)]
+        state[name] = (rids, seqs, rec.capture(seqs, hints, prefill=lambda s, r: pytest.fail("no prefill")))
+        done[f"{name}-cap"].set()
+
+    threads = [threading.Thread(target=worker, args=(n,)) for n in ("a", "b")]
+    for t in threads:
+        t.start()
+    for step in ("a-gen", "b-gen", "a-cap"):
+        go[step].set()
+        assert done[step].wait(30)
+    b_rids = state.get("b", (None,))[0] or []
+    assert not b_rids  # b has not captured yet
+    rec.sink.poll()
+    with rec.sink._lock:
+        live = set(rec.sink._index)
+    assert len(live) == 4 and all(r.startswith("eaglenest-") for r in live)  # b's two turns, two requests each
+    go["b-cap"].set()
+    assert done["b-cap"].wait(30)
+    for t in threads:
+        t.join()
+    for name in ("a", "b"):
+        _, seqs, caps = state[name]
+        for seq, cap in zip(seqs, caps, strict=True):
+            got = torch.cat([cap.aux_hidden_states, cap.last_hidden_state], dim=-1)
+            torch.testing.assert_close(got[:-1], model.model.reference(seq)[:-1], rtol=1e-6, atol=1e-6)
+    rec.sink.poll()
+    with rec.sink._lock:
+        assert not rec.sink._chunks and not rec.sink._index  # every row of both batches released
+    rec.close()
