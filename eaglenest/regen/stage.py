@@ -134,7 +134,9 @@ class EngineActor:
         skipped = 0
         if self.answers is not None:
             batch, samples, generate, skipped = self._use_answer_cache(batch, samples, generate)
-        results = self.regen.run(samples, lambda s: self.sampling[s.source])
+            results = self._run_once_per_sample(samples, generate)
+        else:
+            results = self.regen.run(samples, lambda s: self.sampling[s.source])
         table = results_table(results)
         for name in PASS_THROUGH:  # results come back in input order: extra plan columns ride along by position
             if name in batch.column_names:
@@ -177,6 +179,20 @@ class EngineActor:
                 samples[n] = dataclasses.replace(s, native=True, native_input_ids=ids, native_loss_mask=mask)
                 generate[n] = False
         return batch, samples, generate, skipped
+
+
+    def _run_once_per_sample(self, samples: list[Sample], generate: list[bool]) -> list[Result]:
+        """Online: a batch can hold one sample twice (its rows of two epochs, at an epoch boundary): the engine runs
+        it once and both rows get that result (the later one counts as not generated, and is not filed twice)."""
+        unique: dict[str, int] = {}  # sample id -> its position among the batch's distinct samples
+        where = [unique.setdefault(s.id, len(unique)) for s in samples]
+        if len(unique) == len(samples):
+            return self.regen.run(samples, lambda s: self.sampling[s.source])
+        firsts = [n for n, k in enumerate(where) if n == where.index(k)]
+        results = self.regen.run([samples[n] for n in firsts], lambda s: self.sampling[s.source])
+        for n in set(range(len(samples))) - set(firsts):
+            generate[n] = False
+        return [results[k] for k in where]
 
 
 def _epochs(batch: pa.Table) -> list[int]:

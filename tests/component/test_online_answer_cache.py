@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from eaglenest.config import EaglenestConfig
@@ -68,6 +69,20 @@ def test_a_filed_answer_is_captured_only_and_gives_the_same_training_rows(cfg, t
     out = again(mixed)
     assert out.num_rows == 4 and again.regen.stats.generated_tokens > 0
     assert len(answer_files(tmp_path)) == 2 and len(cached_ids(tmp_path)) == 9
+
+
+def test_a_sample_twice_in_one_batch_is_generated_once(cfg, tmp_path) -> None:
+    chats = corpus_chats()[30:33]
+    both = pa.concat_tables([plan_rows(chats), plan_rows(chats[:1], epoch=1)])  # an epoch boundary inside a batch
+    one = actor(cfg, tmp_path)
+    out = one(both)
+    assert out.column("epoch").to_pylist() == [0, 0, 0, 1]
+    rows = out.select(COLS[:-1]).to_pylist()
+    assert rows[3] == rows[0]  # the same training row for both epochs
+    assert len(cached_ids(tmp_path)) == 3 and pq.read_metadata(answer_files(tmp_path)[0]).num_rows == 3
+    alone = actor(cfg, tmp_path / "alone")
+    alone(plan_rows(chats))
+    assert one.regen.stats.generated_tokens == alone.regen.stats.generated_tokens  # generated once, not twice
 
 
 def test_an_actor_picks_up_answers_filed_after_it_loaded_its_index(cfg, tmp_path) -> None:
