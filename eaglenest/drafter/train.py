@@ -276,7 +276,8 @@ def train_drafter(cfg: EaglenestConfig, data_dir: str | Path | None, output_dir:
         dataset_config=DataConfig(datasets_to_split="all", execution_options=inputs.options),
     )
     engine_timeline: list = []
-    row_counts: dict = {}
+    row_counts: dict = {}  # the tracker's rows per stream and epoch
+    engine_seconds: dict = {}
     if inputs.notes is not None:
         inputs.notes["stream_started"] = time.time()  # engine batches before this regenerated the held-out split
     try:
@@ -286,6 +287,7 @@ def train_drafter(cfg: EaglenestConfig, data_dir: str | Path | None, output_dir:
             with contextlib.suppress(Exception):
                 engine_timeline = ray.get(inputs.online["tracker"].batch_timeline.remote(), timeout=30)
                 row_counts = ray.get(inputs.online["tracker"].row_counts.remote(), timeout=30)
+                engine_seconds = ray.get(inputs.online["tracker"].engine_time.remote(), timeout=30)
             with contextlib.suppress(Exception):
                 ray.kill(inputs.online["tracker"])
     if result.error is not None:
@@ -313,7 +315,8 @@ def train_drafter(cfg: EaglenestConfig, data_dir: str | Path | None, output_dir:
         "wall_s": time.time() - t0,
     }
     if online:
-        summary["online"] = _online_summary(out, inputs.notes or {}, engine_timeline, row_counts)
+        summary["online"] = _online_summary(out, inputs.notes or {}, engine_timeline, row_counts,
+                                            engine_seconds)
     (out / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
     fe = summary["final_eval"]
     if fe:
@@ -322,7 +325,8 @@ def train_drafter(cfg: EaglenestConfig, data_dir: str | Path | None, output_dir:
     return summary
 
 
-def _online_summary(out: Path, notes: dict[str, Any], timeline: list, row_counts: dict) -> dict[str, Any]:
+def _online_summary(out: Path, notes: dict[str, Any], timeline: list, row_counts: dict,
+                    engine_seconds: dict) -> dict[str, Any]:
     """What an online run did: samples trained per epoch, this start's engine rows per epoch (generated vs captured
     only), the ledger's quarantine and answers, engine busy time, and the hidden-state bytes found on disk under OUT
     afterwards (the mode's promise: 0)."""
@@ -348,6 +352,7 @@ def _online_summary(out: Path, notes: dict[str, Any], timeline: list, row_counts
     busy = sum(b[1] - b[0] for b in timeline)
     answers = answer_files(ledger)
     return {**notes, "epochs": epochs, "quarantined_per_reason": quarantined, **engine_rows(row_counts),
+            "engine_seconds": engine_seconds,
             "answers_cached": len(cached_ids(ledger)), "answers_bytes": sum(f.stat().st_size for f in answers),
             "hidden_state_files": [str(f) for f in files],
             "hidden_state_bytes_written": sum(f.stat().st_size for f in files),
