@@ -131,7 +131,7 @@ class EngineActor:
         t0 = time.time()
         samples = samples_from_table(batch)
         generate = [not s.native for s in samples]  # the rows whose answers the engine generates
-        skipped = 0
+        skipped: dict[int, int] = {}
         if self.answers is not None:
             batch, samples, generate, skipped = self._use_answer_cache(batch, samples, generate)
             results = self._run_once_per_sample(samples, generate)
@@ -179,7 +179,6 @@ class EngineActor:
                 samples[n] = dataclasses.replace(s, native=True, native_input_ids=ids, native_loss_mask=mask)
                 generate[n] = False
         return batch, samples, generate, skipped
-
 
     def _run_once_per_sample(self, samples: list[Sample], generate: list[bool]) -> list[Result]:
         """Online: a batch can hold one sample twice (its rows of two epochs, at an epoch boundary): the engine runs
