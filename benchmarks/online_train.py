@@ -4,13 +4,17 @@
 
 The tiny target's chats go through both paths with one config: offline = ``run_regen`` (shards on disk) and then
 ``train_drafter`` on them, once per seed; online = ``train_drafter(online=True)`` per seed (regen streamed into Ray
-Train, re-regenerated every epoch). Greedy regeneration on CPU in float32 gives both paths the same samples. Every
-export is evaluated on the same held-out prompts with the reference decoder (greedy, chain 3-1-4).
+Train; each sample's answer generated once and cached, later epochs capture only). Greedy regeneration on CPU in
+float32 gives both paths the same samples. Every export is evaluated on the same held-out prompts with the reference
+decoder (greedy, chain 3-1-4).
 
 Printed and written to ``online_train.json``:
-- accept length per seed, offline vs online, and the hidden-state bytes each left on disk;
+- accept length per seed, offline vs online, and the hidden-state bytes each left on disk (online: and the bytes of
+  its answers cache, ids and masks);
 - throughput in trained samples per second (whole command, and steady state between the trainer's first and last
   records) of offline regen, offline training and online training; the target is online >= 90% of the slower side;
+  also against offline end to end (regen + training wall);
+- online engine rows: generated vs captured only, per epoch, and the engines' generate / capture seconds;
 - back-pressure: two more online runs with engines faster than the trainer, at the default ``online_buffer_mb``
   (256) and at ``--tight-buffer-mb``: the trainer's data-wait share, the engines' busy share, and the peak number of
   rows regenerated but not yet trained (engine batch ends minus trainer steps, over time).
@@ -186,6 +190,14 @@ def compare(a: argparse.Namespace, doc: dict[str, Any], src: Path, out: Path, se
                    "hidden_state_bytes": sum(f.stat().st_size for f in hidden_state_files(d))}
             if mode == "online":
                 rec.update(in_flight(d, 8))
+                led = s["online"]
+                rec.update({k: led[k] for k in ("rows_per_epoch", "vocab_rows", "held_out_rows", "engine_seconds",
+                                                "answers_bytes")})
+                gen = sum(r["generated"] for r in led["rows_per_epoch"])
+                cap = sum(r["capture_only"] for r in led["rows_per_epoch"])
+                print(f"[online seed {seed}] engine rows: {gen} generated, {cap} captured only (vocab pass "
+                      f"{led['vocab_rows']['generated']} generated); engine seconds {led['engine_seconds']}; answers "
+                      f"cache {led['answers_bytes']} bytes", flush=True)
             runs[mode].append(rec)
             print(f"[{mode} seed {seed}] {wall:.0f} s, {trained} samples trained ({rec['samples_per_s']:.2f}/s, "
                   f"steady {rec['steady_samples_per_s']:.2f}/s, data wait {rec['data_wait_share']:.2f}); held-out "
@@ -199,10 +211,14 @@ def compare(a: argparse.Namespace, doc: dict[str, Any], src: Path, out: Path, se
     off_train_steady = statistics.median(r["steady_samples_per_s"] for r in runs["offline"])
     on = statistics.median(r["samples_per_s"] for r in runs["online"])
     on_steady = statistics.median(r["steady_samples_per_s"] for r in runs["online"])
+    off_e2e = statistics.median(r["trained_samples"] / (doc["offline_regen"]["seconds"] + r["seconds"])
+                                for r in runs["offline"])
     slower = min(doc["offline_regen"]["samples_per_s"], off_train)
     slower_steady = min(doc["offline_regen"]["steady_samples_per_s"], off_train_steady)
     doc["throughput"] = {"offline_regen": doc["offline_regen"]["samples_per_s"], "offline_train": off_train,
                          "online": on, "online_vs_slower_side": round(on / slower, 3),
+                         "offline_end_to_end": round(off_e2e, 3),
+                         "online_vs_offline_end_to_end": round(on / off_e2e, 3),
                          "steady": {"offline_regen": doc["offline_regen"]["steady_samples_per_s"],
                                     "offline_train": off_train_steady, "online": on_steady,
                                     "online_vs_slower_side": round(on_steady / slower_steady, 3)}}
@@ -211,7 +227,8 @@ def compare(a: argparse.Namespace, doc: dict[str, Any], src: Path, out: Path, se
     print(f"throughput (samples/s, median over seeds): offline regen {doc['offline_regen']['samples_per_s']:.2f}, "
           f"offline train {off_train:.2f}, online {on:.2f} = {on / slower:.2f}x of the slower side "
           f"(steady: {doc['offline_regen']['steady_samples_per_s']:.2f} / {off_train_steady:.2f} / {on_steady:.2f} = "
-          f"{on_steady / slower_steady:.2f}x)", flush=True)
+          f"{on_steady / slower_steady:.2f}x); offline end to end (regen + training) {off_e2e:.2f} = "
+          f"{on / off_e2e:.2f}x", flush=True)
 
 
 def backpressure(a: argparse.Namespace, doc: dict[str, Any], src: Path, out: Path) -> None:

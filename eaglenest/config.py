@@ -280,6 +280,8 @@ class PlanConfig(Section):
     answer_tokens: float | None = Field(None, gt=0, description="average generated tokens per sample")
     engine_tokens_per_s: float | None = Field(None, gt=0, description="generated tok/s of one regen engine")
     train_tokens_per_s: float | None = Field(None, gt=0, description="training tok/s of one worker")
+    capture_share: float | None = Field(None, gt=0, le=1, description="capture / (generate + capture) seconds of a "
+                                        "regen pass (manifest last_run.engine_seconds): a later online epoch's cost")
 
 
 # ------------------------------------------------------------------------------------------------------------ root

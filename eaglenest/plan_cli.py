@@ -17,6 +17,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine-tokens-per-s", type=float, default=None,
                    help="generated tok/s of one engine (regen's steady state or `eaglenest bench`'s baseline)")
     p.add_argument("--gpus-per-engine", type=int, default=None, help="default: regen.num_gpus_per_actor")
+    p.add_argument("--capture-share", type=float, default=None,
+                   help="capture / (generate + capture) seconds of a regen pass (a regen manifest's "
+                        "last_run.engine_seconds): the cost of an online epoch after the first, as a share of a pass")
     p.add_argument("--train-tokens-per-s", type=float, default=None,
                    help="training tok/s of one worker (the trainer's progress line, benchmarks/train_step.py)")
 
@@ -37,6 +40,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"eaglenest plan: cannot read the hidden size of {cfg.target.model} here (not a local folder); give "
               "--hidden-size or plan.hidden_size", file=sys.stderr)
         return 2
+    share = pick(args.capture_share, pc.capture_share)
+    if share is not None and not 0 < share <= 1:
+        print(f"eaglenest plan: --capture-share {share} is not a share of a regen pass (0 < share <= 1)",
+              file=sys.stderr)
+        return 2
     sources = [count_source(s.name, cfg.resolve(s.path), s.max_samples) for s in cfg.regen.sources]
     prompt = pick(args.prompt_tokens, pc.prompt_tokens)
     if prompt is None:
@@ -52,7 +60,8 @@ def run(args: argparse.Namespace) -> int:
                        num_engines=cfg.regen.num_actors,
                        gpus_per_engine=args.gpus_per_engine or max(1, int(cfg.regen.num_gpus_per_actor)),
                        train_tokens_per_s=pick(args.train_tokens_per_s, pc.train_tokens_per_s),
-                       num_workers=cfg.train.num_workers, epochs=cfg.train.epochs, notes=notes)
+                       num_workers=cfg.train.num_workers, epochs=cfg.train.epochs,
+                       capture_share=share, notes=notes)
     print(format_plan(inp, plan(inp)))
     return 0
 

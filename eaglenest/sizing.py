@@ -10,7 +10,10 @@ token ids and the loss mask add 5 bytes per token in every mode):
 - ``bfloat16``: the three aux layers and the final normed state, 2 bytes each: 8·H;
 - ``float8_e4m3fn``: 1 byte each plus one int8 power-of-two exponent per token and state: 4·H + 4;
 - ``online`` (``eaglenest train --online``): hidden states stream from the engines to the trainer and are never
-  written: 0. Every epoch regenerates its samples, so the engines work ``epochs`` times as long.
+  written: 0. The first epoch is a regen pass; the answers are cached (ids and masks only), so every later epoch is
+  a capture pass: ``capture_share`` of a regen pass's engine time (regen records its generate and capture seconds:
+  a manifest's ``last_run.engine_seconds``). Without a measured share the plan assumes the H200 run's
+  (``DEFAULT_CAPTURE_SHARE``) and says so.
 """
 
 from __future__ import annotations
@@ -22,6 +25,9 @@ from typing import Any
 IDS_AND_MASK_BYTES = 5
 """int32 token id + one byte of loss mask per token"""
 STORAGE_MODES = ("bfloat16", "float8_e4m3fn", "online")
+DEFAULT_CAPTURE_SHARE = 0.55
+"""capture seconds / (generate + capture seconds) of a regen pass, as measured on the H200 with SGLang (BENCHMARKS.md
+"GPU end to end", second run: capture 43.1 s, generate 34.9 s); the plan's assumption when none is given"""
 
 
 def hidden_bytes_per_token(hidden_size: int, mode: str) -> int:
@@ -62,6 +68,9 @@ class SizingInputs:
     """training tokens per second of ONE worker (the trainer's log line, or benchmarks/train_step.py)"""
     num_workers: int = 1
     epochs: int = 1
+    capture_share: float | None = None
+    """capture seconds / (generate + capture seconds) of a regen pass (a regen manifest's ``last_run.engine_seconds``):
+    what an online epoch after the first costs, as a share of a regen pass; None = ``DEFAULT_CAPTURE_SHARE``"""
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -74,19 +83,22 @@ def plan(inp: SizingInputs) -> dict[str, Any]:
     samples = inp.samples
     tokens = samples * (inp.prompt_tokens + inp.answer_tokens)
     generated = samples * inp.answer_tokens
+    share = DEFAULT_CAPTURE_SHARE if inp.capture_share is None else inp.capture_share
     storage = {mode: tokens * (hidden_bytes_per_token(inp.hidden_size, mode) + IDS_AND_MASK_BYTES)
                for mode in STORAGE_MODES}
     out: dict[str, Any] = {"samples": samples, "tokens": tokens, "generated_tokens": generated,
                            "bytes_per_token": {m: hidden_bytes_per_token(inp.hidden_size, m) + IDS_AND_MASK_BYTES
                                                for m in STORAGE_MODES},
                            "storage_bytes": storage, "engine_hours": None, "engine_gpu_hours": None,
-                           "online_engine_hours": None,
+                           "online_engine_hours": None, "capture_share": share,
+                           "capture_share_assumed": inp.capture_share is None,
                            "training_hours": None, "training_gpu_hours": None}
     if inp.engine_tokens_per_s:
         wall = generated / (inp.engine_tokens_per_s * inp.num_engines) / 3600
         out["engine_hours"] = wall
         out["engine_gpu_hours"] = wall * inp.num_engines * inp.gpus_per_engine
-        out["online_engine_hours"] = wall * inp.epochs  # online re-regenerates every epoch
+        # online: epoch 1 regenerates (a regen pass), every later epoch captures the cached answers only
+        out["online_engine_hours"] = wall * (1 + (inp.epochs - 1) * share)
     if inp.train_tokens_per_s:
         wall = tokens * inp.epochs / (inp.train_tokens_per_s * inp.num_workers) / 3600
         out["training_hours"] = wall
@@ -125,10 +137,16 @@ def format_plan(inp: SizingInputs, p: dict[str, Any]) -> str:
               f"worker(s), {inp.epochs} epoch(s)"
               + (f" at {inp.train_tokens_per_s:,.0f} tok/s each = {p['training_gpu_hours']:,.0f} GPU hours"
                  if inp.train_tokens_per_s else ""),
-              f"online (train --online): engines regenerate every epoch: "
+              f"online (train --online): epoch 1 is a regen pass, later epochs capture the cached answers only "
+              f"({p['capture_share']:.2f} of a pass each): "
               f"{_hours(p['online_engine_hours'], 'give --engine-tokens-per-s')} of engine wall for {inp.epochs} "
               "epoch(s), running beside training (the slower side sets the pace), 0 bytes of hidden states"]
-    lines += [f"note: {n}" for n in inp.notes]
+    notes = list(inp.notes)
+    if p["capture_share_assumed"] and inp.epochs > 1:
+        notes.append(f"capture share of a regen pass assumed {DEFAULT_CAPTURE_SHARE} (H200 + SGLang, BENCHMARKS.md: "
+                     "capture 43.1 s of 78.0 engine seconds): pass --capture-share, capture / (generate + capture) of "
+                     "a small regen's manifest.json last_run.engine_seconds")
+    lines += [f"note: {n}" for n in notes]
     return "\n".join(lines)
 
 

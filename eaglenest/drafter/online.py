@@ -4,7 +4,8 @@
 through the same engine actor pool as ``eaglenest regen`` (:func:`eaglenest.regen.regenerate_dataset`) and hands
 the result to Ray Train as a streaming dataset, so hidden states go engine -> object store -> worker. Only the
 ledger is written, under ``OUT/online``: ``run.json`` (the target identity), ``plan/`` (the work list, rebuilt by
-every start) and ``quarantine/`` (rows the normalizer or the engine stage rejected, as in a regen folder).
+every start), ``quarantine/`` (rows the normalizer or the engine stage rejected, as in a regen folder) and
+``answers/`` (the ids and loss mask of every regenerated answer: :mod:`eaglenest.regen.answers`).
 
 The whole run is **one stream**: the plan is read once per epoch, epoch after epoch (each epoch in its own block
 order), and every row carries its epoch, so one engine pool serves every epoch and the trainer never waits for an
@@ -13,20 +14,26 @@ first of the next arrive.
 
 What "exactly once" means here: **per epoch**, each planned training sample contributes to exactly one optimizer
 step of the drafter that survives. The workers record the (epoch, id) pairs they trained on in every checkpoint; a
-killed run resumes from the checkpoint Ray Train restores and regenerates, for every epoch, only the samples that
-checkpoint has not seen (samples trained after it are regenerated again: their updates died with the run).
+killed run resumes from the checkpoint Ray Train restores and streams, for every epoch, only the samples that
+checkpoint has not seen (samples trained after it go through the engines again: their updates died with the run).
 Quarantined samples are done for good (delete their ledger file to retry them).
 
-A second epoch **re-regenerates** its samples (the engines run again with the same sampling seed): at the scale this
-mode exists for, a cache would be the terabytes of hidden states it avoids, and refusing would make multi-epoch
-training impossible. Engine time therefore grows with ``train.epochs``; `eaglenest plan` prints it.
+A sample's answer is **generated once and re-captured** after that: the engine actors file every answer they
+generate in ``answers/``, and a later row of the same sample (a later epoch, a vocab-pass sample in epoch 1, a rerun
+after a kill) is captured only (the answer goes through the Regenerator as a native sample). Greedy answers come out
+the same anyway, and generation is the engine's dominant cost; with sampling the cached answer keeps every epoch
+on the same data, as offline training's shards do. The hidden states are captured again every epoch: caching them
+would be the terabytes this mode avoids. Epochs stream back to back, so a row can reach an engine before the answer
+of the same sample from the previous epoch is filed (a batch in flight on another actor): it is then generated again.
+Engine time is one regen pass plus a capture pass per further epoch; `eaglenest plan` prints it.
 
-The held-out split is regenerated once per start, before training, and kept in the object store (small by
+The held-out split is streamed once per start, before training, and kept in the object store (small by
 ``train.eval_max_samples``). The draft vocabulary is counted on the first start from ``train.online_vocab_samples``
-training samples regenerated up front (ids and loss masks only; their hidden states are dropped): it must exist
-before the drafter does, and the target's own answers are what the drafter will propose. (Counting the dataset's
-original answers instead covered 82% of the regenerated tokens on the tiny target, against 100% for offline
-training's count, and cost 16% of held-out accept length: BENCHMARKS.md "Online training".)
+training samples regenerated up front (ids and loss masks counted, hidden states dropped; the answers are filed, so
+epoch 0 only captures these samples): it must exist before the drafter does, and the target's own answers are what
+the drafter will propose. (Counting the dataset's original answers instead covered 82% of the regenerated tokens on
+the tiny target, against 100% for offline training's count, and cost 16% of held-out accept length: BENCHMARKS.md
+"Online training".)
 """
 
 from __future__ import annotations
@@ -102,14 +109,18 @@ class OnlinePlan:
     quarantined_now: int
     inputs: int
     duplicates: int
+    answers_dropped: int = 0
+    """answers files of other sampling or length settings, deleted at this start"""
 
 
 def plan_online(cfg: EaglenestConfig, out: Path, limit: int | None = None) -> OnlinePlan:
     """Normalize and dedup the sources into ``OUT/online/plan`` (quarantined ids of earlier starts are skipped)."""
     from eaglenest.regen import (
+        answer_settings,
         build_plan,
         check_identity,
         check_sources,
+        prepare_answer_cache,
         remove_stale_temporaries,
         resolved_sources,
         scan_completed,
@@ -122,6 +133,7 @@ def plan_online(cfg: EaglenestConfig, out: Path, limit: int | None = None) -> On
     identity = target_identity(cfg)
     check_identity(ledger, identity)
     remove_stale_temporaries(ledger)
+    dropped = prepare_answer_cache(ledger, answer_settings(cfg))
     done = scan_completed(ledger)  # the ledger has no shards: its quarantined ids, done for good
     plan = build_plan(sources, ledger, limit=limit, completed=done, rows_per_file=cfg.regen.batch_size)
     tc = cfg.train
@@ -129,7 +141,7 @@ def plan_online(cfg: EaglenestConfig, out: Path, limit: int | None = None) -> On
     eval_ids = [i for i in plan.plan_ids if is_eval_sample(i, tc.eval_fraction, tc.seed)]
     return OnlinePlan(ledger=ledger, identity=identity, files=plan.files, train_ids=train_ids, eval_ids=eval_ids,
                       quarantined_now=sum(plan.quarantined_now.values()), inputs=sum(plan.inputs_per_source.values()),
-                      duplicates=sum(plan.duplicates_per_source.values()))
+                      duplicates=sum(plan.duplicates_per_source.values()), answers_dropped=dropped)
 
 
 def vocab_sample(train_ids: list[str], n: int, seed: int) -> list[str]:
@@ -140,12 +152,13 @@ def vocab_sample(train_ids: list[str], n: int, seed: int) -> list[str]:
     return sorted(train_ids, key=key)[:n]
 
 
-def count_regenerated_tokens(cfg: EaglenestConfig, plan: OnlinePlan, vocab_size: int) -> Any:
+def count_regenerated_tokens(cfg: EaglenestConfig, plan: OnlinePlan, vocab_size: int, tracker: Any = None) -> Any:
     """Token frequencies of regenerated answers of a sample of the training split (the draft vocab of an online run).
 
     The vocab must be fixed before the drafter exists, and the target's own answers are what it will draft, so
     ``train.online_vocab_samples`` training samples are regenerated once up front (hidden states dropped as they
-    arrive, only ids and loss masks counted); the original answers would miss the target's own token choices.
+    arrive, only ids and loss masks counted; the engines file the answers, so the stream captures them only); the
+    original answers would miss the target's own token choices.
     """
     import torch
 
@@ -154,7 +167,8 @@ def count_regenerated_tokens(cfg: EaglenestConfig, plan: OnlinePlan, vocab_size:
     ids = frozenset(vocab_sample(plan.train_ids, cfg.train.online_vocab_samples, cfg.train.seed))
     counts = torch.zeros(vocab_size, dtype=torch.long)
     with _quiet_data():
-        ds = _stream(cfg, plan, want_eval=False, epochs=[0], include=ids).select_columns(["input_ids", "loss_mask"])
+        ds = _stream(cfg, plan, want_eval=False, epochs=[0], include=ids, tracker=tracker,
+                     stream="vocab").select_columns(["input_ids", "loss_mask"])
         for batch in ds.iter_batches(batch_format="pyarrow", batch_size=None):
             counts += count_tokens(zip(batch.column("input_ids").to_pylist(), batch.column("loss_mask").to_pylist(),
                                        strict=True), vocab_size)
@@ -191,6 +205,7 @@ def epoch_order(files: list[str], epochs: list[int], seed: int) -> list[dict[str
         items += [{"path": f, EPOCH: e} for f in order]
     return items
 
+
 def _quiet_data() -> Any:
     """Ray Data options of every online stream (no per-operator bars: the trainer's lines are the progress)."""
     from eaglenest.regen import data_context
@@ -200,9 +215,9 @@ def _quiet_data() -> Any:
 
 def _stream(cfg: EaglenestConfig, plan: OnlinePlan, *, want_eval: bool, epochs: list[int],
             exclude: dict[int, frozenset[str]] | None = None, include: frozenset[str] | None = None,
-            limit: int | None = None, tracker: Any = None) -> Any:
+            limit: int | None = None, tracker: Any = None, stream: str = "train") -> Any:
     """Plan rows of one side of the split, for ``epochs`` -> engine stage -> ledger: regenerated rows in
-    ``COLUMNS`` + their epoch."""
+    ``COLUMNS`` + their epoch (the engines report their rows to ``tracker`` as ``stream``)."""
     import ray.data
 
     from eaglenest.regen import regenerate_dataset
@@ -215,7 +230,8 @@ def _stream(cfg: EaglenestConfig, plan: OnlinePlan, *, want_eval: bool, epochs: 
                                    "exclude": exclude or {}, "include": include})
     if limit is not None:
         ds = ds.limit(limit)
-    return regenerate_dataset(ds, cfg, plan.identity, tracker, ledger_dir=str(plan.ledger), columns=[*COLUMNS, EPOCH])
+    return regenerate_dataset(ds, cfg, plan.identity, tracker, ledger_dir=str(plan.ledger), columns=[*COLUMNS, EPOCH],
+                              stream=stream)
 
 
 def remaining_epochs(plan: OnlinePlan, resume: OnlineResume, epochs: int) -> dict[int, frozenset[str]]:
@@ -247,7 +263,7 @@ def online_datasets(cfg: EaglenestConfig, plan: OnlinePlan, resume: OnlineResume
     with _quiet_data():
         if plan.eval_ids and tc.eval_fraction > 0:
             datasets["eval"] = _stream(cfg, plan, want_eval=True, epochs=[0], limit=tc.eval_max_samples,
-                                       tracker=tracker).materialize()
+                                       tracker=tracker, stream="eval").materialize()
             n_eval = datasets["eval"].count()
             if n_eval == 0:
                 del datasets["eval"]
@@ -255,12 +271,34 @@ def online_datasets(cfg: EaglenestConfig, plan: OnlinePlan, resume: OnlineResume
     return datasets, {"train": buffer}, n_eval, sorted(todo)
 
 
+HIDDEN_COLUMNS = ("aux_hidden_states", "last_hidden_state")
+
+
+ROW_KINDS = ("generated", "capture_only", "skipped_quarantined")
+"""what an engine did with a row: generated its answer (then captured), captured a filed answer (or a native
+sample) only, or dropped it because the ledger holds the sample in quarantine"""
+
+
+def engine_rows(counts: dict[str, dict[int, list[int]]]) -> dict[str, Any]:
+    """The tracker's row counts -> ``summary.json``'s: the training stream per epoch, the held-out split and the
+    draft-vocab pass (this start's engines only)."""
+    def named(c: list[int]) -> dict[str, int]:
+        return dict(zip(ROW_KINDS, c, strict=True))
+
+    def total(per_epoch: dict[int, list[int]]) -> dict[str, int]:
+        return named([sum(c[k] for c in per_epoch.values()) for k in range(len(ROW_KINDS))])
+
+    return {"rows_per_epoch": [{"epoch": int(e), **named(c)} for e, c in sorted(counts.get("train", {}).items())],
+            "held_out_rows": total(counts.get("eval", {})), "vocab_rows": total(counts.get("vocab", {}))}
+
+
 def hidden_state_files(out: Path) -> list[Path]:
-    """Parquet files under ``out`` that hold hidden states (an online run must leave none)."""
+    """Parquet files under ``out`` that hold hidden states (an online run must leave none; its answers files hold
+    ids and masks only)."""
     found = []
     for p in out.rglob("*.parquet"):
         try:
-            if "aux_hidden_states" in pq.read_schema(p).names:
+            if set(HIDDEN_COLUMNS) & set(pq.read_schema(p).names):
                 found.append(p)
         except Exception:  # noqa: BLE001 - an unreadable file holds no readable hidden states either
             continue

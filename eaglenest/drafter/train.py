@@ -153,7 +153,7 @@ def _shard_inputs(cfg: EaglenestConfig, data_dir: Path, out: Path, facts: Any) -
 def _online_inputs(cfg: EaglenestConfig, out: Path, facts: Any, limit: int | None) -> _Inputs:
     """Online: regen's plan and engine stage, streamed (see :mod:`eaglenest.drafter.online`)."""
     from eaglenest.drafter.online import count_regenerated_tokens, online_datasets, plan_online, read_resume
-    from eaglenest.regen import ProgressTracker
+    from eaglenest.regen import ProgressTracker, cached_ids
 
     tc = cfg.train
     _init_ray(cfg, online=True)  # planning already runs on Ray Data
@@ -162,14 +162,18 @@ def _online_inputs(cfg: EaglenestConfig, out: Path, facts: Any, limit: int | Non
         raise ValueError(f"the sources hold no sample to train on ({plan.inputs} inputs, {plan.quarantined_now} "
                          f"quarantined, {plan.duplicates} duplicates; see {plan.ledger}/quarantine)")
     resume = read_resume(out / "ray" / tc.run_name)
-    mapping, built = _vocab(out, facts.vocab_size, tc.drafter.draft_vocab_size,
-                            lambda: count_regenerated_tokens(cfg, plan, facts.vocab_size))
+    if plan.answers_dropped:
+        print(f"[eaglenest train] online: dropped {plan.answers_dropped} cached answers file(s) of other sampling or "
+              "length settings (those samples are regenerated)", flush=True)
+    cached = len(cached_ids(plan.ledger))
     tracker = ProgressTracker.remote()
+    mapping, built = _vocab(out, facts.vocab_size, tc.drafter.draft_vocab_size,
+                            lambda: count_regenerated_tokens(cfg, plan, facts.vocab_size, tracker))
     tracker.start.remote(len(plan.train_ids))
     datasets, options, n_eval, epochs = online_datasets(cfg, plan, resume, tracker)
     print(f"[eaglenest train] online: {len(plan.train_ids)} training samples planned ({plan.inputs} inputs, "
           f"{plan.duplicates} duplicates, {plan.quarantined_now} quarantined while normalizing), {n_eval} held-out "
-          f"regenerated; ledger {plan.ledger}", flush=True)
+          f"regenerated; {cached} answers cached at start (captured only); ledger {plan.ledger}", flush=True)
     if resume.checkpoint:
         per_epoch = ", ".join(f"epoch {e}: {len(v)}" for e, v in sorted(resume.consumed.items()))
         print(f"[eaglenest train] online resume from step {resume.step}: {resume.trained} samples already trained "
@@ -180,6 +184,7 @@ def _online_inputs(cfg: EaglenestConfig, out: Path, facts: Any, limit: int | Non
                    online={"resume_step": resume.step, "consumed": resume.consumed, "tracker": tracker},
                    notes={"ledger": str(plan.ledger), "planned_train": len(plan.train_ids),
                           "planned_eval": len(plan.eval_ids), "quarantined_while_normalizing": plan.quarantined_now,
+                          "answers_cached_at_start": cached, "answers_dropped_for_settings": plan.answers_dropped,
                           "resumed_from_step": resume.step if resume.checkpoint else None,
                           "already_trained_before_resume": resume.trained,
                           "already_trained_per_epoch": {e: len(v) for e, v in sorted(resume.consumed.items())}})
@@ -271,6 +276,8 @@ def train_drafter(cfg: EaglenestConfig, data_dir: str | Path | None, output_dir:
         dataset_config=DataConfig(datasets_to_split="all", execution_options=inputs.options),
     )
     engine_timeline: list = []
+    row_counts: dict = {}  # the tracker's rows per stream and epoch
+    engine_seconds: dict = {}
     if inputs.notes is not None:
         inputs.notes["stream_started"] = time.time()  # engine batches before this regenerated the held-out split
     try:
@@ -279,6 +286,8 @@ def train_drafter(cfg: EaglenestConfig, data_dir: str | Path | None, output_dir:
         if inputs.online is not None:
             with contextlib.suppress(Exception):
                 engine_timeline = ray.get(inputs.online["tracker"].batch_timeline.remote(), timeout=30)
+                row_counts = ray.get(inputs.online["tracker"].row_counts.remote(), timeout=30)
+                engine_seconds = ray.get(inputs.online["tracker"].engine_time.remote(), timeout=30)
             with contextlib.suppress(Exception):
                 ray.kill(inputs.online["tracker"])
     if result.error is not None:
@@ -306,7 +315,8 @@ def train_drafter(cfg: EaglenestConfig, data_dir: str | Path | None, output_dir:
         "wall_s": time.time() - t0,
     }
     if online:
-        summary["online"] = _online_summary(out, inputs.notes or {}, engine_timeline)
+        summary["online"] = _online_summary(out, inputs.notes or {}, engine_timeline, row_counts,
+                                            engine_seconds)
     (out / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
     fe = summary["final_eval"]
     if fe:
@@ -315,20 +325,23 @@ def train_drafter(cfg: EaglenestConfig, data_dir: str | Path | None, output_dir:
     return summary
 
 
-def _online_summary(out: Path, notes: dict[str, Any], timeline: list) -> dict[str, Any]:
-    """What an online run did: samples trained per epoch, the ledger's quarantine, engine busy time, and the
-    hidden-state bytes found on disk under OUT afterwards (the mode's promise: 0)."""
+def _online_summary(out: Path, notes: dict[str, Any], timeline: list, row_counts: dict,
+                    engine_seconds: dict) -> dict[str, Any]:
+    """What an online run did: samples trained per epoch, this start's engine rows per epoch (generated vs captured
+    only), the ledger's quarantine and answers, engine busy time, and the hidden-state bytes found on disk under OUT
+    afterwards (the mode's promise: 0)."""
     import shutil
 
     import pyarrow.parquet as pq
 
-    from eaglenest.drafter.online import EPOCHS_FILE, hidden_state_files
+    from eaglenest.drafter.online import EPOCHS_FILE, engine_rows, hidden_state_files
+    from eaglenest.regen import answer_files, cached_ids
 
     ledger = Path(notes["ledger"])
     epochs = read_metrics(ledger / EPOCHS_FILE)
     (ledger / "engine_timeline.json").write_text(json.dumps(timeline) + "\n")
     files = hidden_state_files(out)
-    reasons: dict[str, str] = {}  # by id: every epoch regenerates, so an engine reject may be filed again
+    reasons: dict[str, str] = {}  # by id: a reject may be filed again (two batches in flight at once)
     for f in sorted((ledger / "quarantine").glob("*.parquet")):
         t = pq.read_table(f, columns=["id", "reason"])
         reasons.update(zip(t.column("id").to_pylist(), t.column("reason").to_pylist(), strict=True))
@@ -337,7 +350,10 @@ def _online_summary(out: Path, notes: dict[str, Any], timeline: list) -> dict[st
         quarantined[r] = quarantined.get(r, 0) + 1
     shutil.rmtree(ledger / "plan", ignore_errors=True)  # the work list of a finished run (rebuilt by every start)
     busy = sum(b[1] - b[0] for b in timeline)
-    return {**notes, "epochs": epochs, "quarantined_per_reason": quarantined,
+    answers = answer_files(ledger)
+    return {**notes, "epochs": epochs, "quarantined_per_reason": quarantined, **engine_rows(row_counts),
+            "engine_seconds": engine_seconds,
+            "answers_cached": len(cached_ids(ledger)), "answers_bytes": sum(f.stat().st_size for f in answers),
             "hidden_state_files": [str(f) for f in files],
             "hidden_state_bytes_written": sum(f.stat().st_size for f in files),
             "engine_batches": len(timeline), "engine_busy_s": round(busy, 2),

@@ -33,6 +33,7 @@ _LAZY = {
     "run_regen": "eaglenest.regen.pipeline",
     # the pieces online training (eaglenest train --online) composes: plan -> engine stage -> ledger
     "regenerate_dataset": "eaglenest.regen.pipeline",
+    "answer_settings": "eaglenest.regen.pipeline",
     "resolved_sources": "eaglenest.regen.pipeline",
     "target_identity": "eaglenest.regen.pipeline",
     "build_plan": "eaglenest.regen.sources",
@@ -41,12 +42,21 @@ _LAZY = {
     "check_identity": "eaglenest.regen.output",
     "remove_stale_temporaries": "eaglenest.regen.output",
     "scan_completed": "eaglenest.regen.output",
+    "AnswerCache": "eaglenest.regen.answers",
+    "answer_files": "eaglenest.regen.answers",
+    "cached_ids": "eaglenest.regen.answers",
+    "prepare_answer_cache": "eaglenest.regen.answers",
     "ProgressTracker": "eaglenest.regen.progress",
     "METRIC_NAMES": "eaglenest.regen.progress",  # the names of eaglenest.contracts.metrics.REGEN
 }
 
 __all__ = [
     "ADAPTERS",
+    "AnswerCache",
+    "answer_files",
+    "answer_settings",
+    "cached_ids",
+    "prepare_answer_cache",
     "ProgressTracker",
     "build_plan",
     "check_identity",

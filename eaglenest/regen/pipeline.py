@@ -52,6 +52,14 @@ def _sampling(s: SamplingConfig) -> dict[str, Any]:
     return {"temperature": s.temperature, "top_p": s.top_p, "max_new_tokens": s.max_new_tokens, "seed": s.seed}
 
 
+def answer_settings(cfg: EaglenestConfig) -> dict[str, Any]:
+    """What a regenerated answer depends on besides the target: each source's sampling and the length limits (the
+    answer cache of online training is kept only while these stay the same)."""
+    rc = cfg.regen
+    return {"sampling": {s.name: _sampling(s.sampling or rc.sampling) for s in rc.sources},
+            "min_tokens": rc.min_tokens, "max_tokens": rc.max_tokens}
+
+
 def resolved_sources(cfg: EaglenestConfig) -> list:
     out = []
     for s in cfg.regen.sources:
@@ -199,12 +207,14 @@ def _run_engine_stage(cfg: EaglenestConfig, files: list[str], out_dir: Path, ide
 
 
 def regenerate_dataset(plan_rows: Any, cfg: EaglenestConfig, identity: dict[str, Any], tracker: Any = None, *,
-                       ledger_dir: str | None = None, columns: list[str] | None = None) -> Any:
+                       ledger_dir: str | None = None, columns: list[str] | None = None, stream: str = "train") -> Any:
     """``plan_rows`` (a Ray Data dataset of plan rows) through the engine actor pool: rows of ``RESULT_SCHEMA``.
 
     The one definition of the engine stage: ``run_regen`` writes its output to shards, online training
     (``eaglenest train --online``) streams it to the trainer's workers. With ``ledger_dir`` the actors file rejected
-    rows there themselves (quarantine files, as in a regen folder) and pass on only regenerated rows, in ``columns``.
+    rows there themselves (quarantine files, as in a regen folder) and pass on only regenerated rows, in ``columns``;
+    they also file every answer they generate there and only capture the answers filed before
+    (:mod:`eaglenest.regen.answers`), reporting their rows to ``tracker`` under ``stream``.
     """
     from eaglenest.regen.stage import EngineActor
 
@@ -215,7 +225,7 @@ def regenerate_dataset(plan_rows: Any, cfg: EaglenestConfig, identity: dict[str,
         fn_constructor_kwargs={"target": cfg.target.model_dump(), "regen": rc.model_dump(),
                                "sampling": sampling, "identity": identity, "tracker": tracker,
                                "ledger": None if ledger_dir is None else {"ledger_dir": ledger_dir,
-                                                                          "columns": columns}},
+                                                                          "columns": columns, "stream": stream}},
         batch_size=rc.batch_size, batch_format="pyarrow", zero_copy_batch=True,
         compute=_actor_pool(rc.num_actors, rc.batches_in_flight),
         num_cpus=rc.num_cpus_per_actor, num_gpus=rc.num_gpus_per_actor,

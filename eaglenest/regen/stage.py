@@ -8,6 +8,7 @@ file and the rejected ones to one quarantine file, both atomically, named by the
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import threading
 import time
@@ -123,6 +124,11 @@ class EngineActor:
                          for name, s in sampling.items()}
         self.tracker = tracker
         self.ledger = ledger  # online training: file rejects here and pass on only the regenerated rows
+        self.answers = None
+        if ledger is not None:  # ... and file every generated answer, and capture only the answers filed before
+            from eaglenest.regen.answers import AnswerCache
+
+            self.answers = AnswerCache(ledger["ledger_dir"])
         if tracker is not None:
             tracker.engine_info.remote({"engine": info.engine, "engine_version": info.engine_version,
                                         "model": info.model, "pid": os.getpid()})
@@ -138,19 +144,81 @@ class EngineActor:
     def __call__(self, batch: pa.Table) -> pa.Table:
         t0 = time.time()
         samples = samples_from_table(batch)
+        generate = [not s.native for s in samples]  # the rows whose answers the engine generates
+        skipped: dict[int, int] = {}
         with self._exclusive:
-            results = self.regen.run(samples, lambda s: self.sampling[s.source])
+            if self.answers is not None:
+                batch, samples, generate, skipped = self._use_answer_cache(batch, samples, generate)
+                results = self._run_once_per_sample(samples, generate)
+            else:
+                results = self.regen.run(samples, lambda s: self.sampling[s.source])
         table = results_table(results)
         for name in PASS_THROUGH:  # results come back in input order: extra plan columns ride along by position
             if name in batch.column_names:
                 table = table.append_column(name, batch.column(name))
+        if self.answers is not None:  # filed before the rows go on: a row trained on always has its answer filed
+            from eaglenest.regen.answers import write_answers
+
+            fresh = [g and isinstance(r, Regenerated) for r, g in zip(results, generate, strict=True)]
+            write_answers(table.filter(pa.array(fresh, type=pa.bool_())), self.ledger["ledger_dir"])
         if self.tracker is not None:
             st = self.regen.stats
-            self.tracker.generated.remote(st.generated_tokens, (t0, time.time(), os.getpid(), len(samples)),
-                                          (st.generate_seconds, st.capture_seconds))
+            timing = (t0, time.time(), os.getpid(), len(samples))
+            if self.answers is not None:
+                timing += (sum(generate),)
+                self.tracker.engine_rows.remote(self.ledger.get("stream", "train"),
+                                                _rows_per_epoch(batch, generate, skipped))
+            self.tracker.generated.remote(st.generated_tokens, timing, (st.generate_seconds, st.capture_seconds))
         if self.ledger is not None:
-            return keep_regenerated(table, **self.ledger)
+            return keep_regenerated(table, self.ledger["ledger_dir"], self.ledger["columns"])
         return table
+
+    def _use_answer_cache(self, batch: pa.Table, samples: list[Sample],
+                          generate: list[bool]) -> tuple[pa.Table, list[Sample], list[bool], dict[int, int]]:
+        """Online: drop the rows of samples quarantined in the ledger, and turn the ones with a filed answer into
+        native samples (the Regenerator then captures that answer and generates nothing). Returns the batch, its
+        samples, which of them generate, and the rows dropped per epoch."""
+        found, quarantined = self.answers.lookup([s.id for s in samples])
+        skipped: dict[int, int] = {}
+        if quarantined:
+            keep = [s.id not in quarantined for s in samples]
+            for e, k in zip(_epochs(batch), keep, strict=True):
+                if not k:
+                    skipped[e] = skipped.get(e, 0) + 1
+            batch = batch.filter(pa.array(keep, type=pa.bool_()))
+            samples = [s for s, k in zip(samples, keep, strict=True) if k]
+            generate = [g for g, k in zip(generate, keep, strict=True) if k]
+        for n, s in enumerate(samples):
+            if generate[n] and s.id in found:
+                ids, mask = found[s.id]
+                samples[n] = dataclasses.replace(s, native=True, native_input_ids=ids, native_loss_mask=mask)
+                generate[n] = False
+        return batch, samples, generate, skipped
+
+    def _run_once_per_sample(self, samples: list[Sample], generate: list[bool]) -> list[Result]:
+        """Online: a batch can hold one sample twice (its rows of two epochs, at an epoch boundary): the engine runs
+        it once and both rows get that result (the later one counts as not generated, and is not filed twice)."""
+        unique: dict[str, int] = {}  # sample id -> its position among the batch's distinct samples
+        where = [unique.setdefault(s.id, len(unique)) for s in samples]
+        if len(unique) == len(samples):
+            return self.regen.run(samples, lambda s: self.sampling[s.source])
+        firsts = [n for n, k in enumerate(where) if n == where.index(k)]
+        results = self.regen.run([samples[n] for n in firsts], lambda s: self.sampling[s.source])
+        for n in set(range(len(samples))) - set(firsts):
+            generate[n] = False
+        return [results[k] for k in where]
+
+
+def _epochs(batch: pa.Table) -> list[int]:
+    return batch.column("epoch").to_pylist() if "epoch" in batch.column_names else [0] * batch.num_rows
+
+
+def _rows_per_epoch(batch: pa.Table, generate: list[bool], skipped: dict[int, int]) -> dict[int, list[int]]:
+    """epoch -> [rows generated, rows captured only, rows dropped as quarantined] of one engine batch."""
+    out: dict[int, list[int]] = {e: [0, 0, n] for e, n in skipped.items()}
+    for e, g in zip(_epochs(batch), generate, strict=True):
+        out.setdefault(e, [0, 0, 0])[0 if g else 1] += 1
+    return out
 
 
 class ShardDatasink(Datasink):
