@@ -82,7 +82,7 @@ def engine_phase(model: Path, records: list[dict], max_new: int, n_check: int) -
     from eaglenest.engines.sglang import SGLangEngine
 
     out: dict = {}
-    eng = SGLangEngine(target_cfg(model, "generation"))
+    eng = SGLangEngine(target_cfg(model, "generation"), regen=True)
     prompts = prompts_of(eng.tokenizer, records)
     out["offline_engine_generate"], out["reference_start_s"] = offline_generate(model, prompts, max_new, eager=False)
     print("offline Engine.generate (graphs on)", out["offline_engine_generate"], flush=True)

@@ -62,10 +62,10 @@ class SGLangEngineConfig(Section):
         0.5, gt=0, le=0.95, description="capture runner's share of the GPU memory free when it starts")
     capture_max_tokens: int = Field(16384, ge=16, description="tokens per prefill-only capture batch")
     capture: Literal["prefill", "generation"] = Field(
-        "prefill", description="how regen gets hidden states: 'prefill': a teacher-forced prefill after generation "
-        "(a second model copy in the actor, CUDA graphs on for generation); 'generation': recorded inside SGLang's "
-        "scheduler while it generates (forward hooks; the generating engine runs with CUDA graphs and the radix "
-        "cache off, no second prefill)")
+        "prefill", description="how regen's engines get hidden states: 'prefill': a teacher-forced prefill after "
+        "generation (a second model copy in the actor, CUDA graphs on for generation); 'generation': recorded "
+        "inside SGLang's scheduler while it generates (forward hooks; that engine runs with CUDA graphs and the "
+        "radix cache off, no second prefill). Other engines (bench, serve) are never affected")
     capture_dir: str | None = Field(
         None, description="where generation capture passes states from SGLang's scheduler to the actor (default: "
         "/dev/shm when it has 8 GiB free, else the system temp folder)")

@@ -16,8 +16,9 @@ from eaglenest.engines.base import (
 )
 
 
-def load_engine(cfg: TargetConfig) -> TargetEngine:
-    """Build the configured backend; SGLang is imported only when chosen."""
+def load_engine(cfg: TargetConfig, *, regen: bool = False) -> TargetEngine:
+    """Build the configured backend; SGLang is imported only when chosen. ``regen``: for regen's engine actors (an
+    SGLang engine may then record hidden states while generating, per ``target.sglang.capture``)."""
     if cfg.engine == "hf":
         from eaglenest.engines.hf import HFEngine
 
@@ -25,7 +26,7 @@ def load_engine(cfg: TargetConfig) -> TargetEngine:
     if cfg.engine == "sglang":
         from eaglenest.engines.sglang import SGLangEngine
 
-        return SGLangEngine.from_config(cfg)
+        return SGLangEngine.from_config(cfg, regen=regen)
     raise ValueError(f"unknown engine {cfg.engine!r}; allowed: hf, sglang")
 
 

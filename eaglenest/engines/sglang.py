@@ -84,7 +84,7 @@ class SGLangEngine(TargetEngine):
     thread_safe = True  # engine calls are serialised by a lock; capture of one batch overlaps another's generation
 
     def __init__(self, cfg: TargetConfig, *, model_path: str | None = None, drafter: str | None = None,
-                 spec: SpecConfig | None = None):
+                 spec: SpecConfig | None = None, regen: bool = False):
         require_sglang()
         if cfg.device == "cpu":
             raise ValueError("target.engine sglang runs on GPUs; use target.engine: hf for target.device: cpu")
@@ -108,7 +108,8 @@ class SGLangEngine(TargetEngine):
             kwargs = engine_kwargs(self.model_path, self.engine_cfg, dtype=self.dtype,
                                    trust_remote_code=cfg.trust_remote_code)
         self.recorder: GenerationRecorder | None = None
-        if drafter is None and self.engine_cfg.capture == "generation":
+        # only regen's engines record: a bench baseline or a serving engine keeps CUDA graphs and the radix cache
+        if regen and drafter is None and self.engine_cfg.capture == "generation":
             check_generation_capture(self.spec.architecture, self.engine_cfg.tp_size)
             self.recorder = GenerationRecorder(self.engine_cfg.capture_dir, self.aux_layer_ids,
                                                hidden_size=self.info.hidden_size,
@@ -125,8 +126,10 @@ class SGLangEngine(TargetEngine):
         return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
     @classmethod
-    def from_config(cls, cfg: TargetConfig) -> SGLangEngine:
-        return cls(cfg)
+    def from_config(cls, cfg: TargetConfig, *, regen: bool = False) -> SGLangEngine:
+        """``regen``: the engine regenerates data (``target.sglang.capture: generation`` then records while it
+        generates); every other use gets a plain engine."""
+        return cls(cfg, regen=regen)
 
     @classmethod
     def speculative(cls, cfg: TargetConfig, drafter: str, spec: SpecConfig | None = None) -> SGLangEngine:

@@ -102,7 +102,7 @@ class EngineActor:
             import torch
 
             torch.set_num_threads(tcfg.cpu_threads or max(1, int(regen["num_cpus_per_actor"])))
-        self.engine = load_engine(tcfg)
+        self.engine = load_engine(tcfg, regen=True)
         start = getattr(self.engine, "start", None)
         if start is not None:  # an engine that starts lazily starts with the actor, not inside the first batch:
             start()  # the batch timeline and generate seconds then measure generation alone (BENCHMARKS.md)
