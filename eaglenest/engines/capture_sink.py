@@ -16,7 +16,7 @@ import shutil
 import struct
 import threading
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +26,9 @@ import torch
 from eaglenest.contracts.states import unread_state_positions
 from eaglenest.engines.base import Capture
 from eaglenest.engines.sglang_hooks import ALIGN, CHUNK_SUFFIX, ERROR_FILE, chunk_name
+
+RELEASED_MEMORY = 1 << 17
+"""Released request ids remembered, so that a chunk arriving after its request was released is not kept."""
 
 
 class CaptureSinkError(RuntimeError):
@@ -71,6 +74,8 @@ class CaptureSink:
         self._index: dict[str, int] = {}
         self._next_index = 0
         self._dead: set[int] = set()
+        self._released: set[str] = set()
+        self._released_order: deque[str] = deque()
         self._counts: dict[str, int] = defaultdict(int)
         self._next = 0
         self._last_chunk_at = time.monotonic()
@@ -91,8 +96,12 @@ class CaptureSink:
                 self._stop.wait(self.poll_s)
 
     def poll(self) -> int:
-        """Read every chunk that is ready, in order; returns how many were read."""
-        n = 0
+        """Read every chunk that is ready, in order; returns how many were read.
+
+        Rows of a request already released (a late chunk after a wait that ended on its quiet timeout) are not kept:
+        they belong to request index -1, which nothing asks for and which does not keep a chunk alive.
+        """
+        read = 0
         with self._lock:
             while True:
                 path = self.folder / chunk_name(self._next)
@@ -100,21 +109,26 @@ class CaptureSink:
                     break
                 chunk = read_chunk(path)
                 idx = []
-                for rid, n in chunk.runs:
+                for rid, rows in chunk.runs:
+                    if rid in self._released:
+                        idx.append(-1)
+                        continue
                     if rid not in self._index:
                         self._index[rid] = self._next_index
                         self._next_index += 1
                     idx.append(self._index[rid])
-                    self._counts[rid] += n
+                    self._counts[rid] += rows
                 owner = torch.repeat_interleave(torch.tensor(idx, dtype=torch.long),
-                                                torch.tensor([n for _, n in chunk.runs], dtype=torch.long))
-                self._chunks.append((chunk, owner, set(idx)))
+                                                torch.tensor([rows for _, rows in chunk.runs], dtype=torch.long))
+                live = set(idx) - {-1}
+                if live:
+                    self._chunks.append((chunk, owner, live))
                 path.unlink()
                 self._next += 1
-                n += 1
-            if n:
+                read += 1
+            if read:
                 self._last_chunk_at = time.monotonic()
-        return n
+        return read
 
     def check(self) -> None:
         """Raise if the recorder in the scheduler process failed."""
@@ -225,12 +239,18 @@ class CaptureSink:
                 self._index.clear()
                 self._counts.clear()
                 self._dead.clear()
+                self._released.clear()
+                self._released_order.clear()
                 return
             for r in rids:
                 i = self._index.pop(r, None)
                 self._counts.pop(r, None)
                 if i is not None:
                     self._dead.add(i)
+                self._released.add(r)
+                self._released_order.append(r)
+            while len(self._released_order) > RELEASED_MEMORY:  # old ids cannot have rows in flight any more
+                self._released.discard(self._released_order.popleft())
             self._chunks = [c for c in self._chunks if not c[2] <= self._dead]
             if not self._chunks:
                 self._dead.clear()

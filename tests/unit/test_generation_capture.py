@@ -211,3 +211,28 @@ def test_two_batches_in_flight_keep_each_others_rows(tmp_path) -> None:
     with rec.sink._lock:
         assert not rec.sink._chunks and not rec.sink._index  # every row of both batches released
     rec.close()
+
+
+def test_rows_arriving_after_their_request_was_released_are_not_kept(tmp_path) -> None:
+    """A wait that ends on its quiet timeout can leave chunks unread; when they arrive after the request's batch was
+    released, nothing of them is kept (no memory grows for the rest of the run)."""
+    import torch as t
+
+    from eaglenest.engines.capture_sink import CaptureSink
+    from eaglenest.engines.sglang_hooks import write_chunk
+
+    sink = CaptureSink(tmp_path, hidden_size=2, n_aux=1)
+    rows = lambda n: (t.arange(n, dtype=t.int32), t.arange(n, dtype=t.int32), t.ones(n, 4))  # noqa: E731
+    write_chunk(tmp_path, 0, ["r1", "r2"], [2, 1], *rows(3))
+    sink.poll()
+    sink.discard(["r1"])
+    write_chunk(tmp_path, 1, ["r1"], [1], *rows(1))  # late: r1 was released
+    write_chunk(tmp_path, 2, ["r1", "r2"], [1, 1], *rows(2))
+    assert sink.poll() == 2
+    assert sink.rows("r1") == 0 and sink.rows("r2") == 2
+    with sink._lock:
+        assert len(sink._chunks) == 2 and "r1" not in sink._index  # chunk 1 (r1 alone) was never kept
+    sink.discard(["r2"])
+    with sink._lock:
+        assert not sink._chunks
+    sink.close()
