@@ -211,20 +211,28 @@ class CaptureSink:
             placed.append((len(out), t, sel, p))
             out.append((None, ""))
         if placed:
-            # one buffer for every placed sequence, filled chunk by chunk (one copy of each recorded row)
+            # one aux and one final-state buffer for every placed sequence, filled chunk by chunk: each recorded row
+            # is copied once, straight into the contiguous layout the shards store (no later reshuffling copy)
+            h, dtype = self.hidden_size, chunks[0][0].states.dtype
             starts = torch.cumsum(torch.tensor([0] + [t for _, t, _, _ in placed]), 0)
-            buf = torch.zeros(int(starts[-1]), self.width, dtype=chunks[0][0].states.dtype)
+            total = int(starts[-1])
+            aux = torch.empty(total, self.width - h, dtype=dtype)
+            last = torch.empty(total, h, dtype=dtype)
             src = torch.cat([sel for _, _, sel, _ in placed])
             dst = torch.cat([p + starts[i] for i, (_, _, _, p) in enumerate(placed)])
             which = torch.searchsorted(rows_of, src, right=True) - 1
             for c in torch.unique(which).tolist():
                 m = which == c
-                buf[dst[m]] = chunks[c][0].states[src[m] - rows_of[c]]
-            h = self.hidden_size
+                rows = chunks[c][0].states[src[m] - rows_of[c]]
+                aux[dst[m]] = rows[:, : self.width - h]
+                last[dst[m]] = rows[:, self.width - h:]
+            unfilled = torch.ones(total, dtype=torch.bool)
+            unfilled[dst] = False
+            aux[unfilled] = 0  # the positions training never reads
+            last[unfilled] = 0
             for i, (k, t, _, _) in enumerate(placed):
-                states = buf[int(starts[i]):int(starts[i]) + t]
-                out[k] = (Capture(aux_hidden_states=states[:, : self.width - h],
-                                  last_hidden_state=states[:, self.width - h:]), "")
+                a, b = int(starts[i]), int(starts[i]) + t
+                out[k] = (Capture(aux_hidden_states=aux[a:b], last_hidden_state=last[a:b]), "")
         return out
 
     def rows(self, rid: str) -> int:

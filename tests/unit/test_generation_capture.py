@@ -53,6 +53,8 @@ def test_states_recorded_while_generating_equal_a_teacher_forced_forward(tmp_pat
         read = [t for t in range(len(seq)) if t not in unread]
         torch.testing.assert_close(got[read], ref[read], rtol=1e-6, atol=1e-6)
         assert torch.count_nonzero(got[len(seq) - 1]) == 0
+        # stored as they are: no reshuffling copy before the shard bytes
+        assert cap.aux_hidden_states.is_contiguous() and cap.last_hidden_state.is_contiguous()
     assert rec.sink.rows(rids[0]) == 0  # the batch is consumed
     rec.close()
 
