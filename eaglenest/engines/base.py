@@ -89,7 +89,7 @@ class CaptureHint:
 
     ``ref``: the ``Generation.meta["capture_ref"]`` of the sequence's last generation (its prompt and answer cover
     the sequence); ``loss_mask``: the sequence's mask, which says which positions' states training never reads
-    (``contracts.shards.unread_state_positions``) and so may be missing. Engines without such recording ignore hints.
+    (``contracts.states.unread_state_positions``) and so may be missing. Engines without such recording ignore hints.
     """
 
     ref: str

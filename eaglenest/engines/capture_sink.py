@@ -5,7 +5,7 @@ process. A background thread here reads chunks as they appear (while the actor's
 ``Engine.generate``), files each row under its request id, and deletes the file. After generation the engine asks for
 a sequence's states by the request id of its last generation: rows are placed by their recorded positions, their
 recorded input ids must equal the sequence's, and every position training reads must be present
-(``contracts.shards.unread_state_positions`` names the ones that may be missing). Anything else is reported, and the
+(``contracts.states.unread_state_positions`` names the ones that may be missing). Anything else is reported, and the
 engine captures that sample by a prefill instead.
 """
 
@@ -25,7 +25,7 @@ import torch
 
 from eaglenest.contracts.states import unread_state_positions
 from eaglenest.engines.base import Capture
-from eaglenest.engines.sglang_hooks import ALIGN, CHUNK_SUFFIX, ERROR_FILE, chunk_name
+from eaglenest.engines.sglang_hooks import ALIGN, ERROR_FILE, chunk_name
 
 RELEASED_MEMORY = 1 << 17
 """Released request ids remembered, so that a chunk arriving after its request was released is not kept."""
@@ -260,8 +260,7 @@ class CaptureSink:
             while len(self._released_order) > RELEASED_MEMORY:  # old ids cannot have rows in flight any more
                 self._released.discard(self._released_order.popleft())
             self._chunks = [c for c in self._chunks if not c[2] <= self._dead]
-            if not self._chunks:
-                self._dead.clear()
+            self._dead &= set().union(*(c[2] for c in self._chunks))  # only what a kept chunk still refers to
 
     def close(self) -> None:
         self._stop.set()
@@ -269,7 +268,4 @@ class CaptureSink:
             self._thread.join(timeout=5)
         self.discard()
         shutil.rmtree(self.folder, ignore_errors=True)
-
-    def pending_files(self) -> int:
-        return sum(1 for _ in self.folder.glob(f"*{CHUNK_SUFFIX}"))
 

@@ -158,7 +158,7 @@ class SGLangEngine(TargetEngine):
         with self._calls:
             gens = run_generate(self.engine.generate, prompts, sampling, decode=self._decode,
                                 vocab_size=self.info.vocab_size, eos_token_ids=self.info.eos_token_ids, rids=rids)
-        if self.recorder is not None and rids is not None:
+        if self.recorder is not None:
             self.recorder.expect(rids, prompts, gens)
         if self.launch is not None:
             for g in gens:

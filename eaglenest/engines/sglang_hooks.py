@@ -138,15 +138,15 @@ class _Recorder:
         except Exception:  # noqa: BLE001 - a recording failure must not take the engine down
             self.fail("aux hook")
 
-    def final(self, args: tuple, output: Any) -> None:
+    def final(self, output: Any) -> None:
         if self.failed:
             return
         try:
-            self._final(args, output)
+            self._final(output)
         except Exception:  # noqa: BLE001
             self.fail("final hook")
 
-    def _final(self, args: tuple, output: Any) -> None:
+    def _final(self, output: Any) -> None:
         pending, self.pending = self.pending, {}
         normed = output[0] if isinstance(output, tuple) else output
         fb = self.forward_batch
@@ -229,6 +229,6 @@ def capture_hook(config: dict[str, Any]) -> Any:
         return aux_hook
 
     def final_hook(module: Any, args: tuple, output: Any) -> None:
-        rec.final(args, output)
+        rec.final(output)
 
     return final_hook

@@ -1,4 +1,4 @@
-"""Training never reads the states ``contracts.shards.unread_state_positions`` names (capture during generation
+"""Training never reads the states ``contracts.states.unread_state_positions`` names (capture during generation
 stores zeros there), and does read the ones next to them (so this test can fail)."""
 
 from __future__ import annotations
