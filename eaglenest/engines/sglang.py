@@ -37,6 +37,8 @@ anything unlisted; upgrading sglang means re-reading exactly these:
   ``disable_cuda_graph`` / ``disable_radix_cache``, ``Engine.generate(rid=[...])``, the Llama decoder layer's call
   ``layer(positions, hidden_states, forward_batch, residual) -> (hidden, residual)``, ``model.norm(hidden, residual)
   -> (normed, residual)``, and ``ForwardBatch.rids / forward_mode / extend_seq_lens_cpu / input_ids / positions``.
+- Regen (``EngineLoopDriver``): ``Engine.loop`` run forever on a thread, ``Engine.async_generate(input_ids=,
+  sampling_params=, rid=)`` for a whole batch (several threads' batches in the scheduler at once).
 - Output dict of ``Engine.generate``: ``output_ids``, ``meta_info.finish_reason.type/matched``, ``prompt_tokens``,
   ``completion_tokens``, ``spec_verify_ct``, ``spec_accept_length``, ``spec_num_correct_drafts``,
   ``spec_num_proposed_drafts``.
@@ -44,6 +46,7 @@ anything unlisted; upgrading sglang means re-reading exactly these:
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -63,6 +66,7 @@ from eaglenest.engines.sglang_args import (
     generation_capture_kwargs,
     run_generate,
 )
+from eaglenest.engines.sglang_driver import EngineLoopDriver
 from eaglenest.engines.sglang_recorded import GenerationRecorder
 from eaglenest.engines.sglang_spec import SpeculativeLaunch, speculative_engine_kwargs
 from eaglenest.engines.sglang_symbols import SGLANG_INTERNALS, installed_sglang_version, require_sglang, sglang_symbol
@@ -81,7 +85,7 @@ class SGLangEngine(TargetEngine):
     and both start lazily, on first use; ``speculative`` launches the engine with an EAGLE-3 drafter instead.
     """
 
-    thread_safe = True  # engine calls are serialised by a lock; capture of one batch overlaps another's generation
+    thread_safe = True  # regen: batches of several threads generate together (EngineLoopDriver); else serialised
 
     def __init__(self, cfg: TargetConfig, *, model_path: str | None = None, drafter: str | None = None,
                  spec: SpecConfig | None = None, regen: bool = False):
@@ -108,8 +112,10 @@ class SGLangEngine(TargetEngine):
             kwargs = engine_kwargs(self.model_path, self.engine_cfg, dtype=self.dtype,
                                    trust_remote_code=cfg.trust_remote_code)
         self.recorder: GenerationRecorder | None = None
+        self.regen = regen and drafter is None
+        """regen's engine: generations of several threads run in the engine together (``EngineLoopDriver``)"""
         # only regen's engines record: a bench baseline or a serving engine keeps CUDA graphs and the radix cache
-        if regen and drafter is None and self.engine_cfg.capture == "generation":
+        if self.regen and self.engine_cfg.capture == "generation":
             check_generation_capture(self.spec.architecture, self.engine_cfg.tp_size)
             self.recorder = GenerationRecorder(self.engine_cfg.capture_dir, self.aux_layer_ids,
                                                hidden_size=self.info.hidden_size,
@@ -119,6 +125,8 @@ class SGLangEngine(TargetEngine):
         self._engine: Any = None
         self._capture: Any = None
         self._calls = threading.Lock()  # Engine.generate drives the engine's event loop: one call at a time
+        self._driver: EngineLoopDriver | None = None
+        self._starting = threading.Lock()
 
     @property
     def device(self) -> torch.device:
@@ -139,11 +147,18 @@ class SGLangEngine(TargetEngine):
     # ------------------------------------------------------------------------------------------------ generation
     @property
     def engine(self) -> Any:
-        if self._engine is None:
+        if self._engine is not None:
+            return self._engine
+        with self._starting:  # two threads' first calls must not start two engines
+            if self._engine is not None:
+                return self._engine
             Engine = sglang_symbol("sglang:Engine")
-            self._engine = Engine(**self.engine_kwargs)
+            engine = Engine(**self.engine_kwargs)
             if self.recorder is not None:
                 self.recorder.sink.start()
+            if self.regen:
+                self._driver = EngineLoopDriver(engine)
+            self._engine = engine  # last: a thread that sees the engine sees its driver too
         return self._engine
 
     def start(self) -> None:
@@ -155,8 +170,8 @@ class SGLangEngine(TargetEngine):
         if not prompts:
             return []
         rids = self.recorder.new_rids(len(prompts)) if self.recorder is not None else None
-        with self._calls:
-            gens = run_generate(self.engine.generate, prompts, sampling, decode=self._decode,
+        with self._one_call():
+            gens = run_generate(self._generate_call(), prompts, sampling, decode=self._decode,
                                 vocab_size=self.info.vocab_size, eos_token_ids=self.info.eos_token_ids, rids=rids)
         if self.recorder is not None:
             self.recorder.expect(rids, prompts, gens)
@@ -211,8 +226,19 @@ class SGLangEngine(TargetEngine):
     def _prefill_recorded(self, seqs: list[list[int]], rids: list[str]) -> None:
         """One-token generations over ``seqs``: their prefill runs every position through the recording hooks."""
         params = [{"max_new_tokens": 1, "temperature": 0.0} for _ in seqs]
-        with self._calls:
-            self.engine.generate(input_ids=seqs, sampling_params=params, rid=rids)
+        with self._one_call():
+            self._generate_call()(input_ids=seqs, sampling_params=params, rid=rids)
+
+    def _generate_call(self) -> Any:
+        """Regen: ``async_generate`` on the driven loop (threads' batches generate together); else the engine's
+        synchronous ``generate``."""
+        engine = self.engine
+        return self._driver.generate if self._driver is not None else engine.generate
+
+    def _one_call(self) -> Any:
+        """The lock that serialises synchronous engine calls; nothing to hold when the loop driver runs."""
+        _ = self.engine  # started (and its driver with it) before deciding
+        return contextlib.nullcontext() if self._driver is not None else self._calls
 
     # ------------------------------------------------------------------------------------------------ weights
     def lm_head_weight(self) -> torch.Tensor:
@@ -226,6 +252,9 @@ class SGLangEngine(TargetEngine):
         if self._capture is not None:
             self._capture.close()
             self._capture = None
+        if self._driver is not None:
+            self._driver.close()
+            self._driver = None
         if self._engine is not None:
             self._engine.shutdown()
             self._engine = None

@@ -258,6 +258,29 @@ def test_streaming_surface_we_call() -> None:
     assert engine_kwargs("m", SGLangEngineConfig())["incremental_streaming_output"] is False
 
 
+def test_loop_driver_surface() -> None:
+    """What ``eaglenest.engines.sglang_driver`` relies on, read from sglang's source: a batch through
+    ``async_generate`` without ``stream`` returns the outputs (one awaited item); the tokenizer manager starts its
+    receive loop on the *running* loop (the driver's thread runs ``Engine.loop``) and installs signal handlers only
+    from the main thread (the driver's thread is not)."""
+    import ast
+    import importlib.util
+
+    def function(module: str, cls: str, name: str) -> str:
+        src = Path(importlib.util.find_spec(module).origin).read_text()
+        node = next(n for n in ast.walk(ast.parse(src)) if isinstance(n, ast.ClassDef) and n.name == cls)
+        return ast.unparse(next(f for f in node.body if getattr(f, "name", None) == name))
+
+    agen = function("sglang.srt.entrypoints.engine", "Engine", "async_generate")
+    assert "return await generator.__anext__()" in agen
+    loop = function("sglang.srt.managers.tokenizer_manager", "TokenizerManager", "auto_create_handle_loop")
+    assert "get_or_create_event_loop()" in loop and "threading.main_thread()" in loop
+    common = Path(importlib.util.find_spec("sglang.srt.utils.common").origin).read_text()
+    helper = next(n for n in ast.walk(ast.parse(common))
+                  if isinstance(n, ast.FunctionDef) and n.name == "get_or_create_event_loop")
+    assert "asyncio.get_running_loop()" in ast.unparse(helper)
+
+
 def test_generation_capture_launch_and_the_surface_its_hooks_read(folders: tuple[Path, Path]) -> None:
     """Capture during generation (eaglenest.engines.sglang_hooks) reads ForwardBatch fields, relies on Llama's call
     convention and module names, on hooks firing only outside CUDA graphs, and on Engine.generate taking rids."""
