@@ -112,6 +112,18 @@ def tensor_to_bytes(t: torch.Tensor, dtype: str, states: int = 1) -> bytes:
     return t.numpy().tobytes()
 
 
+def tensor_to_buffer(t: torch.Tensor, dtype: str, states: int = 1) -> bytes | memoryview:
+    """The bytes :func:`tensor_to_bytes` gives, without copying them when ``t`` is already a contiguous CPU tensor of
+    the storage dtype (a view that keeps ``t`` alive): regen moves ~32 KiB per token of a large target, and every
+    pass over them costs. fp8 storage quantises, so it returns new bytes."""
+    if dtype == FP8:
+        return _fp8_bytes(t, states)
+    t = t.detach().to("cpu", DTYPES[dtype]).contiguous()
+    if t.dtype == torch.bfloat16:
+        t = t.view(torch.int16)
+    return memoryview(t.numpy()).cast("B")
+
+
 def bytes_to_tensor(buf: bytes, dtype: str, width: int, states: int = 1) -> torch.Tensor:
     """Inverse of :func:`tensor_to_bytes`: a ``[T, width]`` tensor in :func:`compute_dtype`."""
     if dtype == FP8:

@@ -223,9 +223,15 @@ class CaptureSink:
             which = torch.searchsorted(rows_of, src, right=True) - 1
             for c in torch.unique(which).tolist():
                 m = which == c
-                rows = chunks[c][0].states[src[m] - rows_of[c]]
-                aux[dst[m]] = rows[:, : self.width - h]
-                last[dst[m]] = rows[:, self.width - h:]
+                local, to = src[m] - rows_of[c], dst[m]
+                states = chunks[c][0].states
+                lo, n = int(local[0]), int(local.numel())
+                if int(local[-1]) - lo + 1 == n and bool((local[1:] > local[:-1]).all()):
+                    rows = states[lo:lo + n]  # the usual case, a run of the chunk's rows: copied once, no gather
+                else:
+                    rows = states[local]
+                aux.index_copy_(0, to, rows[:, : self.width - h])
+                last.index_copy_(0, to, rows[:, self.width - h:])
             unfilled = torch.ones(total, dtype=torch.bool)
             unfilled[dst] = False
             aux[unfilled] = 0  # the positions training never reads

@@ -33,7 +33,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from eaglenest.contracts.shards import tensor_to_bytes
+from eaglenest.contracts.shards import tensor_to_buffer
 from eaglenest.engines.base import CaptureHint, Generation, SamplingParams, TargetEngine, render_chat_text
 from eaglenest.regen.formats import (
     ASSISTANT_RENDER_MISMATCH,
@@ -67,13 +67,14 @@ class Sample:
 
 @dataclass
 class Regenerated:
-    """A finished sample: exact ids, loss mask and the captured hidden states as storage bytes."""
+    """A finished sample: exact ids, loss mask and the captured hidden states as storage bytes (a view of the
+    capture's memory where no conversion was needed: ``contracts.shards.tensor_to_buffer``)."""
 
     sample: Sample
     input_ids: list[int]
     loss_mask: list[int]
-    aux_hidden_states: bytes
-    last_hidden_state: bytes
+    aux_hidden_states: bytes | memoryview
+    last_hidden_state: bytes | memoryview
     generated_tokens: int = 0
     truncated_turns: int = 0
     dropped_turns: int = 0
@@ -325,8 +326,8 @@ class Regenerator:
                                       f"{t} tokens (want [{t}, {3 * h}] / [{t}, {h}])")
                 continue
             self.stats.captured_tokens += t
-            captured[id(st)] = (tensor_to_bytes(aux, self.storage_dtype, states=3),
-                                tensor_to_bytes(last, self.storage_dtype))
+            captured[id(st)] = (tensor_to_buffer(aux, self.storage_dtype, states=3),
+                                tensor_to_buffer(last, self.storage_dtype))
         results: list[Result] = []
         for st in states:
             if st.failure is not None:

@@ -48,14 +48,18 @@ PASS_THROUGH = ("epoch",)
 """plan columns the engine stage hands on unchanged (online training tags every row with its epoch)"""
 
 
+HIDDEN_COLUMNS = ("aux_hidden_states", "last_hidden_state")
+
+
 def results_table(results: list[Result]) -> pa.Table:
+    """The engine stage's rows; the hidden-state columns are built from the results' buffers directly (see
+    :func:`blob_column`), never through Python bytes objects."""
     rows = []
     for r in results:
         s = r.sample
         if isinstance(r, Regenerated):
             rows.append({"id": s.id, "source": s.source, "domain": s.domain, "input_ids": r.input_ids,
                          "loss_mask": r.loss_mask, "num_tokens": len(r.input_ids),
-                         "aux_hidden_states": r.aux_hidden_states, "last_hidden_state": r.last_hidden_state,
                          "status": OK, "reason": None, "detail": None, "raw": None,
                          "generated_tokens": r.generated_tokens, "truncated_turns": r.truncated_turns,
                          "dropped_turns": r.dropped_turns, "source_id": s.source_id})
@@ -64,7 +68,38 @@ def results_table(results: list[Result]) -> pa.Table:
             rows.append({"id": s.id, "source": s.source, "domain": s.domain, "status": r.reason,
                          "reason": r.reason, "detail": r.detail, "raw": s.raw, "generated_tokens": 0,
                          "truncated_turns": 0, "dropped_turns": 0, "source_id": s.source_id})
-    return pa.Table.from_pylist(rows, schema=RESULT_SCHEMA)
+    small = pa.schema([f for f in RESULT_SCHEMA if f.name not in HIDDEN_COLUMNS])
+    table = pa.Table.from_pylist(rows, schema=small)
+    columns = {name: blob_column([getattr(r, name) if isinstance(r, Regenerated) else None for r in results])
+               for name in HIDDEN_COLUMNS}
+    return pa.table({f.name: columns[f.name] if f.name in columns else table.column(f.name) for f in RESULT_SCHEMA},
+                    schema=RESULT_SCHEMA)
+
+
+def blob_column(blobs: list[bytes | memoryview | None]) -> pa.LargeBinaryArray:
+    """A ``large_binary`` column of ``blobs`` (None: null) with one data buffer.
+
+    When the blobs are consecutive pieces of one piece of memory (regen's capture assembles a batch's states that
+    way, in result order) that memory becomes the column's buffer as it is, with no copy; otherwise they are copied
+    once into a new buffer.
+    """
+    import numpy as np
+
+    views = [None if b is None else np.frombuffer(b, dtype=np.uint8) for b in blobs]
+    lengths = np.array([0 if v is None else v.nbytes for v in views], dtype=np.int64)
+    offsets = np.zeros(len(views) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    present = [v for v in views if v is not None and v.nbytes]
+    if not present:
+        data = pa.py_buffer(b"")
+    elif all(b.ctypes.data == a.ctypes.data + a.nbytes for a, b in zip(present, present[1:], strict=False)):
+        data = pa.foreign_buffer(present[0].ctypes.data, int(offsets[-1]), base=present)  # keeps the memory alive
+    else:
+        data = pa.py_buffer(np.concatenate(present))
+    nulls = [v is None for v in views]
+    validity = pa.array([not n for n in nulls], type=pa.bool_()).buffers()[1] if any(nulls) else None
+    return pa.LargeBinaryArray.from_buffers(pa.large_binary(), len(views), [validity, pa.py_buffer(offsets), data],
+                                            null_count=sum(nulls))
 
 
 def samples_from_table(batch: pa.Table) -> list[Sample]:

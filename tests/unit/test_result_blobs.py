@@ -1,0 +1,45 @@
+"""The engine stage's hidden-state columns: built from the capture's memory, copied at most once, bytes unchanged."""
+
+from __future__ import annotations
+
+import pickle
+
+import pyarrow as pa
+import torch
+
+from eaglenest.contracts.shards import bytes_to_tensor, tensor_to_buffer, tensor_to_bytes
+from eaglenest.regen.stage import blob_column
+
+
+def test_buffer_has_the_same_bytes_as_tensor_to_bytes_and_shares_memory_when_it_can() -> None:
+    t = torch.randn(5, 12).to(torch.bfloat16)
+    buf = tensor_to_buffer(t, "bfloat16", states=3)
+    assert bytes(buf) == tensor_to_bytes(t, "bfloat16", states=3)
+    assert isinstance(buf, memoryview)
+    t[0, 0] = 7.0  # a view: the capture's memory itself
+    assert bytes_to_tensor(bytes(buf), "bfloat16", 12)[0, 0].item() == 7.0
+    f32 = torch.randn(3, 4)
+    assert bytes(tensor_to_buffer(f32, "bfloat16")) == tensor_to_bytes(f32, "bfloat16")  # converted: a copy
+    assert tensor_to_buffer(f32, "float8_e4m3fn", states=2) == tensor_to_bytes(f32, "float8_e4m3fn", states=2)
+
+
+def test_consecutive_views_become_the_column_buffer_without_a_copy() -> None:
+    batch = torch.randn(10, 8).to(torch.bfloat16)  # one batch's assembled states, sequences back to back
+    blobs = [tensor_to_buffer(batch[0:3], "bfloat16"), None, tensor_to_buffer(batch[3:10], "bfloat16")]
+    col = blob_column(blobs)
+    assert col.type == pa.large_binary() and col.null_count == 1
+    assert col.to_pylist() == [bytes(blobs[0]), None, bytes(blobs[2])]
+    assert col.buffers()[2].address == batch.data_ptr()  # zero copy
+    back = pickle.loads(pickle.dumps(col))  # what the object store does with it
+    del batch, blobs
+    assert back.equals(col)
+
+
+def test_blobs_out_of_order_or_from_bytes_are_copied_once_into_one_buffer() -> None:
+    batch = torch.randn(6, 4).to(torch.bfloat16)
+    blobs = [tensor_to_buffer(batch[3:6], "bfloat16"), b"", tensor_to_buffer(batch[0:3], "bfloat16"), b"\x01\x02"]
+    col = blob_column(blobs)
+    assert col.to_pylist() == [bytes(b) for b in blobs]
+    assert col.buffers()[2].address != batch.data_ptr()
+    assert blob_column([None, None]).to_pylist() == [None, None]
+    assert blob_column([]).to_pylist() == []
