@@ -149,7 +149,10 @@ def steady_state(batches: list, engines: int) -> dict[str, float]:
     """Throughput once every engine finished its first batch (start-up and warm-up amortised away).
 
     ``batches``: the tracker's timeline (start, end, pid, generated tokens). Returns the window's seconds, the tokens
-    of the batches that ended in it, their rate, and the share of the engines' time spent inside batches.
+    generated in it, their rate, and the share of the window the engines had at least one batch running. With
+    several batches in flight per engine (``regen.batches_in_flight``) a batch that ends in the window may have
+    started before it: only the share of its tokens that falls in the window counts (its tokens spread evenly over
+    its duration), so overlapping batches are never counted as if they had started with the window.
     """
     if not batches:
         return {"seconds": 0.0, "tokens": 0, "tokens_per_second": 0.0, "engine_busy": float("nan")}
@@ -161,7 +164,17 @@ def steady_state(batches: list, engines: int) -> dict[str, float]:
     later = [b for b in batches if b[1] > start]
     if not later or end <= start:
         return {"seconds": 0.0, "tokens": 0, "tokens_per_second": 0.0, "engine_busy": float("nan")}
-    busy = sum(min(b[1], end) - max(b[0], start) for b in later)
-    tokens = sum(b[3] for b in later)
-    return {"seconds": round(end - start, 3), "tokens": tokens, "tokens_per_second": round(tokens / (end - start), 1),
+    tokens = 0.0
+    for b in later:
+        inside = min(b[1], end) - max(b[0], start)
+        tokens += b[3] * (inside / (b[1] - b[0]) if b[1] > b[0] else 1.0)
+    busy = 0.0
+    for pid_batches in by_pid.values():  # the union of each engine's batches inside the window
+        covered_to = start
+        for b0, b1 in sorted((max(b[0], start), min(b[1], end)) for b in pid_batches if b[1] > start):
+            if b1 > covered_to:
+                busy += b1 - max(b0, covered_to)
+                covered_to = b1
+    return {"seconds": round(end - start, 3), "tokens": int(round(tokens)),
+            "tokens_per_second": round(tokens / (end - start), 1),
             "engine_busy": round(busy / (engines * (end - start)), 4)}

@@ -1,0 +1,30 @@
+"""regen's steady-state throughput: batches one after another, and batches in flight together on one engine."""
+
+from __future__ import annotations
+
+import pytest
+
+from eaglenest.regen.progress import steady_state
+
+
+def test_batches_one_after_another_count_whole_after_the_first() -> None:
+    # (start, end, pid, tokens): the first batch ends at 10; the next two run 10-20 and 20-30
+    s = steady_state([(0, 10, 1, 1000), (10, 20, 1, 500), (20, 30, 1, 700)], engines=1)
+    assert s["seconds"] == 20 and s["tokens"] == 1200 and s["tokens_per_second"] == 60.0
+    assert s["engine_busy"] == 1.0
+
+
+def test_overlapping_batches_count_only_their_tokens_inside_the_window() -> None:
+    # two batches in flight: the second started with the first (at 0) and ends at 20, half of it before the window
+    s = steady_state([(0, 10, 1, 1000), (0, 20, 1, 2000), (10, 30, 1, 2000)], engines=1)
+    assert s["seconds"] == 20
+    assert s["tokens"] == 1000 + 2000  # half of the second batch, all of the third
+    assert s["tokens_per_second"] == 150.0
+    assert s["engine_busy"] == 1.0  # overlap is not counted twice
+
+
+def test_idle_gaps_lower_engine_busy_and_every_engine_must_finish_a_batch() -> None:
+    s = steady_state([(0, 10, 1, 100), (15, 20, 1, 100), (0, 12, 2, 100), (12, 20, 2, 100)], engines=2)
+    assert s["seconds"] == 8  # from the slower engine's first batch (12) to the end (20)
+    assert s["engine_busy"] == pytest.approx((5 + 8) / 16, abs=1e-4)
+    assert steady_state([(0, 10, 1, 100)], engines=1)["tokens"] == 0
