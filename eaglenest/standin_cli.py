@@ -15,6 +15,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="stop pre-training early past this many seconds (reported; default: run every step)")
     p.add_argument("--train-prompts", type=int, default=2048, help="regen prompts to write (prompts/train.jsonl)")
     p.add_argument("--heldout-prompts", type=int, default=128, help="bench prompts to write (prompts/heldout.jsonl)")
+    p.add_argument("--train-after-cut", type=int, default=0,
+                   help="up to this many regen prompts from records after the pre-training cut (after the held-out "
+                        "ones: conversations the stand-in never saw, like the bench's); the rest from before it")
     p.add_argument("--spec-json", default=None,
                    help="JSON object overriding StandinSpec fields (e.g. a tiny shape for a CPU smoke run); "
                         "'wide' takes a WideShape object")
@@ -34,7 +37,7 @@ def run(args: argparse.Namespace) -> int:
     spec = StandinSpec(**over)
     report = build_standin(args.sharegpt, args.output, spec, device=args.device,
                            num_train_prompts=args.train_prompts, num_heldout_prompts=args.heldout_prompts,
-                           log=lambda m: print(m, flush=True))
+                           train_after_cut=args.train_after_cut, log=lambda m: print(m, flush=True))
     pre, wide = report["pretrain"], report["wide"]
     print(f"stand-in written to {args.output}: {wide['base_parameters'] / 1e6:.0f}M pre-trained "
           f"({pre['steps']} steps, final loss {pre['final_loss']}) grown to {wide['parameters'] / 1e9:.2f}B; "

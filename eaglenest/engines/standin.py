@@ -130,7 +130,8 @@ def chat_of(record: dict) -> list[dict[str, str]]:
 
 def build_standin(dump: str | Path, out_dir: str | Path, spec: StandinSpec | None = None, *,
                   device: str = "cuda", num_train_prompts: int = 2048, num_heldout_prompts: int = 128,
-                  max_prompt_tokens: int = 192, log: Callable[[str], None] = print) -> dict[str, Any]:
+                  max_prompt_tokens: int = 192, train_after_cut: int = 0,
+                  log: Callable[[str], None] = print) -> dict[str, Any]:
     """Build the stand-in into ``out_dir`` (``model/``: the wide target, ``base/``: the small one, ``prompts/``)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -204,7 +205,7 @@ def build_standin(dump: str | Path, out_dir: str | Path, spec: StandinSpec | Non
         f"{report['preservation']['top1_agreement']:.4f})")
 
     report["prompts"] = write_prompt_files(read.records, split, tokenizer, out / "prompts", num_train_prompts,
-                                           num_heldout_prompts, max_prompt_tokens)
+                                           num_heldout_prompts, max_prompt_tokens, train_after_cut=train_after_cut)
     report["seconds"] = round(time.perf_counter() - t0, 1)
     (out / "standin.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
     return report
@@ -296,9 +297,15 @@ def first_exchange(record: dict) -> list[dict[str, str]] | None:
 
 
 def write_prompt_files(records: list[dict], split: int, tokenizer: Any, out: Path, n_train: int, n_heldout: int,
-                       max_prompt_tokens: int) -> dict[str, Any]:
+                       max_prompt_tokens: int, *, train_after_cut: int = 0) -> dict[str, Any]:
     """``train.jsonl`` (ShareGPT records, regen's input) from records before ``split``; ``heldout.jsonl`` (bench
-    prompts) from records after it. First exchanges whose prompt fits ``max_prompt_tokens``, in dump order."""
+    prompts) from records after it. First exchanges whose prompt fits ``max_prompt_tokens``, in dump order, no
+    prompt twice.
+
+    ``train_after_cut``: up to this many of the train prompts come from the records after the cut that follow the
+    held-out ones (other conversations the stand-in never pre-trained on, like the bench's), the rest from before
+    it; so the drafter's data covers both kinds of prompt the bench can meet, and the held-out prompts stay unseen.
+    """
     out.mkdir(parents=True, exist_ok=True)
 
     seen: set[str] = set()  # public dumps repeat prompts; regen would drop the repeats as duplicates
@@ -317,8 +324,10 @@ def write_prompt_files(records: list[dict], split: int, tokenizer: Any, out: Pat
                     break
         return got
 
-    train = pick(iter(enumerate(records[:split])), n_train)
-    held = pick(((i + split, r) for i, r in enumerate(records[split:])), n_heldout)
+    after = iter([(i + split, r) for i, r in enumerate(records[split:])])
+    held = pick(after, n_heldout)
+    late = pick(after, min(train_after_cut, n_train)) if train_after_cut > 0 else []
+    train = pick(iter(enumerate(records[:split])), n_train - len(late)) + late
     with (out / "train.jsonl").open("w") as f:
         for i, r, ex in train:
             f.write(json.dumps(sharegpt_record(r.get("id", f"record-{i}"), ex[:2])) + "\n")
@@ -327,6 +336,7 @@ def write_prompt_files(records: list[dict], split: int, tokenizer: Any, out: Pat
             f.write(json.dumps({"id": r.get("id", f"record-{i}"), "domain": "chat", "messages": ex[:1]}) + "\n")
     rng = random.Random(0)
     sample = rng.sample(held, min(3, len(held)))
-    return {"train": len(train), "heldout": len(held), "train_path": str(out / "train.jsonl"),
+    return {"train": len(train), "train_after_cut": len(late), "heldout": len(held),
+            "train_path": str(out / "train.jsonl"),
             "heldout_path": str(out / "heldout.jsonl"), "max_prompt_tokens": max_prompt_tokens,
             "heldout_examples": [ex[0]["content"][:120] for _, _, ex in sample]}

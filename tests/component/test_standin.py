@@ -165,3 +165,22 @@ def test_tiny_build_on_cpu_end_to_end(tmp_path):
         a = base.generate(ids, max_new_tokens=12, do_sample=False)
         b = wide.generate(ids, max_new_tokens=12, do_sample=False)
     assert torch.equal(a, b)  # the same model, 4x wider and 3x deeper
+
+
+def test_train_prompts_after_the_cut_follow_the_heldout_ones_and_never_overlap(tiny_target_path, tmp_path):
+    from transformers import AutoTokenizer
+
+    from eaglenest.engines.standin import write_prompt_files
+
+    tok = AutoTokenizer.from_pretrained(tiny_target_path)
+    recs = [{"id": f"rec{i}", "conversations": [{"from": "human", "value": f"question number {i} about rivers"},
+                                                {"from": "gpt", "value": "an answer"}]} for i in range(60)]
+    rep = write_prompt_files(recs, 40, tok, tmp_path, n_train=12, n_heldout=5, max_prompt_tokens=64,
+                             train_after_cut=4)
+    train = [json.loads(x)["id"] for x in (tmp_path / "train.jsonl").read_text().splitlines()]
+    held = [json.loads(x)["id"] for x in (tmp_path / "heldout.jsonl").read_text().splitlines()]
+    assert held == [f"rec{i}" for i in range(40, 45)]  # the bench's prompts: the first after the cut, as before
+    assert train == [f"rec{i}" for i in range(8)] + [f"rec{i}" for i in range(45, 49)]
+    assert rep["train"] == 12 and rep["train_after_cut"] == 4
+    plain = write_prompt_files(recs, 40, tok, tmp_path / "plain", n_train=12, n_heldout=5, max_prompt_tokens=64)
+    assert plain["train_after_cut"] == 0  # default: every train prompt from before the cut
