@@ -50,7 +50,14 @@ RUNTIME_ENV = {"excludes": [".venv", ".git", ".work", "demo-work", ".gpu", ".whl
 SPEC = {"num_steps": 3, "topk": 1, "num_draft_tokens": 4}
 MAX_NEW_TOKENS = int(os.environ.get("E2E_MAX_NEW_TOKENS", "160" if MODE == "gpu" else "24"))
 REGEN_ACTORS = int(os.environ.get("E2E_REGEN_ACTORS", "1"))
+REGEN_IN_FLIGHT = int(os.environ.get("E2E_REGEN_IN_FLIGHT", "3" if MODE == "gpu" else "2"))
+"""regen batches per engine actor at once: their requests share SGLang's running batch (no tail between batches)"""
+ACCEPT_PROMPTS = int(os.environ.get("E2E_ACCEPT_PROMPTS", "64" if MODE == "gpu" else "4"))
+"""prompts per set for the served accept length: unseen records vs the trainer's held-out regen prompts"""
 TRAIN_PROMPTS = int(os.environ.get("E2E_TRAIN_PROMPTS", "3200" if MODE == "gpu" else "24"))
+TRAIN_AFTER_CUT = int(os.environ.get("E2E_TRAIN_AFTER_CUT", "800" if MODE == "gpu" else "4"))
+"""up to this many of them from records after the stand-in's pre-training cut (conversations it never saw, the kind
+the bench's held-out prompts are; the bench's own prompts stay out)"""
 TTT_STEPS = int(os.environ.get("E2E_TTT_STEPS", "4" if MODE == "gpu" else "3"))
 """The served chain drafts 3 tokens (3-1-4), so TTT unrolls 4 steps: steps the engine never drafts cost time only."""
 TRAIN_WORKERS = int(os.environ.get("E2E_TRAIN_WORKERS", "1"))
@@ -123,7 +130,7 @@ def step_standin() -> dict[str, Any]:
     dump = os.environ.get("E2E_SHAREGPT") or str(WORK / "data" / "ShareGPT_V3_unfiltered_cleaned_split.json")
     cmd = [sys.executable, "-m", "eaglenest.cli", "standin-target", str(STANDIN), "--sharegpt", dump,
            "--device", "cuda" if gpu() else "cpu"]
-    cmd += ["--train-prompts", str(TRAIN_PROMPTS)]
+    cmd += ["--train-prompts", str(TRAIN_PROMPTS), "--train-after-cut", str(TRAIN_AFTER_CUT)]
     if gpu():
         if os.environ.get("E2E_PRETRAIN_STEPS"):
             cmd += ["--steps", os.environ["E2E_PRETRAIN_STEPS"]]
@@ -152,7 +159,8 @@ def write_configs() -> dict[str, Any]:
             "sampling": {"temperature": 0.0, "max_new_tokens": MAX_NEW_TOKENS},
             "batch_size": 512 if gpu() else 4,  # SGLang batches inside: a big call keeps it full
             "num_actors": REGEN_ACTORS,
-            "num_cpus_per_actor": 2 if gpu() else 0.5,
+            "batches_in_flight": REGEN_IN_FLIGHT,
+            "num_cpus_per_actor": 4 if gpu() else 0.5,  # assembling ~1 GB/s of states takes a few cores
             "num_gpus_per_actor": 1 if gpu() else 0,
             "max_tokens": 8192,  # prompts are <= 192 tokens; the original answers are long but replaced
             "rows_per_shard": 128 if gpu() else 8,
@@ -399,6 +407,7 @@ def step_serve() -> dict[str, Any]:
                 usage = ch.usage.model_dump()
         rec["stream"] = {"ttft_seconds": round(first or 0, 4), "chunks": chunks, "text": "".join(text)[:300],
                          "seconds": round(time.perf_counter() - t, 3), "usage": usage}
+        rec["accept_length_by_prompt_set"] = served_accept_lengths(client)
         with contextlib.suppress(OSError):
             with urllib.request.urlopen(f"http://127.0.0.1:{METRICS_PORT}/metrics", timeout=10) as r:
                 body = r.read().decode()
@@ -411,6 +420,56 @@ def step_serve() -> dict[str, Any]:
         time.sleep(3)
         rec["final_status"] = job_status("e2e-serve")
     return rec
+
+
+def trainer_heldout_prompts(n: int) -> list[dict[str, Any]]:
+    """First user turns of regen samples the trainer held out (``train.eval_fraction``; it never trained on them),
+    found by the shards' ``source_id`` in regen's input file."""
+    import pyarrow.parquet as pq
+
+    from eaglenest.config import load_config
+    from eaglenest.drafter.data import is_eval_sample
+    from eaglenest.engines.standin import chat_of
+
+    tc = load_config(CONFIG).train
+    held: list[str] = []
+    for f in sorted((REGEN_OUT / "shards").glob("part-*.parquet")):
+        t = pq.read_table(f, columns=["id", "source_id"])
+        held += [src for i, src in zip(t.column("id").to_pylist(), t.column("source_id").to_pylist(), strict=True)
+                 if is_eval_sample(i, tc.eval_fraction, tc.seed)]
+    wanted = set(held)
+    out = []
+    for line in (PROMPTS / "train.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        if r.get("id") in wanted:
+            out.append({"id": r["id"], "domain": "chat", "messages": chat_of(r)[:1]})
+    return sorted(out, key=lambda r: r["id"])[:n]
+
+
+def served_accept_lengths(client: Any) -> dict[str, Any]:
+    """EAGLE3 accept length through the served API (``usage.spec``), greedy, 8 requests at a time, on two prompt
+    sets the drafter never trained on: records after the stand-in's pre-training cut (the bench's kind) and the
+    trainer's held-out regen prompts (the kind it trained on). Separates data shift from a serving difference."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    unseen = [json.loads(x) for x in (PROMPTS / "heldout.jsonl").read_text().splitlines()][:ACCEPT_PROMPTS]
+    sets = {"unseen_records": unseen, "trainer_heldout": trainer_heldout_prompts(ACCEPT_PROMPTS)}
+
+    def one(r: dict[str, Any]) -> tuple[int, float]:
+        reply = client.chat.completions.create(model="eaglenest", messages=r["messages"],
+                                               max_tokens=128 if gpu() else 16, temperature=0)
+        u = reply.usage.model_dump()
+        return u["completion_tokens"], float(u["spec"]["accept_length"])
+
+    out: dict[str, Any] = {}
+    with ThreadPoolExecutor(8) as pool:
+        for name, prompts in sets.items():
+            got = list(pool.map(one, prompts))
+            tokens = sum(t for t, _ in got)
+            cycles = sum(t / a for t, a in got if a > 0)
+            out[name] = {"prompts": len(got), "completion_tokens": tokens,
+                         "accept_length": round(tokens / cycles, 3) if cycles else None}
+    return out
 
 
 def step_eagle_forced() -> dict[str, Any]:
@@ -519,6 +578,9 @@ def summarize() -> dict[str, Any]:
         lines.append(f"serve job: healthy after {sv.get('seconds_to_healthy')} s; stream TTFT "
                      f"{sv['stream']['ttft_seconds']} s, {sv['stream']['chunks']} chunks, "
                      f"usage {sv['stream']['usage']}")
+    for name, r in (sv.get("accept_length_by_prompt_set") or {}).items():
+        lines.append(f"served EAGLE3 accept length, {name}: {r['accept_length']} over {r['prompts']} prompts "
+                     f"({r['completion_tokens']} tokens)")
     if s["jobs"].get("jobs"):
         jobs = s["jobs"]["jobs"]
         lines.append("dashboard job API: " + ", ".join(f"{j['submission_id']}={j['status']}" for j in jobs))
