@@ -21,7 +21,8 @@
 # Knobs: E2E_PRETRAIN_STEPS, E2E_TRAIN_PROMPTS, E2E_TRAIN_AFTER_CUT (how many of them from records the stand-in never
 # saw; default 800), E2E_EPOCHS, E2E_TTT_STEPS, E2E_MAX_NEW_TOKENS, E2E_CAPTURE (generation | prefill: how regen gets
 # hidden states; default generation), E2E_REGEN_IN_FLIGHT (regen batches per engine at once; default 3),
-# E2E_ACCEPT_PROMPTS (per prompt set for the served accept length; default 64); E2E_REGEN_ACTORS=2
+# E2E_ACCEPT_PROMPTS (per prompt set for the served accept length; default 64), E2E_CONCURRENT_GENERATE=0 (regen's
+# batches one synchronous Engine.generate at a time; may also be written to $E2E_WORK/overrides.env before call 2); E2E_REGEN_ACTORS=2
 # E2E_TRAIN_WORKERS=2 E2E_NUM_GPUS=2 on a 2-GPU machine (regen data parallel, DDP training).
 set -uo pipefail
 ROOT=${E2E_ROOT:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)}  # the runner runs from a copy: E2E_ROOT
@@ -64,6 +65,7 @@ case "${1:-}" in
     exit 0 ;;
 
   --phase2)
+    touch "$E2E_WORK/phase2.go"  # the runner goes on from here (after any overrides.env this command's caller wrote)
     wait_for "$E2E_WORK/all.done" "$WAIT_S"
     tail -c 4000 "$E2E_WORK/runner.log"
     echo; cat "$E2E_WORK/results/summary.txt" 2>/dev/null
@@ -93,7 +95,7 @@ esac
 # ---------------------------------------------------------------------------------------------------- the runner
 START=$(date +%s)
 mkdir -p "$E2E_WORK/bin" "$E2E_WORK/results/logs" "$E2E_WORK/data"
-rm -f "$E2E_WORK/phaseA.done" "$E2E_WORK/all.done"
+rm -f "$E2E_WORK/phaseA.done" "$E2E_WORK/all.done" "$E2E_WORK/phase2.go" "$E2E_WORK/overrides.env"
 MODE=${E2E_MODE:-gpu}
 echo "== runner ($MODE) $(date -u +%FT%TZ) commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
 if [ "$MODE" = gpu ]; then
@@ -120,12 +122,13 @@ if [ -z "${E2E_SHAREGPT:-}" ]; then
   fi
 fi
 
-for s in standin configs; do step "$s"; done
+step standin
 touch "$E2E_WORK/phaseA.done"
 echo "== phase A done at +$(( $(date +%s) - START )) s"
 
 if [ "$MODE" = gpu ]; then  # Ray (and the JIT cache, if there is one) arrive with the second call
   wait_for .gpu/r1/install_ray.sh 900
+  wait_for "$E2E_WORK/phase2.go" 900
   # shellcheck disable=SC1091
   source .gpu/r1/install_ray.sh
   # SGLang's compiled kernels from an earlier session: restored before its first engine start (~60 s of nvcc saved)
@@ -133,7 +136,10 @@ if [ "$MODE" = gpu ]; then  # Ray (and the JIT cache, if there is one) arrive wi
     tar -xzf .gpu/jit/jitcache.tgz -C /tmp && touch /tmp/jitcache/.restored && echo "JIT cache restored"
   fi
 fi
-for s in offline_ref ray_start regen train preflight bench serve eagle_forced jobs; do step "$s"; done
+# knobs decided between the calls (e.g. E2E_CONCURRENT_GENERATE=0 after a failed smoke test) reach the config here
+# shellcheck disable=SC1091
+[ -f "$E2E_WORK/overrides.env" ] && { cat "$E2E_WORK/overrides.env"; source "$E2E_WORK/overrides.env"; }
+for s in configs offline_ref ray_start regen train preflight bench serve eagle_forced jobs; do step "$s"; done
 python3 benchmarks/gpu_e2e.py summary
 step ray_stop
 echo "== runner done in $(( $(date +%s) - START )) s"

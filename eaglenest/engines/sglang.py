@@ -113,7 +113,7 @@ class SGLangEngine(TargetEngine):
                                    trust_remote_code=cfg.trust_remote_code)
         self.recorder: GenerationRecorder | None = None
         self.regen = regen and drafter is None
-        """regen's engine: generations of several threads run in the engine together (``EngineLoopDriver``)"""
+        """regen's engine (it records, if ``capture: generation``, and runs threads' batches together)"""
         # only regen's engines record: a bench baseline or a serving engine keeps CUDA graphs and the radix cache
         if self.regen and self.engine_cfg.capture == "generation":
             check_generation_capture(self.spec.architecture, self.engine_cfg.tp_size)
@@ -156,7 +156,7 @@ class SGLangEngine(TargetEngine):
             engine = Engine(**self.engine_kwargs)
             if self.recorder is not None:
                 self.recorder.sink.start()
-            if self.regen:
+            if self.regen and self.engine_cfg.concurrent_generate:
                 self._driver = EngineLoopDriver(engine)
             self._engine = engine  # last: a thread that sees the engine sees its driver too
         return self._engine
