@@ -11,8 +11,9 @@
    (``SGLangCaptureRunner``, SGLang's model code teacher-forced), at every position training reads, plus a control
    with the capture shifted one layer (an off-by-one tap must fail the tolerance);
 3. ``regen``: ``run_regen`` on a local Ray (Ray Data, one GPU actor) with capture during generation, steady state
-   tokens/s against (1); ``regen-inflight2`` the same with ``regen.batches_in_flight: 2``; ``regen-fp8`` with fp8
-   storage.
+   tokens/s against (1); ``regen-inflightN`` (N = 2..4) the same with ``regen.batches_in_flight: N`` (every batch in
+   flight in SGLang's running batch at once); ``regen-fp8`` with fp8 storage. Each regen record carries the
+   manifest's batch timeline (start, end, generate and capture seconds per batch).
 
     source .gpu/bin/install.sh && source .gpu/r1/install_ray.sh && \\
         python3 benchmarks/gpu_capture_generation.py --out $OUT/gencap
@@ -150,7 +151,7 @@ def regen_phase(model: Path, source: Path, out_dir: Path, max_new: int, batch: i
         "target": target_cfg(model, "generation").model_dump(),
         "regen": {"sources": [{"name": "gencap", "domain": "chat", "adapter": "sharegpt", "path": str(source)}],
                   "output": str(out_dir), "sampling": {"temperature": 0.0, "max_new_tokens": max_new},
-                  "batch_size": batch, "num_actors": 1, "num_cpus_per_actor": 2, "num_gpus_per_actor": 1,
+                  "batch_size": batch, "num_actors": 1, "num_cpus_per_actor": 4, "num_gpus_per_actor": 1,
                   "max_tokens": 4096, "rows_per_shard": 128, "storage_dtype": storage_dtype,
                   "batches_in_flight": in_flight}}))
     cfg = load_config(cfg_path)
@@ -163,7 +164,8 @@ def regen_phase(model: Path, source: Path, out_dir: Path, max_new: int, batch: i
     res = {"wall_s": round(wall, 1), "batch_size": batch, "storage_dtype": storage_dtype, "in_flight": in_flight,
            "generated_tokens": run["generated_tokens"],
            "engine_seconds": run["engine_seconds"], "steady": run["steady"],
-           "written": run.get("written"), "quarantined": run.get("quarantined_by_engine_stage")}
+           "written": run.get("written"), "quarantined": run.get("quarantined_by_engine_stage"),
+           "batches": run.get("batches")}
     print("regen", res, flush=True)
     return res
 
@@ -196,9 +198,10 @@ def main() -> int:
                 rec[phase] = engine_phase(model, records, a.max_new_tokens, a.check)
             elif phase == "regen":
                 rec[phase] = regen_phase(model, source, work / "regen-gencap", a.max_new_tokens, a.regen_batch)
-            elif phase == "regen-inflight2":
-                rec[phase] = regen_phase(model, source, work / "regen-gencap-2", a.max_new_tokens, a.regen_batch,
-                                         in_flight=2)
+            elif phase.startswith("regen-inflight"):  # regen-inflight2 .. regen-inflight4
+                n = int(phase.removeprefix("regen-inflight"))
+                rec[phase] = regen_phase(model, source, work / f"regen-gencap-{n}", a.max_new_tokens, a.regen_batch,
+                                         in_flight=n)
             elif phase == "regen-fp8":
                 rec[phase] = regen_phase(model, source, work / "regen-gencap-fp8", a.max_new_tokens, a.regen_batch,
                                          "float8_e4m3fn")

@@ -122,11 +122,13 @@ def _run_locked(cfg: EaglenestConfig, sources: list, out_dir: Path, limit: int |
         totals: dict[str, int] = {}
         engine_version = None
         batches: list = []
+        batch_records: list = []
         engine_time: dict[str, float] = {}
         if plan.planned:
             totals = _run_engine_stage(cfg, plan.files, out_dir, identity, tracker, log, interval)
             engine_version = (ray.get(tracker.snapshot.remote()).get("engine") or {}).get("engine_version")
             batches = ray.get(tracker.batch_timeline.remote())
+            batch_records = ray.get(tracker.batch_records.remote())
             engine_time = ray.get(tracker.engine_time.remote())
         if flush_metrics if flush_metrics is not None else bool(os.environ.get("RAY_ADDRESS")):
             ray.get(tracker.snapshot.remote())  # final gauges (ETA 0)
@@ -154,7 +156,8 @@ def _run_locked(cfg: EaglenestConfig, sources: list, out_dir: Path, limit: int |
                      "dropped_turns": totals.get("dropped_turns", 0),
                      "limit": limit, "wall_seconds": round(wall, 1),
                      # engine start, warm-up and the last shard's write are outside the steady window
-                     "steady": steady_state(batches, rc.num_actors), "engine_seconds": engine_time},
+                     "steady": steady_state(batches, rc.num_actors), "engine_seconds": engine_time,
+                     "batches": batch_records},
     }
     manifest = write_final_manifest(out_dir, identity, engine_version, extra)
     shutil.rmtree(out_dir / PLAN, ignore_errors=True)  # the work list of a finished run (rebuilt by every run)

@@ -43,6 +43,7 @@ class ProgressTracker:
         self.first_write: float | None = None
         self.engine: dict[str, Any] = {}
         self.timeline: deque[tuple[float, ...]] = deque(maxlen=200_000)
+        self.batch_seconds: deque[tuple[float, float] | None] = deque(maxlen=200_000)  # aligned with timeline
         self.engine_seconds = {"generate": 0.0, "capture": 0.0}
         self.rows: dict[str, dict[int, list[int]]] = {}
 
@@ -63,6 +64,7 @@ class ProgressTracker:
         (generating, capturing) inside that batch (where an engine's time goes)."""
         if batch is not None:
             self.timeline.append((batch[0], batch[1], batch[2], tokens, *batch[3:]))
+            self.batch_seconds.append(seconds)
         if seconds is not None:
             self.engine_seconds["generate"] += seconds[0]
             self.engine_seconds["capture"] += seconds[1]
@@ -125,6 +127,22 @@ class ProgressTracker:
         """(start, end, pid, generated tokens, rows[, rows generated: online]) of every engine batch, for throughput
         analysis (benchmarks)."""
         return list(self.timeline)
+
+    def batch_records(self, limit: int = 2000) -> list[dict[str, Any]]:
+        """The first ``limit`` engine batches for the manifest: start and end (seconds after the first batch
+        started), actor pid, rows, generated tokens, and the seconds inside the batch spent generating and capturing.
+        Shows how batches in flight overlapped and where a slow run's time went (BENCHMARKS.md reads it)."""
+        if not self.timeline:
+            return []
+        t0 = min(b[0] for b in self.timeline)
+        out = []
+        for b, sec in list(zip(self.timeline, self.batch_seconds, strict=True))[:limit]:
+            rec = {"start_s": round(b[0] - t0, 2), "end_s": round(b[1] - t0, 2), "pid": b[2], "tokens": b[3],
+                   "rows": b[4] if len(b) > 4 else None}
+            if sec is not None:
+                rec["generate_s"], rec["capture_s"] = round(sec[0], 2), round(sec[1], 2)
+            out.append(rec)
+        return out
 
     def engine_time(self) -> dict[str, float]:
         """Seconds all engines spent generating and capturing (summed over actors)."""

@@ -135,6 +135,12 @@ def test_loss_masks_are_the_regenerated_turns(demo_run, tiny_engine):
     inputs = fixture_rows()
     shards, _ = read_output(out)
     assert summary["last_run"]["dropped_turns"] == 0
+    batches = summary["last_run"]["batches"]  # the engine batches' timeline, in the manifest
+    assert sum(b["tokens"] for b in batches) == summary["last_run"]["generated_tokens"]
+    assert sum(b["rows"] for b in batches) == summary["last_run"]["written"] + summary["last_run"][
+        "quarantined_by_engine_stage"]
+    assert min(b["start_s"] for b in batches) == 0 and all(b["end_s"] >= b["start_s"] for b in batches)
+    assert all(b["generate_s"] >= 0 and b["capture_s"] >= 0 for b in batches)
     for r in (r for t in shards for r in t.to_pylist()):
         src = inputs[r["id"]]
         ids, mask = r["input_ids"], r["loss_mask"]
