@@ -14,7 +14,8 @@ with a row per live request) and times (2)+(3) both ways side by side, in one ru
 
 and (1) and (4) once each, for scale. Example (the numbers in BENCHMARKS.md):
 
-    python benchmarks/capture_host_path.py --sequences 256 --prompt-tokens 64 --answer-tokens 128 --hidden 4096
+    python benchmarks/capture_host_path.py --sequences 256 --prompt-tokens 64 --answer-tokens 128 --hidden 4096 \
+        --repeats 3 --object-store
 """
 
 from __future__ import annotations
@@ -114,7 +115,13 @@ def main() -> int:
         res["bytes_over_buffer_time"] = round(res["bytes"]["best_total_s"] / max(res["buffer"]["best_total_s"], 1e-9),
                                               1)
         if a.object_store:
+            import os
+
             import ray
+
+            for k, v in (("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0"), ("RAY_AUTH_MODE", "disabled"),
+                         ("RAY_USAGE_STATS_ENABLED", "0")):
+                os.environ.setdefault(k, v)
 
             ray.init(num_cpus=1, include_dashboard=False, object_store_memory=int(gib * 1.5 * 2**30) + (1 << 30))
             _, _, table = blobs_table(seqs, caps, tensor_to_buffer)
