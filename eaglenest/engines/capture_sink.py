@@ -25,6 +25,7 @@ import torch
 
 from eaglenest.contracts.states import unread_state_positions
 from eaglenest.engines.base import Capture
+from eaglenest.engines.host_buffers import HostBufferPool
 from eaglenest.engines.sglang_hooks import ALIGN, ERROR_FILE, chunk_name
 
 RELEASED_MEMORY = 1 << 17
@@ -82,6 +83,8 @@ class CaptureSink:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self.buffers = HostBufferPool()
+        """where assembled states live: reused once the blocks built on them are gone (first touches cost most)"""
 
     # ------------------------------------------------------------------------------------------------ reading
     def start(self) -> None:
@@ -216,8 +219,8 @@ class CaptureSink:
             h, dtype = self.hidden_size, chunks[0][0].states.dtype
             starts = torch.cumsum(torch.tensor([0] + [t for _, t, _, _ in placed]), 0)
             total = int(starts[-1])
-            aux = torch.empty(total, self.width - h, dtype=dtype)
-            last = torch.empty(total, h, dtype=dtype)
+            aux = self.buffers.take(total * (self.width - h) * dtype.itemsize).view(dtype).view(total, self.width - h)
+            last = self.buffers.take(total * h * dtype.itemsize).view(dtype).view(total, h)
             src = torch.cat([sel for _, _, sel, _ in placed])
             dst = torch.cat([p + starts[i] for i, (_, _, _, p) in enumerate(placed)])
             which = torch.searchsorted(rows_of, src, right=True) - 1
@@ -234,7 +237,7 @@ class CaptureSink:
                 last.index_copy_(0, to, rows[:, self.width - h:])
             unfilled = torch.ones(total, dtype=torch.bool)
             unfilled[dst] = False
-            aux[unfilled] = 0  # the positions training never reads
+            aux[unfilled] = 0  # the positions training never reads (a reused buffer holds an earlier batch's rows)
             last[unfilled] = 0
             for i, (k, t, _, _) in enumerate(placed):
                 a, b = int(starts[i]), int(starts[i]) + t

@@ -1,0 +1,71 @@
+"""Host memory for a batch's assembled hidden states, reused once nothing refers to it any more.
+
+Regen assembles ~32 KiB per token of a large target on the engine actor's CPUs (``capture_sink``), and the
+assembled memory becomes the Arrow block's buffer as it is (``regen.stage.blob_column``). Freshly allocated memory
+costs a page fault and a kernel zero-fill per page on first touch, which is most of assembly's time (BENCHMARKS.md,
+the actor's host path); memory that was touched before copies several times faster. So buffers are kept and lent
+again, but only when nothing refers to them any more.
+
+Each buffer is a ``bytearray`` lent through ``torch.frombuffer``: the tensor's storage holds a buffer export of the
+bytearray (one reference to it) for as long as any tensor sharing that storage lives, whatever views, dtype views,
+``.numpy()`` arrays or Arrow buffers were built on it since. A bytearray referenced by the pool alone is free.
+(Tensor views are not a safe signal: a dtype view does not keep its base tensor object alive.)
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+
+import torch
+
+GRANULE = 64 << 20
+"""Sizes are rounded up to this, so batches of slightly different lengths reuse the same buffers."""
+
+
+class HostBufferPool:
+    """Lends uint8 host tensors on pooled bytearrays; keeps at most ``max_free_bytes`` of free ones for reuse."""
+
+    def __init__(self, max_free_bytes: int = 8 << 30) -> None:
+        self.max_free_bytes = max_free_bytes
+        self._buffers: list[bytearray] = []
+        self._lock = threading.Lock()
+        self.reused = 0
+        self.allocated = 0
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        """A 1-D uint8 tensor of ``nbytes`` on a pooled buffer (its old contents are not cleared)."""
+        if nbytes <= 0:
+            return torch.empty(0, dtype=torch.uint8)
+        size = max(GRANULE, -(-nbytes // GRANULE) * GRANULE)
+        with self._lock:
+            free = [i for i in range(len(self._buffers)) if self._is_free(i)]
+            fits = [i for i in free if len(self._buffers[i]) >= size]
+            if fits:
+                i = min(fits, key=lambda k: len(self._buffers[k]))
+                self.reused += 1
+            else:
+                self._trim(free, keep=size)
+                self._buffers.append(bytearray(size))
+                i = len(self._buffers) - 1
+                self.allocated += 1
+            return torch.frombuffer(self._buffers[i], dtype=torch.uint8, count=nbytes)
+
+    def _is_free(self, i: int) -> bool:
+        # references to a free buffer: the pool's list and getrefcount's argument; a lent one has its export's too
+        return sys.getrefcount(self._buffers[i]) <= 2
+
+    def _trim(self, free: list[int], keep: int) -> None:
+        """Drop free buffers, smallest first, until the free ones plus a new one of ``keep`` bytes fit the cap."""
+        total = sum(len(self._buffers[i]) for i in free)
+        drop = set()
+        for i in sorted(free, key=lambda k: len(self._buffers[k])):
+            if total + keep <= self.max_free_bytes:
+                break
+            drop.add(i)
+            total -= len(self._buffers[i])
+        self._buffers = [b for k, b in enumerate(self._buffers) if k not in drop]
+
+    def pooled_bytes(self) -> int:
+        with self._lock:
+            return sum(len(b) for b in self._buffers)
