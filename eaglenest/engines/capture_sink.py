@@ -276,5 +276,6 @@ class CaptureSink:
         if self._thread is not None:
             self._thread.join(timeout=5)
         self.discard()
+        self.buffers.clear()
         shutil.rmtree(self.folder, ignore_errors=True)
 

@@ -66,6 +66,11 @@ class HostBufferPool:
             total -= len(self._buffers[i])
         self._buffers = [b for k, b in enumerate(self._buffers) if k not in drop]
 
+    def clear(self) -> None:
+        """Forget every buffer (lent ones stay valid: their tensors keep the memory until they go)."""
+        with self._lock:
+            self._buffers = []
+
     def pooled_bytes(self) -> int:
         with self._lock:
             return sum(len(b) for b in self._buffers)

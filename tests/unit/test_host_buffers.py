@@ -80,3 +80,11 @@ def test_the_sink_reuses_memory_only_after_a_batchs_captures_are_gone(tmp_path) 
     assert sink.buffers.reused == 2  # a's aux and final-state buffers
     assert float(b.aux_hidden_states.float().mean()) == 2.0 and float(c.aux_hidden_states.float().mean()) == 3.0
     sink.close()
+
+
+def test_clear_forgets_the_pool_but_lent_memory_stays_valid() -> None:
+    pool = HostBufferPool()
+    a = _states(pool, 8, 8)
+    a.fill_(5.0)
+    pool.clear()
+    assert pool.pooled_bytes() == 0 and float(a.float().mean()) == 5.0
