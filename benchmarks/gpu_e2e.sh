@@ -94,8 +94,10 @@ esac
 
 # ---------------------------------------------------------------------------------------------------- the runner
 START=$(date +%s)
+# a runner that ends early (an error in this script, a kill) still stops the Ray head it started
+trap '[ -f "$E2E_WORK/ray-head.pid" ] && kill -TERM -- "-$(cat "$E2E_WORK/ray-head.pid")" 2>/dev/null' EXIT
 mkdir -p "$E2E_WORK/bin" "$E2E_WORK/results/logs" "$E2E_WORK/data"
-rm -f "$E2E_WORK/phaseA.done" "$E2E_WORK/all.done" "$E2E_WORK/phase2.go" "$E2E_WORK/overrides.env"
+rm -f "$E2E_WORK/phaseA.done" "$E2E_WORK/all.done" "$E2E_WORK/phase2.go" "$E2E_WORK/overrides.env" "$E2E_WORK/ray-head.pid"
 MODE=${E2E_MODE:-gpu}
 echo "== runner ($MODE) $(date -u +%FT%TZ) commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
 if [ "$MODE" = gpu ]; then

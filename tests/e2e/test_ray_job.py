@@ -61,6 +61,37 @@ class Head:
         return _ray("job", "status", "--address", self.address, job_id, env=self.env, timeout=60).stdout
 
 
+def _start_head(env: dict, temp_dir: Path, log: Path) -> tuple[subprocess.Popen, Head]:
+    """``ray start --head`` with ports of its own (fresh each call), its output in ``log``."""
+    gcs, dash = _free_port(), _free_port()
+    # every port of its own: the suite's Ray session already holds the default agent/metrics ports, and a job
+    # head whose dashboard agent cannot bind answers "No available agent to submit job"
+    agent, agent_grpc, metrics, env_agent, client = (_free_port() for _ in range(5))
+    with open(log, "w") as out:
+        head = subprocess.Popen(
+            [str(BIN / "ray"), "start", "--head", "--block", f"--port={gcs}", "--node-ip-address=127.0.0.1",
+             "--num-cpus=4", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", f"--temp-dir={temp_dir}",
+             f"--dashboard-agent-listen-port={agent}", f"--dashboard-agent-grpc-port={agent_grpc}",
+             f"--metrics-export-port={metrics}", f"--runtime-env-agent-port={env_agent}",
+             f"--ray-client-server-port={client}", "--disable-usage-stats"],
+            env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+    return head, Head(f"http://127.0.0.1:{dash}", env)
+
+
+def _stop_head(head: subprocess.Popen) -> None:
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(head.pid, sig)
+        except ProcessLookupError:
+            break
+        try:
+            head.wait(timeout=20)
+            time.sleep(2)  # children of the group (gcs, raylet, dashboard) exit with it
+        except subprocess.TimeoutExpired:
+            continue
+
+
 @pytest.fixture(scope="module")
 def ray_head() -> Iterator[Head]:
     env = dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_AUTH_MODE="disabled",
@@ -70,36 +101,28 @@ def ray_head() -> Iterator[Head]:
     # A head of its own, in its own process group: stopping it cannot touch the suite's shared Ray session
     # (`ray stop` would kill every Ray process on the machine). Short temp path: Ray's socket paths are limited.
     temp_dir = Path(tempfile.mkdtemp(prefix="rj", dir="/tmp"))
-    gcs, dash = _free_port(), _free_port()
-    # every port of its own: the suite's Ray session already holds the default agent/metrics ports, and a job
-    # head whose dashboard agent cannot bind answers "No available agent to submit job"
-    agent, agent_grpc, metrics, env_agent, client = (_free_port() for _ in range(5))
-    head = subprocess.Popen(
-        [str(BIN / "ray"), "start", "--head", "--block", f"--port={gcs}", "--node-ip-address=127.0.0.1",
-         "--num-cpus=4", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", f"--temp-dir={temp_dir}",
-         f"--dashboard-agent-listen-port={agent}", f"--dashboard-agent-grpc-port={agent_grpc}",
-         f"--metrics-export-port={metrics}", f"--runtime-env-agent-port={env_agent}",
-         f"--ray-client-server-port={client}", "--disable-usage-stats"],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-    )
-    h = Head(f"http://127.0.0.1:{dash}", env)
+    log = temp_dir / "head.log"
+    head = None
     try:
-        for _ in range(90):  # the dashboard's job API comes up a little after `ray start` returns
-            if _ray("job", "list", "--address", h.address, env=env, timeout=60).returncode == 0:
-                break
-            time.sleep(1)
+        # a second start with fresh ports if the first never answers (a port taken between probing and binding,
+        # or a head that died starting): the test is about jobs on a head, not about one start of Ray
+        for _attempt in range(2):
+            head, h = _start_head(env, temp_dir, log)
+            t0 = time.monotonic()
+            while time.monotonic() - t0 < 120 and head.poll() is None:
+                if _ray("job", "list", "--address", h.address, env=env, timeout=60).returncode == 0:
+                    break
+                time.sleep(1)
+            else:
+                _stop_head(head)
+                continue
+            break
+        else:
+            pytest.fail(f"`ray start --head` never served the job API (twice); its output:\n{log.read_text()[-3000:]}")
         yield h
     finally:
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            try:
-                os.killpg(head.pid, sig)
-            except ProcessLookupError:
-                break
-            try:
-                head.wait(timeout=20)
-                time.sleep(2)  # children of the group (gcs, raylet, dashboard) exit with it
-            except subprocess.TimeoutExpired:
-                continue
+        if head is not None:
+            _stop_head(head)
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
