@@ -59,6 +59,9 @@ def hidden_bytes_per_token(hidden_size: int, dtype: str) -> int:
     """Stored hidden-state bytes per token: aux ``[3H]`` + final ``[H]`` (8·H in bf16, 4·H + 4 in fp8)."""
     return blob_bytes(dtype, 1, 3 * hidden_size, 3) + blob_bytes(dtype, 1, hidden_size, 1)
 
+HIDDEN_COLUMNS = ("aux_hidden_states", "last_hidden_state")
+"""the columns that hold a sample's hidden-state blobs (3 aux states, then the final state), in every table"""
+
 SHARD_SCHEMA = pa.schema(
     [
         ("id", pa.string()),

@@ -48,6 +48,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from eaglenest.config import EaglenestConfig
+from eaglenest.contracts.shards import HIDDEN_COLUMNS
 from eaglenest.drafter.data import COLUMNS, is_eval_sample
 
 LEDGER = "online"
@@ -270,8 +271,6 @@ def online_datasets(cfg: EaglenestConfig, plan: OnlinePlan, resume: OnlineResume
         datasets["train"] = _stream(cfg, plan, want_eval=False, epochs=sorted(todo), exclude=todo, tracker=tracker)
     return datasets, {"train": buffer}, n_eval, sorted(todo)
 
-
-HIDDEN_COLUMNS = ("aux_hidden_states", "last_hidden_state")
 
 
 ROW_KINDS = ("generated", "capture_only", "skipped_quarantined")

@@ -38,6 +38,7 @@ import pyarrow.parquet as pq
 from eaglenest.contracts.shards import (
     FP8,
     FP8_SCALE_LAYOUT,
+    HIDDEN_COLUMNS,
     SHARD_SCHEMA,
     Manifest,
     hidden_bytes_per_token,
@@ -207,7 +208,7 @@ def summarize_folder(out_dir: Path) -> dict[str, Any]:
         for rg in range(md.num_row_groups):
             for c in range(md.num_columns):
                 col = md.row_group(rg).column(c)
-                if col.path_in_schema in ("aux_hidden_states", "last_hidden_state"):
+                if col.path_in_schema in HIDDEN_COLUMNS:
                     blob_bytes += col.total_uncompressed_size
     per_reason: dict[str, int] = {}
     q_source: dict[str, int] = {}

@@ -7,6 +7,7 @@ are the contract in :mod:`eaglenest.contracts.metrics` (the alert rules query th
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import deque
 from typing import Any
@@ -136,7 +137,7 @@ class ProgressTracker:
             return []
         t0 = min(b[0] for b in self.timeline)
         out = []
-        for b, sec in list(zip(self.timeline, self.batch_seconds, strict=True))[:limit]:
+        for b, sec in itertools.islice(zip(self.timeline, self.batch_seconds, strict=True), limit):
             rec = {"start_s": round(b[0] - t0, 2), "end_s": round(b[1] - t0, 2), "pid": b[2], "tokens": b[3],
                    "rows": b[4] if len(b) > 4 else None}
             if sec is not None:

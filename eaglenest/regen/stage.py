@@ -20,6 +20,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from ray.data import Datasink
 
+from eaglenest.contracts.shards import HIDDEN_COLUMNS
 from eaglenest.regen.formats import OK
 from eaglenest.regen.regenerate import Quarantined, Regenerated, Result, Sample
 
@@ -46,9 +47,6 @@ RESULT_SCHEMA = pa.schema([
 
 PASS_THROUGH = ("epoch",)
 """plan columns the engine stage hands on unchanged (online training tags every row with its epoch)"""
-
-
-HIDDEN_COLUMNS = ("aux_hidden_states", "last_hidden_state")
 
 
 def results_table(results: list[Result]) -> pa.Table:
