@@ -75,10 +75,31 @@ def rel(a, b) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-30))
 
 
+def states_vs_prefill(eng, seqs: list[list[int]], masks: list[list[int]], caps: list) -> dict[str, float]:
+    """Recorded states vs SGLang's prefill capture of the same sequences (``SGLangCaptureRunner``) at every position
+    training reads: the worst relative errors (aux, final) and, as a control, the smallest aux error against a capture
+    one layer off (an off-by-one tap must fail the tolerance)."""
+    from eaglenest.contracts.states import unread_state_positions
+
+    pre = eng.capture_runner.capture(seqs, eng.aux_layer_ids)
+    shifted = eng.capture_runner.capture(seqs, [k + 1 for k in eng.aux_layer_ids])
+    worst = {"aux": 0.0, "last": 0.0, "control_aux": float("inf")}
+    for i, s in enumerate(seqs):
+        read = [x for x in range(len(s)) if x not in unread_state_positions(len(s), masks[i])]
+        worst["aux"] = max(worst["aux"], rel(caps[i].aux_hidden_states[read], pre[i].aux_hidden_states[read]))
+        worst["last"] = max(worst["last"], rel(caps[i].last_hidden_state[read], pre[i].last_hidden_state[read]))
+        worst["control_aux"] = min(worst["control_aux"], rel(caps[i].aux_hidden_states[read],
+                                                             shifted[i].aux_hidden_states[read]))
+    return worst
+
+
+def within_tolerance(worst: dict[str, float]) -> bool:
+    return worst["aux"] <= TOLERANCE and worst["last"] <= TOLERANCE and worst["control_aux"] > TOLERANCE
+
+
 def engine_phase(model: Path, records: list[dict], max_new: int, n_check: int) -> dict:
     import torch
 
-    from eaglenest.contracts.states import unread_state_positions
     from eaglenest.engines.base import CaptureHint, SamplingParams
     from eaglenest.engines.sglang import SGLangEngine
 
@@ -115,22 +136,12 @@ def engine_phase(model: Path, records: list[dict], max_new: int, n_check: int) -
     print("recording engine", out["recording_engine"], flush=True)
 
     # correctness: the first n_check sequences through the prefill capture runner, same engine process
-    check = list(range(min(n_check, len(seqs))))
-    pre = eng.capture_runner.capture([seqs[i] for i in check], eng.aux_layer_ids)
-    shifted = [k + 1 for k in eng.aux_layer_ids]
-    pre_shift = eng.capture_runner.capture([seqs[i] for i in check], shifted)
-    worst = {"aux": 0.0, "last": 0.0, "control_aux": float("inf")}
-    for j, i in enumerate(check):
-        read = [x for x in range(len(seqs[i])) if x not in unread_state_positions(len(seqs[i]), masks[i])]
-        worst["aux"] = max(worst["aux"], rel(caps[i].aux_hidden_states[read], pre[j].aux_hidden_states[read]))
-        worst["last"] = max(worst["last"], rel(caps[i].last_hidden_state[read], pre[j].last_hidden_state[read]))
-        worst["control_aux"] = min(worst["control_aux"],
-                                   rel(caps[i].aux_hidden_states[read], pre_shift[j].aux_hidden_states[read]))
-    out["correctness"] = {"sequences": len(check), "aux_layer_ids": eng.aux_layer_ids,
+    n_seq = min(n_check, len(seqs))
+    worst = states_vs_prefill(eng, seqs[:n_seq], masks[:n_seq], caps[:n_seq])
+    out["correctness"] = {"sequences": n_seq, "aux_layer_ids": eng.aux_layer_ids,
                           "max_rel_error_aux": worst["aux"], "max_rel_error_last": worst["last"],
                           "min_rel_error_one_layer_off": worst["control_aux"], "tolerance": TOLERANCE,
-                          "passed": worst["aux"] <= TOLERANCE and worst["last"] <= TOLERANCE
-                          and worst["control_aux"] > TOLERANCE}
+                          "passed": within_tolerance(worst)}
     print("correctness", out["correctness"], flush=True)
     eng.close()
     torch.cuda.empty_cache()

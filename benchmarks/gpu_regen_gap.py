@@ -28,20 +28,22 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-def build_model(path: Path) -> None:
-    """Llama-3-8B's shape, random bf16 weights, the tiny target's tokenizer and chat template."""
+def build_model(path: Path, *, hidden: int = 4096, layers: int = 32, intermediate: int = 14336, kv_heads: int = 8,
+                device: str = "cuda") -> None:
+    """A Llama with random bf16 weights (heads of 128; default: Llama-3-8B's shape), the tiny target's tokenizer and
+    chat template; throughput and state layout do not depend on the weights."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from eaglenest.engines.tiny import build_tokenizer
 
     tok = build_tokenizer(1024)
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                      num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=4096,
-                      tie_word_embeddings=False, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                      pad_token_id=tok.pad_token_id)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=hidden, intermediate_size=intermediate,
+                      num_hidden_layers=layers, num_attention_heads=hidden // 128, num_key_value_heads=kv_heads,
+                      head_dim=128, max_position_embeddings=4096, tie_word_embeddings=False,
+                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     torch.manual_seed(0)
-    with torch.device("cuda"):
+    with torch.device(device):
         model = LlamaForCausalLM._from_config(cfg, torch_dtype=torch.bfloat16)
     model.save_pretrained(path, safe_serialization=True)
     tok.save_pretrained(path)

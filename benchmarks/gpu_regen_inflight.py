@@ -28,30 +28,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
-TOLERANCE = 3e-2  # bf16 kernels of a batched decode vs a prefill differ in rounding (BENCHMARKS.md, capture checks)
-
-
-def build_model(path: Path, hidden: int, layers: int) -> None:
-    """A Llama with random bf16 weights and the tiny target's tokenizer and chat template."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from eaglenest.engines.tiny import build_tokenizer
-
-    tok = build_tokenizer(1024)
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=hidden, intermediate_size=hidden * 3, num_hidden_layers=layers,
-                      num_attention_heads=hidden // 128, num_key_value_heads=max(1, hidden // 512), head_dim=128,
-                      max_position_embeddings=4096, tie_word_embeddings=False, bos_token_id=tok.bos_token_id,
-                      eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM._from_config(cfg, torch_dtype=torch.bfloat16)
-    model.save_pretrained(path, safe_serialization=True)
-    tok.save_pretrained(path)
-
-
-def rel(a, b) -> float:
-    return float((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-30))
+from gpu_capture_generation import TOLERANCE, states_vs_prefill, within_tolerance  # noqa: E402
+from gpu_regen_gap import build_model  # noqa: E402
 
 
 def main() -> int:
@@ -87,7 +67,6 @@ def run(a: argparse.Namespace, model: Path, rec: dict) -> None:
     import torch
 
     from eaglenest.config import SGLangEngineConfig, TargetConfig
-    from eaglenest.contracts.states import unread_state_positions
     from eaglenest.engines.base import CaptureHint, SamplingParams, render_chat_ids
     from eaglenest.engines.sglang import SGLangEngine
     from eaglenest.engines.tiny import corpus_chats
@@ -95,7 +74,8 @@ def run(a: argparse.Namespace, model: Path, rec: dict) -> None:
     t = time.perf_counter()
     if not (model / "config.json").is_file():
         model.mkdir(parents=True, exist_ok=True)
-        build_model(model, a.hidden, a.layers)
+        build_model(model, hidden=a.hidden, layers=a.layers, intermediate=3 * a.hidden,
+                    kv_heads=max(1, a.hidden // 512), device="cpu")
     rec["model_build_s"] = round(time.perf_counter() - t, 1)
     cfg = TargetConfig(model=str(model), engine="sglang", device="cuda", dtype="bfloat16",
                        sglang=SGLangEngineConfig(mem_fraction_static=a.mem_fraction, context_length=2048,
@@ -162,22 +142,13 @@ def run(a: argparse.Namespace, model: Path, rec: dict) -> None:
     seqs = [s for k in range(a.batches) for s in results[k][1]][:a.check]
     masks = [m for k in range(a.batches) for m in results[k][2]][:a.check]
     caps = [c for k in range(a.batches) for c in results[k][3]][:a.check]
-    pre = eng.capture_runner.capture(seqs, eng.aux_layer_ids)
-    shifted = eng.capture_runner.capture(seqs, [k + 1 for k in eng.aux_layer_ids])
-    worst = {"aux": 0.0, "last": 0.0, "control_aux": float("inf")}
-    for i, s in enumerate(seqs):
-        read = [x for x in range(len(s)) if x not in unread_state_positions(len(s), masks[i])]
-        worst["aux"] = max(worst["aux"], rel(caps[i].aux_hidden_states[read], pre[i].aux_hidden_states[read]))
-        worst["last"] = max(worst["last"], rel(caps[i].last_hidden_state[read], pre[i].last_hidden_state[read]))
-        worst["control_aux"] = min(worst["control_aux"], rel(caps[i].aux_hidden_states[read],
-                                                             shifted[i].aux_hidden_states[read]))
+    worst = states_vs_prefill(eng, seqs, masks, caps)
     rec["correctness"] = {"sequences": len(seqs), **{k: round(v, 5) for k, v in worst.items()},
                           "tolerance": TOLERANCE}
     eng.close()
     torch.cuda.empty_cache()
-    rec["passed"] = (rec["driver"] and worst["aux"] <= TOLERANCE and worst["last"] <= TOLERANCE
-                     and worst["control_aux"] > TOLERANCE and rec["in_flight"]["served_from"].get("prefill", 0) == 0
-                     and len(results) == a.batches)
+    rec["passed"] = (rec["driver"] and within_tolerance(worst)
+                     and rec["in_flight"]["served_from"].get("prefill", 0) == 0 and len(results) == a.batches)
 
 
 if __name__ == "__main__":
