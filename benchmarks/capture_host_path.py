@@ -30,6 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import pyarrow as pa
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -64,8 +65,9 @@ def write_batch(folder: Path, n: int, prompt: int, answer: int, hidden: int, gro
     return seqs
 
 
-def blobs_table(seqs: list[list[int]], caps: list, blob) -> tuple[float, float]:
-    """Seconds for the storage blobs and for the block, with ``blob`` = tensor_to_bytes or tensor_to_buffer."""
+def blobs_table(seqs: list[list[int]], caps: list, blob) -> tuple[float, float, pa.Table]:
+    """Seconds for the storage blobs and for the block, and the block, with ``blob`` = tensor_to_bytes or
+    tensor_to_buffer."""
     t = time.perf_counter()
     results = []
     for i, (s, c) in enumerate(zip(seqs, caps, strict=True)):
