@@ -7,6 +7,12 @@ a sequence's states by the request id of its last generation: rows are placed by
 recorded input ids must equal the sequence's, and every position training reads must be present
 (``contracts.states.unread_state_positions`` names the ones that may be missing). Anything else is reported, and the
 engine captures that sample by a prefill instead.
+
+Requests reserved before they are submitted (:meth:`CaptureSink.reserve`: prompt length + max new tokens + 1 rows
+each, one :class:`Slab` per batch) have their rows copied into place by the reader thread as their chunks arrive, so
+the copy overlaps generation, a finished batch's states are ready when its last chunk is read, and chunk files are
+freed at once. Rows of other requests (the one-token prefills, or a batch beyond ``reserve_max_bytes``) stay in
+their chunks and are placed when the batch is captured.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import shutil
 import struct
 import threading
 import time
+import traceback
 from collections import defaultdict, deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -30,6 +37,9 @@ from eaglenest.engines.sglang_hooks import ALIGN, ERROR_FILE, chunk_name
 
 RELEASED_MEMORY = 1 << 17
 """Released request ids remembered, so that a chunk arriving after its request was released is not kept."""
+
+RESERVE_MAX_BYTES = 32 << 30
+"""Host memory the reserved batches in flight may hold at once (a batch beyond it is placed after generation)."""
 
 
 class CaptureSinkError(RuntimeError):
@@ -62,10 +72,23 @@ def read_chunk(path: Path) -> Chunk:
     return Chunk(list(zip(head["rids"], head["counts"], strict=True)), positions, ids, states)
 
 
+@dataclass
+class Slab:
+    """A reserved batch's states: request ``r`` owns rows ``[offset_r, offset_r + capacity_r)``, row ``p`` of which is
+    its position ``p``; ``ids`` holds each placed row's recorded input id (-1: nothing recorded there)."""
+
+    aux: torch.Tensor  # [rows, width - hidden]
+    last: torch.Tensor  # [rows, hidden]
+    ids: torch.Tensor  # [rows] int32
+    nbytes: int
+    live: int  # requests not released yet
+
+
 class CaptureSink:
     """Reads chunk files from ``folder`` in sequence order and keeps each request's rows until they are used."""
 
-    def __init__(self, folder: str | Path, *, hidden_size: int, n_aux: int = 3, poll_s: float = 0.02) -> None:
+    def __init__(self, folder: str | Path, *, hidden_size: int, n_aux: int = 3, poll_s: float = 0.02,
+                 dtype: torch.dtype = torch.bfloat16, reserve_max_bytes: int = RESERVE_MAX_BYTES) -> None:
         self.folder = Path(folder)
         self.folder.mkdir(parents=True, exist_ok=True)
         self.hidden_size = hidden_size
@@ -85,6 +108,12 @@ class CaptureSink:
         self._thread: threading.Thread | None = None
         self.buffers = HostBufferPool()
         """where assembled states live: reused once the blocks built on them are gone (first touches cost most)"""
+        self.dtype = dtype
+        self.reserve_max_bytes = reserve_max_bytes
+        self._slots: dict[str, tuple[Slab, int, int]] = {}  # reserved rid -> (slab, offset, capacity)
+        self._overflow: dict[str, str] = {}  # reserved rids whose rows did not fit, with why
+        self._reserved_bytes = 0
+        self._reader_error: str | None = None
 
     # ------------------------------------------------------------------------------------------------ reading
     def start(self) -> None:
@@ -93,9 +122,38 @@ class CaptureSink:
             self._thread = threading.Thread(target=self._loop, name="eaglenest-capture-reader", daemon=True)
             self._thread.start()
 
+    def reserve(self, rids: Sequence[str], capacities: Sequence[int]) -> bool:
+        """Place the rows of ``rids`` (up to ``capacities[i]`` positions each) as they arrive; call before their
+        requests are submitted. False (nothing reserved: their rows are placed when captured) when the reserved
+        batches in flight would exceed ``reserve_max_bytes``."""
+        total = int(sum(capacities))
+        if not rids or total <= 0:
+            return False
+        h, isz = self.hidden_size, torch.empty((), dtype=self.dtype).element_size()
+        nbytes = total * self.width * isz
+        with self._lock:
+            if self._reserved_bytes + nbytes > self.reserve_max_bytes:
+                return False
+            self._reserved_bytes += nbytes
+        # pooled memory; its pages are first touched by the reader thread's copies (no zeroing here)
+        aux = self.buffers.take(total * (self.width - h) * isz).view(self.dtype).view(total, self.width - h)
+        last = self.buffers.take(total * h * isz).view(self.dtype).view(total, h)
+        slab = Slab(aux, last, torch.full((total,), -1, dtype=torch.int32), nbytes, len(rids))
+        with self._lock:
+            off = 0
+            for rid, cap in zip(rids, capacities, strict=True):
+                self._slots[rid] = (slab, off, int(cap))
+                off += int(cap)
+        return True
+
     def _loop(self) -> None:
         while not self._stop.is_set():
-            if not self.poll():
+            try:
+                read = self.poll()
+            except Exception:  # noqa: BLE001 - reported by check(): the batches waiting on it fail, loudly
+                self._reader_error = traceback.format_exc()
+                return
+            if not read:
                 self._stop.wait(self.poll_s)
 
     def poll(self) -> int:
@@ -112,9 +170,15 @@ class CaptureSink:
                     break
                 chunk = read_chunk(path)
                 idx = []
-                for rid, rows in chunk.runs:
+                placed: list[tuple[int, str, int]] = []  # (run, rid, rows) of reserved requests
+                for k, (rid, rows) in enumerate(chunk.runs):
                     if rid in self._released:
                         idx.append(-1)
+                        continue
+                    if rid in self._slots:
+                        placed.append((k, rid, rows))
+                        self._counts[rid] += rows
+                        idx.append(-1)  # its rows go to its slab now; the chunk is not kept for them
                         continue
                     if rid not in self._index:
                         self._index[rid] = self._next_index
@@ -123,6 +187,8 @@ class CaptureSink:
                     self._counts[rid] += rows
                 owner = torch.repeat_interleave(torch.tensor(idx, dtype=torch.long),
                                                 torch.tensor([rows for _, rows in chunk.runs], dtype=torch.long))
+                if placed:
+                    self._place(chunk, placed)
                 live = set(idx) - {-1}
                 if live:
                     self._chunks.append((chunk, owner, live))
@@ -133,8 +199,59 @@ class CaptureSink:
                 self._last_chunk_at = time.monotonic()
         return read
 
+    def _place(self, chunk: Chunk, placed: list[tuple[int, str, int]]) -> None:
+        """Copy the rows of reserved requests into their slabs (the reader thread, under the lock). A decode step's
+        chunk has one row for each of thousands of requests: per run only dict lookups, the rest is tensor work."""
+        counts = torch.tensor([rows for _, rows in chunk.runs], dtype=torch.long)
+        run_start = torch.cumsum(counts, 0) - counts
+        slabs: dict[int, int] = {}
+        slab_list: list[Slab] = []
+        runs, offs, caps, which = [], [], [], []
+        for k, rid, _ in placed:
+            slab, off, cap = self._slots[rid]
+            j = slabs.setdefault(id(slab), len(slab_list))
+            if j == len(slab_list):
+                slab_list.append(slab)
+            runs.append(k)
+            offs.append(off)
+            caps.append(cap)
+            which.append(j)
+        sel = torch.tensor(runs, dtype=torch.long)
+        n = counts[sel]
+        first = torch.repeat_interleave(run_start[sel], n)  # each placed row's run start in the chunk
+        within = torch.arange(int(n.sum())) - torch.repeat_interleave(torch.cumsum(n, 0) - n, n)
+        src = first + within
+        pos = chunk.positions[src]
+        over = pos >= torch.repeat_interleave(torch.tensor(caps, dtype=torch.long), n)
+        if bool(over.any()):
+            run_of_row = torch.repeat_interleave(torch.arange(len(runs)), n)
+            for r in torch.unique(run_of_row[over]).tolist():
+                rid = chunk.runs[runs[r]][0]
+                self._overflow[rid] = f"request {rid} recorded a position past the {caps[r]} reserved for it"
+        dst = torch.repeat_interleave(torch.tensor(offs, dtype=torch.long), n) + pos
+        row_slab = torch.repeat_interleave(torch.tensor(which, dtype=torch.long), n)
+        h = self.hidden_size
+        for j, slab in enumerate(slab_list):
+            m = (row_slab == j) & ~over
+            s_j, d_j = src[m], dst[m]
+            if not s_j.numel():
+                continue
+            lo, count = int(s_j[0]), int(s_j.numel())
+            if int(s_j[-1]) - lo + 1 == count:
+                rows, ids = chunk.states[lo:lo + count], chunk.ids[lo:lo + count]  # a run of the chunk: no gather
+            else:
+                rows, ids = chunk.states[s_j], chunk.ids[s_j]
+            if rows.dtype != slab.aux.dtype:
+                rows = rows.to(slab.aux.dtype)
+            slab.aux.index_copy_(0, d_j, rows[:, : self.width - h])
+            slab.last.index_copy_(0, d_j, rows[:, self.width - h:])
+            slab.ids.index_copy_(0, d_j, ids.to(torch.int32))
+
     def check(self) -> None:
-        """Raise if the recorder in the scheduler process failed."""
+        """Raise if the recorder in the scheduler process, or the reader thread here, failed."""
+        if self._reader_error:
+            raise CaptureSinkError("reading the recorded states failed in the engine actor: "
+                                   f"{self._reader_error[-2000:]}")
         err = self.folder / ERROR_FILE
         if err.exists():
             raise CaptureSinkError(f"capture during generation failed in SGLang's scheduler: {err.read_text()[:2000]}")
@@ -168,6 +285,12 @@ class CaptureSink:
         must equal the sequence's, and every position training reads must be present. One sort of all recorded rows
         serves the whole batch.
         """
+        with self._lock:
+            reserved = {k: self._from_slab(*w) for k, w in enumerate(wanted) if w[0] in self._slots}
+        if reserved:
+            rest = [k for k in range(len(wanted)) if k not in reserved]
+            got = dict(zip(rest, self.assemble_many([wanted[k] for k in rest]), strict=True)) if rest else {}
+            return [reserved[k] if k in reserved else got[k] for k in range(len(wanted))]
         with self._lock:
             chunks = list(self._chunks)
             index = dict(self._index)
@@ -244,6 +367,35 @@ class CaptureSink:
                 out[k] = (Capture(aux_hidden_states=aux[a:b], last_hidden_state=last[a:b]), "")
         return out
 
+    def _from_slab(self, rid: str, ids: Sequence[int], mask: Sequence[int]) -> tuple[Capture | None, str]:
+        """A reserved request's sequence: views of its slab rows, checked as :meth:`assemble_many` checks (under the
+        lock). Positions nothing recorded are zeroed (reused memory holds an earlier batch's rows)."""
+        if rid in self._overflow:
+            return None, self._overflow[rid]
+        slab, off, cap = self._slots[rid]
+        t = len(ids)
+        n = min(t, cap)
+        rec = slab.ids[off:off + n].long()
+        want = torch.as_tensor(list(ids), dtype=torch.long)
+        have = rec >= 0
+        bad = have & (rec != want[:n])
+        if bool(bad.any()):
+            at = int(bad.nonzero()[0])
+            return None, (f"request {rid} computed token {int(rec[at])} at position {at}, the sequence has "
+                          f"{int(want[at])}")
+        unread = unread_state_positions(t, mask)
+        missing = [i for i in (~have).nonzero().flatten().tolist() + list(range(n, t)) if i not in unread]
+        if missing:
+            return None, (f"request {rid} has no states for {len(missing)} positions training reads "
+                          f"(first {missing[0]})")
+        aux, last = slab.aux[off:off + n], slab.last[off:off + n]
+        aux[~have] = 0
+        last[~have] = 0
+        if t > n:  # the sequence runs past the reservation (unread positions only): its own, longer copy
+            aux = torch.cat([aux, aux.new_zeros(t - n, aux.shape[1])])
+            last = torch.cat([last, last.new_zeros(t - n, last.shape[1])])
+        return Capture(aux_hidden_states=aux, last_hidden_state=last), ""
+
     def rows(self, rid: str) -> int:
         with self._lock:
             return self._counts.get(rid, 0)
@@ -252,6 +404,9 @@ class CaptureSink:
         """Forget the rows of ``rids`` (None: of every request); a chunk goes when none of its requests is left."""
         with self._lock:
             if rids is None:
+                self._slots.clear()
+                self._overflow.clear()
+                self._reserved_bytes = 0
                 self._chunks.clear()
                 self._index.clear()
                 self._counts.clear()
@@ -260,6 +415,12 @@ class CaptureSink:
                 self._released_order.clear()
                 return
             for r in rids:
+                slot = self._slots.pop(r, None)
+                self._overflow.pop(r, None)
+                if slot is not None:
+                    slot[0].live -= 1
+                    if slot[0].live == 0:
+                        self._reserved_bytes -= slot[0].nbytes
                 i = self._index.pop(r, None)
                 self._counts.pop(r, None)
                 if i is not None:

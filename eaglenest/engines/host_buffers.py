@@ -6,14 +6,18 @@ costs a page fault and a kernel zero-fill per page on first touch, which is most
 the actor's host path); memory that was touched before copies several times faster. So buffers are kept and lent
 again, but only when nothing refers to them any more.
 
-Each buffer is a ``bytearray`` lent through ``torch.frombuffer``: the tensor's storage holds a buffer export of the
-bytearray (one reference to it) for as long as any tensor sharing that storage lives, whatever views, dtype views,
-``.numpy()`` arrays or Arrow buffers were built on it since. A bytearray referenced by the pool alone is free.
-(Tensor views are not a safe signal: a dtype view does not keep its base tensor object alive.)
+Each buffer is an anonymous ``mmap`` lent through ``torch.frombuffer``: the tensor's storage holds a buffer export
+of the mapping (one reference to it) for as long as any tensor sharing that storage lives, whatever views, dtype
+views, ``.numpy()`` arrays or Arrow buffers were built on it since. A mapping referenced by the pool alone is free.
+(Tensor views are not a safe signal: a dtype view does not keep its base tensor object alive.) A mapping rather than
+a ``bytearray``: a bytearray is zero-filled when it is made, page by page under the GIL in the thread that asks;
+a mapping's pages are zeroed by the kernel when first written, by whichever thread writes them (the capture sink's
+reader, inside a torch copy that has released the GIL).
 """
 
 from __future__ import annotations
 
+import mmap
 import sys
 import threading
 
@@ -24,11 +28,11 @@ GRANULE = 64 << 20
 
 
 class HostBufferPool:
-    """Lends uint8 host tensors on pooled bytearrays; keeps at most ``max_free_bytes`` of free ones for reuse."""
+    """Lends uint8 host tensors on pooled anonymous mappings; keeps at most ``max_free_bytes`` of free ones."""
 
     def __init__(self, max_free_bytes: int = 8 << 30) -> None:
         self.max_free_bytes = max_free_bytes
-        self._buffers: list[bytearray] = []
+        self._buffers: list[mmap.mmap] = []
         self._lock = threading.Lock()
         self.reused = 0
         self.allocated = 0
@@ -46,13 +50,13 @@ class HostBufferPool:
                 self.reused += 1
             else:
                 self._trim(free, keep=size)
-                self._buffers.append(bytearray(size))
+                self._buffers.append(mmap.mmap(-1, size))
                 i = len(self._buffers) - 1
                 self.allocated += 1
             return torch.frombuffer(self._buffers[i], dtype=torch.uint8, count=nbytes)
 
     def _is_free(self, i: int) -> bool:
-        # references to a free buffer: the pool's list and getrefcount's argument; a lent one has its export's too
+        # references to a free mapping: the pool's list and getrefcount's argument; a lent one has its export's too
         return sys.getrefcount(self._buffers[i]) <= 2
 
     def _trim(self, free: list[int], keep: int) -> None:

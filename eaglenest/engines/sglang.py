@@ -170,6 +170,8 @@ class SGLangEngine(TargetEngine):
         if not prompts:
             return []
         rids = self.recorder.new_rids(len(prompts)) if self.recorder is not None else None
+        if rids is not None:
+            self.recorder.reserve(rids, prompts, sampling.max_new_tokens)
         with self._one_call():
             gens = run_generate(self._generate_call(), prompts, sampling, decode=self._decode,
                                 vocab_size=self.info.vocab_size, eos_token_ids=self.info.eos_token_ids, rids=rids)

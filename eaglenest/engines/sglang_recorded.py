@@ -19,6 +19,8 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+import torch
+
 from eaglenest.engines.base import Capture, CaptureHint, Generation
 from eaglenest.engines.capture_sink import CaptureSink, CaptureSinkError
 from eaglenest.engines.sglang_hooks import hook_specs
@@ -45,7 +47,8 @@ class GenerationRecorder:
                  dtype: str = "bfloat16") -> None:
         self.folder = capture_folder(folder)
         self.hooks = hook_specs(self.folder, list(aux_layer_ids), dtype)
-        self.sink = CaptureSink(self.folder, hidden_size=hidden_size, n_aux=len(aux_layer_ids))
+        self.sink = CaptureSink(self.folder, hidden_size=hidden_size, n_aux=len(aux_layer_ids),
+                                dtype=getattr(torch, dtype))
         self.counts: Counter[str] = Counter()
         """samples served from generation recordings ("generation") and by a one-token prefill ("prefill")"""
         self.fallback_reasons: list[str] = []
@@ -62,6 +65,11 @@ class GenerationRecorder:
             self._n += n
             self._owned.setdefault(threading.get_ident(), []).extend(rids)
         return rids
+
+    def reserve(self, rids: Sequence[str], prompts: Sequence[Sequence[int]], max_new_tokens: int) -> bool:
+        """Have the sink place these requests' rows as they arrive (before they are submitted): room for the prompt,
+        every new token, and one token appended after a truncated answer (regen closes its turn with it)."""
+        return self.sink.reserve(rids, [len(p) + max_new_tokens + 1 for p in prompts])
 
     def _release(self) -> None:
         """Drop every row and expectation of the calling thread's requests (its batch, earlier turns included)."""

@@ -74,16 +74,35 @@ def results_table(results: list[Result]) -> pa.Table:
                     schema=RESULT_SCHEMA)
 
 
-def blob_column(blobs: list[bytes | memoryview | None]) -> pa.LargeBinaryArray:
-    """A ``large_binary`` column of ``blobs`` (None: null) with one data buffer.
+def blob_column(blobs: list[bytes | memoryview | None]) -> pa.LargeBinaryArray | pa.ChunkedArray:
+    """A ``large_binary`` column of ``blobs`` (None: null), copied at most once.
 
-    When the blobs are consecutive pieces of one piece of memory (regen's capture assembles a batch's states that
-    way, in result order) that memory becomes the column's buffer as it is, with no copy; otherwise they are copied
-    once into a new buffer.
+    Regen's capture lays a batch's states out back to back in result order, each sequence in room reserved for its
+    longest possible answer: runs of consecutive blobs are consecutive pieces of one piece of memory, broken where an
+    answer ended early. One run becomes the column's buffer as it is; a few runs (at most one per 8 blobs) become a
+    chunked column, one chunk per run, still without a copy; anything else (blobs out of order, bytes objects) is
+    copied once into one buffer.
     """
     import numpy as np
 
     views = [None if b is None else np.frombuffer(b, dtype=np.uint8) for b in blobs]
+    runs: list[list[int]] = [[]]
+    last = None
+    for k, v in enumerate(views):
+        if v is not None and v.nbytes:
+            if last is not None and v.ctypes.data != last.ctypes.data + last.nbytes:
+                runs.append([])
+            last = v
+        runs[-1].append(k)
+    if len(runs) > 1 and len(runs) <= max(1, len(views) // 8):
+        return pa.chunked_array([_binary_run([views[k] for k in run]) for run in runs], type=pa.large_binary())
+    return _binary_run(views)
+
+
+def _binary_run(views: list) -> pa.LargeBinaryArray:
+    """One ``large_binary`` array of ``views``: their memory as it is when they are consecutive, else one copy."""
+    import numpy as np
+
     lengths = np.array([0 if v is None else v.nbytes for v in views], dtype=np.int64)
     offsets = np.zeros(len(views) + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])

@@ -27,12 +27,15 @@ def setup(tmp_path) -> tuple[Model, Scheduler, GenerationRecorder]:
     return model, Scheduler(model), rec
 
 
-def test_states_recorded_while_generating_equal_a_teacher_forced_forward(tmp_path) -> None:
+@pytest.mark.parametrize("reserve", [False, True], ids=["placed-at-capture", "placed-on-arrival"])
+def test_states_recorded_while_generating_equal_a_teacher_forced_forward(tmp_path, reserve: bool) -> None:
     model, sched, rec = setup(tmp_path)
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(1, V, (n,), generator=g).tolist() for n in (5, 9, 3, 12)]
     max_new = [4, 6, 1, 3]
     rids = rec.new_rids(len(prompts))
+    if reserve:
+        assert rec.reserve(rids, prompts, max(max_new))
     gens = sched.generate(prompts, max_new, rids)
     rec.expect(rids, prompts, gens)
     seqs = [p + gen.token_ids for p, gen in zip(prompts, gens, strict=True)]
@@ -59,10 +62,13 @@ def test_states_recorded_while_generating_equal_a_teacher_forced_forward(tmp_pat
     rec.close()
 
 
-def test_cut_back_and_mismatched_sequences_fall_back_to_a_recorded_prefill(tmp_path) -> None:
+@pytest.mark.parametrize("reserve", [False, True], ids=["placed-at-capture", "placed-on-arrival"])
+def test_cut_back_and_mismatched_sequences_fall_back_to_a_recorded_prefill(tmp_path, reserve: bool) -> None:
     model, sched, rec = setup(tmp_path)
     prompts = [[3, 4, 5, 6, 7, 8], [9, 10, 11, 12]]
     rids = rec.new_rids(2)
+    if reserve:
+        assert rec.reserve(rids, prompts, 5)
     gens = sched.generate(prompts, [5, 5], rids)
     rec.expect(rids, prompts, gens)
     # sample 0 was cut back to its prompt's first 5 tokens (an earlier turn boundary): rows past the end are ignored
@@ -92,10 +98,13 @@ def test_cut_back_and_mismatched_sequences_fall_back_to_a_recorded_prefill(tmp_p
     rec.close()
 
 
-def test_missing_rows_that_training_reads_are_refused(tmp_path) -> None:
+@pytest.mark.parametrize("reserve", [False, True], ids=["placed-at-capture", "placed-on-arrival"])
+def test_missing_rows_that_training_reads_are_refused(tmp_path, reserve: bool) -> None:
     model, sched, rec = setup(tmp_path)
     prompts = [[3, 4, 5, 6]]
     rids = rec.new_rids(1)
+    if reserve:
+        assert rec.reserve(rids, prompts, 2)
     gens = sched.generate(prompts, [2], rids)
     rec.expect(rids, prompts, gens)
     seq = prompts[0] + gens[0].token_ids + [7]  # one token the engine never saw, masked in: its teacher is read
@@ -161,7 +170,8 @@ def test_run_generate_names_requests_and_keeps_completion_counts() -> None:
     assert "rid" not in seen  # without rids, sglang names requests itself, as before
 
 
-def test_two_batches_in_flight_keep_each_others_rows(tmp_path) -> None:
+@pytest.mark.parametrize("reserve", [False, True], ids=["placed-at-capture", "placed-on-arrival"])
+def test_two_batches_in_flight_keep_each_others_rows(tmp_path, reserve: bool) -> None:
     """regen.batches_in_flight = 2: two threads (one per batch, as Ray Data runs an actor call) each generate a batch
     of two turns, then capture; a capture drops only its own thread's requests (earlier turns included), so the other
     batch still assembles, and nothing is left once both are done."""
@@ -178,6 +188,8 @@ def test_two_batches_in_flight_keep_each_others_rows(tmp_path) -> None:
         prompts = batches[name]
         sched.generate(prompts, [2, 2], rec.new_rids(2))  # an earlier turn, superseded below
         rids = rec.new_rids(2)
+        if reserve:
+            assert rec.reserve(rids, prompts, 4)
         gens = sched.generate(prompts, [3, 4], rids)
         rec.expect(rids, prompts, gens)
         done[f"{name}-gen"].set()
@@ -198,7 +210,7 @@ def test_two_batches_in_flight_keep_each_others_rows(tmp_path) -> None:
     assert not b_rids  # b has not captured yet
     rec.sink.poll()
     with rec.sink._lock:
-        live = set(rec.sink._index)
+        live = set(rec.sink._index) | set(rec.sink._slots)
     assert len(live) == 4 and all(r.startswith("eaglenest-") for r in live)  # b's two turns, two requests each
     go["b-cap"].set()
     assert done["b-cap"].wait(30)
@@ -210,8 +222,9 @@ def test_two_batches_in_flight_keep_each_others_rows(tmp_path) -> None:
             got = torch.cat([cap.aux_hidden_states, cap.last_hidden_state], dim=-1)
             torch.testing.assert_close(got[:-1], model.model.reference(seq)[:-1], rtol=1e-6, atol=1e-6)
     rec.sink.poll()
-    with rec.sink._lock:
-        assert not rec.sink._chunks and not rec.sink._index  # every row of both batches released
+    with rec.sink._lock:  # every row of both batches released
+        assert not rec.sink._chunks and not rec.sink._index and not rec.sink._slots
+        assert rec.sink._reserved_bytes == 0
     rec.close()
 
 
@@ -237,4 +250,119 @@ def test_rows_arriving_after_their_request_was_released_are_not_kept(tmp_path) -
     sink.discard(["r2"])
     with sink._lock:
         assert not sink._chunks
+    sink.close()
+
+
+def _truncated_batch(rec: GenerationRecorder, sched: Scheduler, prompts: list[list[int]], max_new: int, *,
+                     reserve: bool = True) -> tuple[list[str], list[list[int]], list[CaptureHint]]:
+    """A batch whose answers all hit ``max_new`` and are closed by an appended end-of-turn token (as regen closes a
+    truncated turn): each sequence is prompt + max_new + 1 tokens, the whole reservation."""
+    rids = rec.new_rids(len(prompts))
+    if reserve:
+        assert rec.reserve(rids, prompts, max_new)
+    gens = sched.generate(prompts, [max_new] * len(prompts), rids)
+    rec.expect(rids, prompts, gens)
+    seqs = [p + g.token_ids + [V - 1] for p, g in zip(prompts, gens, strict=True)]
+    hints = [CaptureHint(g.meta["capture_ref"], [0] * len(p) + [1] * max_new + [0])
+             for p, g in zip(prompts, gens, strict=True)]
+    return rids, seqs, hints
+
+
+def test_reserved_rows_are_placed_while_generating_and_their_chunks_freed(tmp_path) -> None:
+    """Reserved requests' rows are copied into place as their chunks arrive: nothing of the batch waits in chunk files
+    or kept chunks by the time it is captured, and the captures are consecutive slices of one piece of memory (so the
+    Arrow column takes it without a copy)."""
+    from eaglenest.contracts.shards import tensor_to_buffer
+    from eaglenest.regen.stage import blob_column
+
+    model, sched, rec = setup(tmp_path)
+    prompts = [[3, 4, 5, 6, 7], [8, 9, 10], [11, 12, 13, 14]]
+    rids, seqs, hints = _truncated_batch(rec, sched, prompts, 4)
+    rec.sink.wait({r: len(p) + 3 for r, p in zip(rids, prompts, strict=True)})
+    with rec.sink._lock:
+        assert not rec.sink._chunks  # no chunk kept for later placement
+        slab = rec.sink._slots[rids[0]][0]
+        assert int((slab.ids >= 0).sum()) == sum(len(p) + 3 for p in prompts)  # every recorded row in place
+    assert not list(rec.folder.glob("*.chunk"))
+    caps = rec.capture(seqs, hints, prefill=lambda s, r: pytest.fail("no prefill"))
+    assert rec.counts == {"generation": 3}
+    for seq, cap in zip(seqs, caps, strict=True):
+        got = torch.cat([cap.aux_hidden_states, cap.last_hidden_state], dim=-1)
+        torch.testing.assert_close(got[:-2], model.model.reference(seq)[:-2], rtol=1e-6, atol=1e-6)
+        assert torch.count_nonzero(got[-2:]) == 0  # never fed back: nothing recorded, zeroed
+    col = blob_column([tensor_to_buffer(c.aux_hidden_states, "float32") for c in caps])
+    assert col.buffers()[2].address == caps[0].aux_hidden_states.data_ptr()  # zero copy
+    rec.close()
+
+
+def test_reused_memory_never_leaks_an_earlier_batch_into_unrecorded_positions(tmp_path) -> None:
+    model, sched, rec = setup(tmp_path)
+    prompts = [[3, 4, 5, 6, 7], [8, 9, 10]]
+    first = rec.capture(*_truncated_batch(rec, sched, prompts, 4)[1:], prefill=lambda s, r: pytest.fail("no"))
+    for c in first:
+        c.aux_hidden_states.fill_(7.0)  # the earlier batch's memory, dirty
+        c.last_hidden_state.fill_(7.0)
+    del first, c
+    _, seqs, hints = _truncated_batch(rec, sched, prompts, 4)
+    assert rec.sink.buffers.reused >= 2  # the same memory again
+    for seq, cap in zip(seqs, rec.capture(seqs, hints, prefill=lambda s, r: pytest.fail("no")), strict=True):
+        got = torch.cat([cap.aux_hidden_states, cap.last_hidden_state], dim=-1)
+        assert torch.count_nonzero(got[-2:]) == 0
+        torch.testing.assert_close(got[:-2], model.model.reference(seq)[:-2], rtol=1e-6, atol=1e-6)
+    rec.close()
+
+
+def test_rows_past_a_reservation_fall_back_to_a_recorded_prefill(tmp_path) -> None:
+    model, sched, rec = setup(tmp_path)
+    prompts = [[3, 4, 5, 6, 7]]
+    rids = rec.new_rids(1)
+    assert rec.sink.reserve(rids, [4])  # too small: the prompt alone has 5 positions
+    gens = sched.generate(prompts, [3], rids)
+    rec.expect(rids, prompts, gens)
+    seq = prompts[0] + gens[0].token_ids
+    calls = []
+
+    def prefill(seqs, new_rids):
+        calls.append(seqs)
+        sched.generate(seqs, [1] * len(seqs), new_rids)
+
+    (cap,) = rec.capture([seq], [CaptureHint(rids[0], [0] * 5 + [1] * 3)], prefill=prefill)
+    assert calls == [[seq]] and rec.counts == {"prefill": 1}
+    assert "past the 4 reserved" in rec.fallback_reasons[-1]
+    got = torch.cat([cap.aux_hidden_states, cap.last_hidden_state], dim=-1)
+    torch.testing.assert_close(got[:-1], model.model.reference(seq)[:-1], rtol=1e-6, atol=1e-6)
+    rec.close()
+
+
+def test_a_batch_beyond_the_reservation_budget_is_placed_at_capture(tmp_path) -> None:
+    model, sched, rec = setup(tmp_path)
+    rec.sink.reserve_max_bytes = 10 * 4 * H * 4  # room for 10 rows of float32 states
+    assert rec.sink.reserve(["a"], [8])
+    assert not rec.sink.reserve(["b"], [8])  # 16 rows in flight would exceed it
+    rec.sink.discard(["a"])
+    assert rec.sink.reserve(["c"], [8])  # a's room is free again
+    rec.sink.discard(["c"])
+    prompts = [[3, 4, 5, 6, 7], [8, 9, 10]]
+    rids, seqs, hints = _truncated_batch(rec, sched, prompts, 4, reserve=False)
+    assert not rec.reserve(rids, prompts, 4)  # 2 x 10 rows: over the budget, so the chunks are kept instead
+    for seq, cap in zip(seqs, rec.capture(seqs, hints, prefill=lambda s, r: pytest.fail("no")), strict=True):
+        got = torch.cat([cap.aux_hidden_states, cap.last_hidden_state], dim=-1)
+        torch.testing.assert_close(got[:-2], model.model.reference(seq)[:-2], rtol=1e-6, atol=1e-6)
+    rec.close()
+
+
+def test_a_reader_failure_is_reported_not_waited_out(tmp_path) -> None:
+    import time
+
+    from eaglenest.engines.capture_sink import CaptureSink
+    from eaglenest.engines.sglang_hooks import chunk_name
+
+    sink = CaptureSink(tmp_path, hidden_size=2, n_aux=1, poll_s=0.01)
+    sink.start()
+    (tmp_path / chunk_name(0)).write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not a json header")
+    deadline = time.monotonic() + 10
+    while sink._thread.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    with pytest.raises(CaptureSinkError, match="reading the recorded states failed in the engine actor"):
+        sink.check()
     sink.close()

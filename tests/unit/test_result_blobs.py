@@ -43,3 +43,21 @@ def test_blobs_out_of_order_or_from_bytes_are_copied_once_into_one_buffer() -> N
     assert col.buffers()[2].address != batch.data_ptr()
     assert blob_column([None, None]).to_pylist() == [None, None]
     assert blob_column([]).to_pylist() == []
+
+
+def test_runs_broken_by_early_answers_become_chunks_without_a_copy() -> None:
+    """Each sequence sits in room for its longest answer: one that ended early leaves a gap, so the column is a few
+    runs of consecutive memory, each taken as it is."""
+    slab = torch.randn(40, 4).to(torch.bfloat16)
+    spans = [(0, 2), (2, 4), (4, 5), (6, 8), (8, 10), (10, 12), (12, 14), (14, 16), (16, 18), (18, 20), (20, 22),
+             (22, 24), (24, 26), (26, 28), (28, 30), (30, 32)]  # (4, 5) ended one row early
+    blobs = [tensor_to_buffer(slab[a:b], "bfloat16") for a, b in spans]
+    col = blob_column(blobs)
+    assert isinstance(col, pa.ChunkedArray) and col.num_chunks == 2 and col.type == pa.large_binary()
+    assert col.to_pylist() == [bytes(b) for b in blobs]
+    assert col.chunk(0).buffers()[2].address == slab.data_ptr()  # zero copy
+    assert col.chunk(1).buffers()[2].address == slab[6:8].data_ptr()
+    table = pa.table({"aux_hidden_states": col})
+    assert pickle.loads(pickle.dumps(table)).equals(table)  # what the object store does with it
+    scattered = [tensor_to_buffer(slab[a:a + 1], "bfloat16") for a in range(0, 16, 2)]  # a gap after every blob
+    assert not isinstance(blob_column(scattered), pa.ChunkedArray)  # too many runs: one copy instead
