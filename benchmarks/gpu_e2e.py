@@ -39,6 +39,9 @@ STANDIN = WORK / "standin"
 MODEL = STANDIN / "model"
 PROMPTS = STANDIN / "prompts"
 CONFIG = WORK / "e2e.yaml"
+REGEN_CONFIG = WORK / "e2e-regen.yaml"
+"""the same config with the engine's own memory share for regen and its offline reference (nothing else is on the
+GPU then): KV room for every regen prompt at once"""
 REGEN_OUT = WORK / "regen"
 TRAIN_OUT = WORK / "train"
 EXPORT = TRAIN_OUT / "export"
@@ -50,8 +53,11 @@ RUNTIME_ENV = {"excludes": [".venv", ".git", ".work", "demo-work", ".gpu", ".whl
 SPEC = {"num_steps": 3, "topk": 1, "num_draft_tokens": 4}
 MAX_NEW_TOKENS = int(os.environ.get("E2E_MAX_NEW_TOKENS", "160" if MODE == "gpu" else "24"))
 REGEN_ACTORS = int(os.environ.get("E2E_REGEN_ACTORS", "1"))
-REGEN_IN_FLIGHT = int(os.environ.get("E2E_REGEN_IN_FLIGHT", "3" if MODE == "gpu" else "2"))
-"""regen batches per engine actor at once: their requests share SGLang's running batch (no tail between batches)"""
+REGEN_BATCH = int(os.environ.get("E2E_REGEN_BATCH", "256" if MODE == "gpu" else "4"))
+REGEN_IN_FLIGHT = int(os.environ.get("E2E_REGEN_IN_FLIGHT", "13" if MODE == "gpu" else "2"))
+"""regen batches per engine actor at once: their requests share SGLang's running batch (no tail between batches);
+13 x 256 holds every one of the 3,200 prompts, as the offline reference's one call does"""
+REGEN_MEM_FRACTION = float(os.environ.get("E2E_REGEN_MEM_FRACTION", "0.75"))
 ACCEPT_PROMPTS = int(os.environ.get("E2E_ACCEPT_PROMPTS", "64" if MODE == "gpu" else "4"))
 """prompts per set for the served accept length: unseen records vs the trainer's held-out regen prompts"""
 TRAIN_PROMPTS = int(os.environ.get("E2E_TRAIN_PROMPTS", "3200" if MODE == "gpu" else "24"))
@@ -158,10 +164,10 @@ def write_configs() -> dict[str, Any]:
                          "path": str(PROMPTS / "train.jsonl")}],
             "output": str(REGEN_OUT),
             "sampling": {"temperature": 0.0, "max_new_tokens": MAX_NEW_TOKENS},
-            "batch_size": 512 if gpu() else 4,  # SGLang batches inside: a big call keeps it full
+            "batch_size": REGEN_BATCH,  # SGLang batches inside: the batches in flight keep it full
             "num_actors": REGEN_ACTORS,
             "batches_in_flight": REGEN_IN_FLIGHT,
-            "num_cpus_per_actor": 4 if gpu() else 0.5,  # assembling ~1 GB/s of states takes a few cores
+            "num_cpus_per_actor": 8 if gpu() else 0.5,  # placing ~1 GB/s of states takes a few cores
             "num_gpus_per_actor": 1 if gpu() else 0,
             "max_tokens": 8192,  # prompts are <= 192 tokens; the original answers are long but replaced
             "rows_per_shard": 128 if gpu() else 8,
@@ -191,7 +197,12 @@ def write_configs() -> dict[str, Any]:
                   "max_prompt_tokens": 1024, "max_tokens_limit": 256},
     }
     CONFIG.write_text(yaml.safe_dump(cfg, sort_keys=False))
-    return {"config": str(CONFIG), "max_new_tokens": MAX_NEW_TOKENS}
+    if gpu():
+        cfg["target"]["sglang"] = {**sglang, "mem_fraction_static": REGEN_MEM_FRACTION}
+    REGEN_CONFIG.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return {"config": str(CONFIG), "regen_config": str(REGEN_CONFIG), "max_new_tokens": MAX_NEW_TOKENS,
+            "regen_batch": REGEN_BATCH, "regen_in_flight": REGEN_IN_FLIGHT,
+            "regen_mem_fraction_static": REGEN_MEM_FRACTION if gpu() else None}
 
 
 def step_configs() -> dict[str, Any]:
@@ -221,7 +232,7 @@ def step_offline_ref() -> dict[str, Any]:
     from eaglenest.engines.sglang import sglang_symbol
     from eaglenest.engines.sglang_args import engine_kwargs
 
-    cfg = load_config(CONFIG)
+    cfg = load_config(REGEN_CONFIG)  # the engine config regen runs with
     prompts = _train_prompt_ids()
     kw = engine_kwargs(str(MODEL), cfg.target.sglang, dtype="bfloat16")
     kw["disable_radix_cache"] = True  # each prompt once; nothing to reuse, as in regen
@@ -292,7 +303,7 @@ def step_ray_start() -> dict[str, Any]:
 
 def step_regen() -> dict[str, Any]:
     t0 = time.time()
-    res = job_submit("e2e-regen", "eaglenest", "regen", "--config", str(CONFIG), "--output", str(REGEN_OUT),
+    res = job_submit("e2e-regen", "eaglenest", "regen", "--config", str(REGEN_CONFIG), "--output", str(REGEN_OUT),
                      "--json", timeout=1500)
     wall = time.time() - t0
     logs = job_logs("e2e-regen")
@@ -303,6 +314,7 @@ def step_regen() -> dict[str, Any]:
                 or "MapBatches" in ln or "ShardDatasink" in ln]
     offline = load("offline_ref").get("tokens_per_s")
     steady = (run.get("steady") or {}).get("tokens_per_second")
+    whole = (run.get("whole_run") or {}).get("tokens_per_second")
     gen_s = (run.get("engine_seconds") or {}).get("generate")
     # summed over batches: wall time only when batches do not overlap (one in flight per actor)
     gen_tps = run.get("generated_tokens", 0) / gen_s if gen_s and REGEN_IN_FLIGHT == 1 else None
@@ -316,6 +328,8 @@ def step_regen() -> dict[str, Any]:
         "steady_tokens_per_s": steady, "generate_only_tokens_per_s": round(gen_tps, 1) if gen_tps else None,
         "offline_engine_generate_tokens_per_s": offline,
         "steady_vs_offline": round(steady / offline, 3) if steady and offline else None,
+        "whole_run_tokens_per_s": whole,
+        "whole_run_vs_offline": round(whole / offline, 3) if whole and offline else None,
         "generate_only_vs_offline": round(gen_tps / offline, 3) if gen_tps and offline else None,
         "ray_data_progress_lines_in_job_logs": len(progress), "progress_examples": progress[:3] + progress[-2:],
     }
@@ -557,12 +571,13 @@ def summarize() -> dict[str, Any]:
                      f"{st['preservation']['top1_agreement']:.4f}; dump: {st['dump_read']['records']} records "
                      f"({st['dump_read']['damage'] or 'intact'})")
     if regen:
-        lines.append(f"regen: {regen.get('samples')} samples, {regen.get('tokens')} tokens, steady "
-                     f"{regen.get('steady_tokens_per_s')} tok/s vs offline Engine.generate "
-                     f"{regen.get('offline_engine_generate_tokens_per_s')} tok/s = {regen.get('steady_vs_offline')}x "
-                     f"(generation only, with one batch in flight: {regen.get('generate_only_vs_offline')}x); "
-                     f"batches in flight {REGEN_IN_FLIGHT}; Ray Data progress lines in job "
-                     f"logs: {regen.get('ray_data_progress_lines_in_job_logs')}")
+        lines.append(f"regen: {regen.get('samples')} samples, {regen.get('tokens')} tokens; vs offline "
+                     f"Engine.generate {regen.get('offline_engine_generate_tokens_per_s')} tok/s: whole run (first "
+                     f"batch start to last batch end) {regen.get('whole_run_tokens_per_s')} tok/s = "
+                     f"{regen.get('whole_run_vs_offline')}x, steady {regen.get('steady_tokens_per_s')} tok/s = "
+                     f"{regen.get('steady_vs_offline')}x (generation only, with one batch in flight: "
+                     f"{regen.get('generate_only_vs_offline')}x); {REGEN_IN_FLIGHT} batches of {REGEN_BATCH} in "
+                     f"flight; Ray Data progress lines in job logs: {regen.get('ray_data_progress_lines_in_job_logs')}")
     for label, key in (("bench (trained drafter, greedy)", "batch"), ("ceiling (every draft token accepted)",
                                                                          "ceiling_batch")):
         for bs in (1, 8):

@@ -137,9 +137,10 @@ class RegenConfig(Section):
     batch_size: int = Field(8, ge=1, description="conversations per engine call")
     num_actors: int = Field(1, ge=1, description="engines in the actor pool (data parallel)")
     batches_in_flight: int = Field(
-        1, ge=1, le=4, description="batches one engine actor works on at once. SGLang: their requests share the "
-        "engine's running batch (no tail and cold start between batches) and one batch's hidden states are assembled "
-        "while the others generate; hf: the engine still runs one batch at a time")
+        1, ge=1, le=32, description="batches one engine actor works on at once. SGLang: their requests share the "
+        "engine's running batch (no tail and cold start between batches), and a finished batch is handed on while "
+        "the others generate; keep batch_size x batches_in_flight above what the engine runs at once. hf: the engine "
+        "still runs one batch at a time")
     num_cpus_per_actor: float = Field(0.5, ge=0)
     num_gpus_per_actor: float = Field(0, ge=0)
     min_tokens: int = Field(4, ge=1, description="length filter: shorter samples are quarantined")

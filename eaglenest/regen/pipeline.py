@@ -104,7 +104,7 @@ def _run_locked(cfg: EaglenestConfig, sources: list, out_dir: Path, limit: int |
     init_ray()  # attach to RAY_ADDRESS / a `ray start` cluster, or start a local Ray
     import ray
 
-    from eaglenest.regen.progress import ProgressTracker, steady_state
+    from eaglenest.regen.progress import ProgressTracker, steady_state, whole_run
 
     log(f"regen: {len(sources)} sources -> {out_dir} ({len(completed)} samples already recorded"
         f"{f', {stale} partial files removed' if stale else ''})")
@@ -156,7 +156,8 @@ def _run_locked(cfg: EaglenestConfig, sources: list, out_dir: Path, limit: int |
                      "dropped_turns": totals.get("dropped_turns", 0),
                      "limit": limit, "wall_seconds": round(wall, 1),
                      # engine start, warm-up and the last shard's write are outside the steady window
-                     "steady": steady_state(batches, rc.num_actors), "engine_seconds": engine_time,
+                     "steady": steady_state(batches, rc.num_actors), "whole_run": whole_run(batches),
+                     "engine_seconds": engine_time,
                      "batches": batch_records},
     }
     manifest = write_final_manifest(out_dir, identity, engine_version, extra)

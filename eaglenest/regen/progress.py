@@ -197,3 +197,16 @@ def steady_state(batches: list, engines: int) -> dict[str, float]:
     return {"seconds": round(end - start, 3), "tokens": int(round(tokens)),
             "tokens_per_second": round(tokens / (end - start), 1),
             "engine_busy": round(busy / (engines * (end - start)), 4)}
+
+
+def whole_run(batches: list) -> dict[str, float]:
+    """Throughput from the first batch's start to the last batch's end (engine start excluded: an actor starts its
+    engine before it takes a batch). Fill and drain included, so it is a floor under the steady state; in a run of
+    a few batches all in flight at once, the steady window is too short to say anything and this is the figure."""
+    if not batches:
+        return {"seconds": 0.0, "tokens": 0, "tokens_per_second": 0.0}
+    start, end = min(b[0] for b in batches), max(b[1] for b in batches)
+    tokens = int(sum(b[3] for b in batches))
+    secs = end - start
+    rate = round(tokens / secs, 1) if secs > 0 else 0.0
+    return {"seconds": round(secs, 3), "tokens": tokens, "tokens_per_second": rate}

@@ -1,10 +1,11 @@
-"""regen's steady-state throughput: batches one after another, and batches in flight together on one engine."""
+"""regen's throughput: the steady state (batches one after another, and batches in flight together on one engine) and
+the whole run (first batch start to last batch end)."""
 
 from __future__ import annotations
 
 import pytest
 
-from eaglenest.regen.progress import steady_state
+from eaglenest.regen.progress import steady_state, whole_run
 
 
 def test_batches_one_after_another_count_whole_after_the_first() -> None:
@@ -28,3 +29,12 @@ def test_idle_gaps_lower_engine_busy_and_every_engine_must_finish_a_batch() -> N
     assert s["seconds"] == 8  # from the slower engine's first batch (12) to the end (20)
     assert s["engine_busy"] == pytest.approx((5 + 8) / 16, abs=1e-4)
     assert steady_state([(0, 10, 1, 100)], engines=1)["tokens"] == 0
+
+
+def test_the_whole_run_counts_every_token_from_the_first_start_to_the_last_end() -> None:
+    # every batch in flight at once (a short run): the steady window is what is left after the first batch ends
+    batches = [(1.0, 11.0, 1, 1000), (1.2, 11.5, 1, 1000), (1.4, 12.0, 1, 1000)]
+    w = whole_run(batches)
+    assert w == {"seconds": 11.0, "tokens": 3000, "tokens_per_second": round(3000 / 11.0, 1)}
+    assert steady_state(batches, engines=1)["seconds"] == 1.0
+    assert whole_run([]) == {"seconds": 0.0, "tokens": 0, "tokens_per_second": 0.0}
