@@ -146,6 +146,15 @@ class CaptureSink:
                 off += int(cap)
         return True
 
+    def prewarm(self, rows_per_batch: int, batches: int) -> int:
+        """Touch the memory of ``batches`` reservations of ``rows_per_batch`` rows ahead of time (the engine actor does
+        it while its engine starts); bounded by ``reserve_max_bytes``. Returns the bytes made ready."""
+        h, isz = self.hidden_size, torch.empty((), dtype=self.dtype).element_size()
+        per_batch = rows_per_batch * self.width * isz
+        batches = min(batches, self.reserve_max_bytes // max(per_batch, 1))
+        sizes = [rows_per_batch * (self.width - h) * isz, rows_per_batch * h * isz] * int(batches)
+        return self.buffers.prewarm(sizes)
+
     def _loop(self) -> None:
         while not self._stop.is_set():
             try:
@@ -389,8 +398,10 @@ class CaptureSink:
             return None, (f"request {rid} has no states for {len(missing)} positions training reads "
                           f"(first {missing[0]})")
         aux, last = slab.aux[off:off + n], slab.last[off:off + n]
-        aux[~have] = 0
-        last[~have] = 0
+        gone = (~have).nonzero().flatten()
+        if gone.numel():  # row by row: a boolean-mask assignment would pass over every byte of the sequence
+            aux.index_fill_(0, gone, 0)
+            last.index_fill_(0, gone, 0)
         if t > n:  # the sequence runs past the reservation (unread positions only): its own, longer copy
             aux = torch.cat([aux, aux.new_zeros(t - n, aux.shape[1])])
             last = torch.cat([last, last.new_zeros(t - n, last.shape[1])])

@@ -70,6 +70,23 @@ class HostBufferPool:
             total -= len(self._buffers[i])
         self._buffers = [b for k, b in enumerate(self._buffers) if k not in drop]
 
+    def prewarm(self, sizes: list[int]) -> int:
+        """Add free buffers of ``sizes`` bytes with every page already touched, so the batches that take them copy at
+        memory speed from their first row (a fresh page costs a fault and a kernel zero-fill: on the development CPU
+        the sink placed rows 1.9x slower into fresh memory). Returns the bytes added; the free-bytes cap grows to
+        keep them."""
+        added = 0
+        for nbytes in sizes:
+            size = max(GRANULE, -(-nbytes // GRANULE) * GRANULE)
+            buf = mmap.mmap(-1, size)
+            torch.frombuffer(buf, dtype=torch.uint8).zero_()  # writes every page (the GIL is released meanwhile)
+            with self._lock:
+                self._buffers.append(buf)
+            added += size
+        with self._lock:
+            self.max_free_bytes = max(self.max_free_bytes, sum(len(b) for b in self._buffers))
+        return added
+
     def clear(self) -> None:
         """Forget every buffer (lent ones stay valid: their tensors keep the memory until they go)."""
         with self._lock:

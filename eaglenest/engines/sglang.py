@@ -165,6 +165,11 @@ class SGLangEngine(TargetEngine):
         """Start the engine now rather than inside the first request (so a batch's timing is the batch's alone)."""
         _ = self.engine
 
+    def prewarm_capture(self, rows_per_batch: int, batches: int) -> int:
+        """Capture during generation: make the host memory of ``batches`` batches of ``rows_per_batch`` recorded rows
+        ready before the first batch (bytes made ready; 0 when this engine does not record)."""
+        return self.recorder.sink.prewarm(rows_per_batch, batches) if self.recorder is not None else 0
+
     def generate_ids(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> list[Generation]:
         """All prompts in one ``Engine.generate`` call (sglang batches them continuously); exact output ids."""
         if not prompts:

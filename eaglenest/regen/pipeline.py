@@ -200,8 +200,7 @@ def _run_engine_stage(cfg: EaglenestConfig, files: list[str], out_dir: Path, ide
     try:
         with data_context(enable_progress_bars=True, enable_operator_progress_bars=sys.stdout.isatty(),
                           preserve_order=False, use_datasource_v2=False):
-            ds = regenerate_dataset(ray.data.read_parquet(files, num_cpus=WRITE_CPUS, file_extensions=None),
-                                    cfg, identity, tracker)
+            ds = regenerate_dataset(plan_dataset(files), cfg, identity, tracker, whole_blocks=True)
             ds.write_datasink(sink, ray_remote_args={"num_cpus": WRITE_CPUS})
     finally:
         stop.set()
@@ -210,15 +209,27 @@ def _run_engine_stage(cfg: EaglenestConfig, files: list[str], out_dir: Path, ide
     return sink.totals
 
 
+def plan_dataset(files: list[str]) -> Any:
+    """The plan's rows, one block per plan file (each file is one engine batch: ``regen.batch_size`` rows, the last
+    one fewer). Read with Ray Data's defaults and bundled into ``batch_size`` rows, files came in pieces and the last,
+    partial batch waited until every read finished: on the H200 the last 128 of 3,200 prompts reached the engine 20 s
+    after the rest (BENCHMARKS.md, fourth GPU run)."""
+    import ray
+
+    return ray.data.read_parquet(files, num_cpus=WRITE_CPUS, file_extensions=None, override_num_blocks=len(files))
+
+
 def regenerate_dataset(plan_rows: Any, cfg: EaglenestConfig, identity: dict[str, Any], tracker: Any = None, *,
-                       ledger_dir: str | None = None, columns: list[str] | None = None, stream: str = "train") -> Any:
+                       ledger_dir: str | None = None, columns: list[str] | None = None, stream: str = "train",
+                       whole_blocks: bool = False) -> Any:
     """``plan_rows`` (a Ray Data dataset of plan rows) through the engine actor pool: rows of ``RESULT_SCHEMA``.
 
     The one definition of the engine stage: ``run_regen`` writes its output to shards, online training
     (``eaglenest train --online``) streams it to the trainer's workers. With ``ledger_dir`` the actors file rejected
     rows there themselves (quarantine files, as in a regen folder) and pass on only regenerated rows, in ``columns``;
     they also file every answer they generate there and only capture the answers filed before
-    (:mod:`eaglenest.regen.answers`), reporting their rows to ``tracker`` under ``stream``.
+    (:mod:`eaglenest.regen.answers`), reporting their rows to ``tracker`` under ``stream``. ``whole_blocks``: every
+    input block is one engine batch as it is (the plan's files are written ``regen.batch_size`` rows each).
     """
     from eaglenest.regen.stage import EngineActor
 
@@ -230,7 +241,7 @@ def regenerate_dataset(plan_rows: Any, cfg: EaglenestConfig, identity: dict[str,
                                "sampling": sampling, "identity": identity, "tracker": tracker,
                                "ledger": None if ledger_dir is None else {"ledger_dir": ledger_dir,
                                                                           "columns": columns, "stream": stream}},
-        batch_size=rc.batch_size, batch_format="pyarrow", zero_copy_batch=True,
+        batch_size=None if whole_blocks else rc.batch_size, batch_format="pyarrow", zero_copy_batch=True,
         compute=_actor_pool(rc.num_actors, rc.batches_in_flight),
         num_cpus=rc.num_cpus_per_actor, num_gpus=rc.num_gpus_per_actor,
     )

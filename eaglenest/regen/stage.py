@@ -139,6 +139,26 @@ def _quiet_model_libraries() -> None:
         pass
 
 
+PREWARM_PROMPT_TOKENS = 256
+"""Prompt tokens per sample assumed when an engine actor readies the host memory of its batches in flight (a batch
+with longer prompts takes fresh memory for what does not fit)."""
+
+
+def _prewarm_capture(engine: Any, regen: dict[str, Any],
+                     sampling: dict[str, dict[str, Any]]) -> threading.Thread | None:
+    """Start readying the host memory that ``regen.batches_in_flight`` batches record into, on a thread, so it runs
+    while the engine starts (only an engine that records while generating has ``prewarm_capture``)."""
+    prewarm = getattr(engine, "prewarm_capture", None)
+    if prewarm is None:
+        return None
+    max_new = max((s["max_new_tokens"] for s in sampling.values()), default=0)
+    rows = int(regen["batch_size"]) * (PREWARM_PROMPT_TOKENS + max_new + 1)
+    thread = threading.Thread(target=prewarm, args=(rows, int(regen["batches_in_flight"])),
+                              name="eaglenest-capture-prewarm", daemon=True)
+    thread.start()
+    return thread
+
+
 class EngineActor:
     """``map_batches`` callable: regenerates and captures whole batches with one engine per actor."""
 
@@ -155,9 +175,12 @@ class EngineActor:
 
             torch.set_num_threads(tcfg.cpu_threads or max(1, int(regen["num_cpus_per_actor"])))
         self.engine = load_engine(tcfg, regen=True)
+        warm = _prewarm_capture(self.engine, regen, sampling)  # alongside the engine start
         start = getattr(self.engine, "start", None)
         if start is not None:  # an engine that starts lazily starts with the actor, not inside the first batch:
             start()  # the batch timeline and generate seconds then measure generation alone (BENCHMARKS.md)
+        if warm is not None:
+            warm.join()
         info = self.engine.info
         layer_ids = list(getattr(self.engine, "aux_layer_ids", identity["aux_layer_ids"]))
         got = {"num_layers": info.num_layers, "hidden_size": info.hidden_size, "aux_layer_ids": layer_ids}

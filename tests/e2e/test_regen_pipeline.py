@@ -308,8 +308,31 @@ def test_two_batches_in_flight_write_every_sample_once(demo_run, tiny_engine, tm
     rows = [r for f in shard_files(tmp_path / "out") for r in pq.read_table(f).to_pylist()]
     one = {r["id"] for f in shard_files(out) for r in pq.read_table(f).to_pylist()}
     assert sorted(r["id"] for r in rows) == sorted(one)  # the same samples, none twice
+    # each plan file is one engine batch as it is: full batches, and at most one shorter (the last file), so no
+    # batch waits for rows that Ray Data bundles from later reads
+    sizes = sorted(b["rows"] for b in summary2["last_run"]["batches"])
+    bs = cfg.regen.batch_size
+    assert sum(sizes) == summary2["last_run"]["planned"] and all(n == bs for n in sizes[1:]) and sizes[0] <= bs, sizes
     m = read_manifest(tmp_path / "out")
     caps = tiny_engine.capture([r["input_ids"] for r in rows])
     for r, cap in zip(rows, caps, strict=True):
         aux = bytes_to_tensor(r["aux_hidden_states"], m.dtype, 3 * m.hidden_size)
         torch.testing.assert_close(aux.float(), cap.aux_hidden_states.float(), rtol=2 ** -7, atol=1e-4)
+
+
+def test_each_plan_file_reaches_the_engine_stage_as_one_block(ray_session, tmp_path):
+    """Plan files are engine batches: read as one block each, never split or merged, so each is one engine call
+    (with Ray Data's default read, files of 256 rows came as blocks of 85 and the last batch waited for them)."""
+    import pyarrow as pa
+
+    from eaglenest.regen.pipeline import plan_dataset
+    from eaglenest.regen.sources import data_context
+
+    files = []
+    for k, n in enumerate([256, 256, 256, 128]):
+        path = tmp_path / f"part-{k}.parquet"
+        pq.write_table(pa.table({"id": [f"{k}-{i}" for i in range(n)], "raw": ["x" * 2000] * n}), path)
+        files.append(str(path))
+    with data_context(use_datasource_v2=False, preserve_order=False):  # as run_regen reads it
+        blocks = [m.num_rows for b in plan_dataset(files).iter_internal_ref_bundles() for m in b.metadata]
+    assert sorted(blocks) == [128, 256, 256, 256]

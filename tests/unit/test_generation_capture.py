@@ -366,3 +366,22 @@ def test_a_reader_failure_is_reported_not_waited_out(tmp_path) -> None:
     with pytest.raises(CaptureSinkError, match="reading the recorded states failed in the engine actor"):
         sink.check()
     sink.close()
+
+
+def test_an_engine_actor_prewarms_its_batches_in_flight_while_the_engine_starts() -> None:
+    from eaglenest.regen.stage import PREWARM_PROMPT_TOKENS, _prewarm_capture
+
+    class Recording:
+        def __init__(self) -> None:
+            self.calls: list[tuple[int, int]] = []
+
+        def prewarm_capture(self, rows: int, batches: int) -> int:
+            self.calls.append((rows, batches))
+            return 0
+
+    eng = Recording()
+    thread = _prewarm_capture(eng, {"batch_size": 8, "batches_in_flight": 3},
+                              {"chat": {"max_new_tokens": 16}, "code": {"max_new_tokens": 32}})
+    thread.join(5)
+    assert eng.calls == [(8 * (PREWARM_PROMPT_TOKENS + 32 + 1), 3)]
+    assert _prewarm_capture(object(), {"batch_size": 8, "batches_in_flight": 3}, {}) is None  # no recording engine

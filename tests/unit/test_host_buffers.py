@@ -88,3 +88,25 @@ def test_clear_forgets_the_pool_but_lent_memory_stays_valid() -> None:
     a.fill_(5.0)
     pool.clear()
     assert pool.pooled_bytes() == 0 and float(a.float().mean()) == 5.0
+
+
+def test_prewarmed_buffers_are_lent_first_and_kept_beyond_the_free_cap() -> None:
+    pool = HostBufferPool(max_free_bytes=GRANULE)
+    assert pool.prewarm([GRANULE, 2 * GRANULE + 1]) == 4 * GRANULE
+    assert pool.pooled_bytes() == 4 * GRANULE and pool.max_free_bytes == 4 * GRANULE  # not trimmed away
+    small = pool.take(GRANULE // 2)  # the smallest that fits
+    big = pool.take(3 * GRANULE)
+    assert pool.allocated == 0 and pool.reused == 2 and small.numel() == GRANULE // 2
+    big[:8] = 5
+    del small, big
+
+
+def test_the_sink_prewarms_what_its_reservations_take(tmp_path) -> None:
+    from eaglenest.engines.capture_sink import CaptureSink
+
+    sink = CaptureSink(tmp_path, hidden_size=64, n_aux=3, dtype=torch.bfloat16,
+                       reserve_max_bytes=3 * 1000 * 4 * 64 * 2)
+    assert sink.prewarm(rows_per_batch=1000, batches=5) == 6 * GRANULE  # capped at 3 batches: 2 buffers each
+    assert sink.reserve(["a", "b"], [400, 600])  # one batch of 1000 rows: served by prewarmed memory
+    assert sink.buffers.allocated == 0 and sink.buffers.reused == 2
+    sink.close()
