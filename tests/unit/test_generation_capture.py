@@ -385,3 +385,45 @@ def test_an_engine_actor_prewarms_its_batches_in_flight_while_the_engine_starts(
     thread.join(5)
     assert eng.calls == [(8 * (PREWARM_PROMPT_TOKENS + 32 + 1), 3)]
     assert _prewarm_capture(object(), {"batch_size": 8, "batches_in_flight": 3}, {}) is None  # no recording engine
+
+
+def test_a_batch_with_early_answers_is_written_to_shards_without_losing_a_byte(tmp_path) -> None:
+    """Early answers leave gaps in the batch's memory, so its hidden-state columns are chunked (one chunk per run):
+    the engine stage's table goes through the shard writer and reads back byte for byte."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from eaglenest.contracts.shards import shard_files, tensor_to_buffer
+    from eaglenest.regen.regenerate import Regenerated, Sample
+    from eaglenest.regen.stage import ShardDatasink, results_table
+
+    model, sched, rec = setup(tmp_path / "sink")
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(1, V, (n,), generator=g).tolist() for n in (4, 6, 5, 3, 7, 4, 5, 6, 4, 5, 6, 7, 3, 4,
+                                                                            5, 6)]
+    max_new = [4] * 16
+    max_new[5] = 2  # one answer ends early: the rest of the batch after it is a second run
+    rids = rec.new_rids(len(prompts))
+    assert rec.reserve(rids, prompts, 4)
+    gens = sched.generate(prompts, max_new, rids)
+    rec.expect(rids, prompts, gens)
+    seqs = [p + gen.token_ids + [V - 1] for p, gen in zip(prompts, gens, strict=True)]
+    masks = [[0] * len(p) + [1] * len(gen.token_ids) + [0] for p, gen in zip(prompts, gens, strict=True)]
+    caps = rec.capture(seqs, [CaptureHint(r, m) for r, m in zip(rids, masks, strict=True)],
+                       prefill=lambda s, r: pytest.fail("no prefill"))
+    results = [Regenerated(Sample(id=f"s{i}", source="toy", domain="chat", messages=[]), s, m,
+                           tensor_to_buffer(c.aux_hidden_states, "float32", states=3),
+                           tensor_to_buffer(c.last_hidden_state, "float32"))
+               for i, (s, m, c) in enumerate(zip(seqs, masks, caps, strict=True))]
+    table = results_table(results)
+    assert isinstance(table.column("aux_hidden_states"), pa.ChunkedArray)
+    assert table.column("aux_hidden_states").num_chunks == 2  # runs broken once, by the early answer
+    assert table.column("aux_hidden_states").chunk(0).buffers()[2].address == caps[0].aux_hidden_states.data_ptr()
+    sink = ShardDatasink(tmp_path / "out", rows_per_shard=64, hidden_size=H, storage_dtype="float32")
+    assert sink.write([table], None)["samples"] == 16
+    (shard,) = shard_files(tmp_path / "out")
+    back = {r["id"]: r for r in pq.read_table(shard).to_pylist()}
+    for i, cap in enumerate(caps):
+        assert back[f"s{i}"]["aux_hidden_states"] == bytes(tensor_to_buffer(cap.aux_hidden_states, "float32", 3))
+        assert back[f"s{i}"]["last_hidden_state"] == bytes(tensor_to_buffer(cap.last_hidden_state, "float32"))
+    rec.close()
