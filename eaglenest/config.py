@@ -69,6 +69,10 @@ class SGLangEngineConfig(Section):
     capture_dir: str | None = Field(
         None, description="where generation capture passes states from SGLang's scheduler to the actor (default: "
         "/dev/shm when it has 8 GiB free, else the system temp folder)")
+    capture_host_gib: float = Field(
+        32, gt=0, description="capture: generation: host memory per engine actor for the states of its batches in "
+        "flight, placed as they are recorded and touched while the engine starts (a batch beyond it is placed after "
+        "its generation, more slowly)")
     concurrent_generate: bool = Field(
         True, description="regen: the batches an engine actor has in flight (regen.batches_in_flight) go to SGLang "
         "together through its asyncio loop, so their requests decode in one running batch; false: one synchronous "

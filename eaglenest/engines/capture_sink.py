@@ -39,7 +39,8 @@ RELEASED_MEMORY = 1 << 17
 """Released request ids remembered, so that a chunk arriving after its request was released is not kept."""
 
 RESERVE_MAX_BYTES = 32 << 30
-"""Host memory the reserved batches in flight may hold at once (a batch beyond it is placed after generation)."""
+"""Host memory the reserved batches in flight may hold at once (a batch beyond it is placed after generation); the
+default of ``target.sglang.capture_host_gib``."""
 
 
 class CaptureSinkError(RuntimeError):

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from eaglenest.engines.base import Capture, CaptureHint, Generation
-from eaglenest.engines.capture_sink import CaptureSink, CaptureSinkError
+from eaglenest.engines.capture_sink import RESERVE_MAX_BYTES, CaptureSink, CaptureSinkError
 from eaglenest.engines.sglang_hooks import hook_specs
 
 SHM_MIN_FREE = 8 << 30
@@ -44,11 +44,11 @@ class GenerationRecorder:
     """Request ids and expected row counts of one engine's generations, and the sink that receives their rows."""
 
     def __init__(self, folder: str | None, aux_layer_ids: Sequence[int], *, hidden_size: int,
-                 dtype: str = "bfloat16") -> None:
+                 dtype: str = "bfloat16", reserve_max_bytes: int = RESERVE_MAX_BYTES) -> None:
         self.folder = capture_folder(folder)
         self.hooks = hook_specs(self.folder, list(aux_layer_ids), dtype)
         self.sink = CaptureSink(self.folder, hidden_size=hidden_size, n_aux=len(aux_layer_ids),
-                                dtype=getattr(torch, dtype))
+                                dtype=getattr(torch, dtype), reserve_max_bytes=reserve_max_bytes)
         self.counts: Counter[str] = Counter()
         """samples served from generation recordings ("generation") and by a one-token prefill ("prefill")"""
         self.fallback_reasons: list[str] = []
