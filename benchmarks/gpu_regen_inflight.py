@@ -135,6 +135,7 @@ def run(a: argparse.Namespace, model: Path, rec: dict) -> None:
                             "tokens_per_s": round(serial_tokens / serial_s, 1)}
     rec["in_flight"] = {"threads": a.threads, "seconds": round(inflight_s, 2), "tokens": tokens,
                         "tokens_per_s": round(tokens / inflight_s, 1), "served_from": dict(eng.recorder.counts),
+                        "placed": dict(eng.recorder.sink.served),
                         "fallback_reasons": eng.recorder.fallback_reasons[-3:]}
     rec["in_flight_vs_one_at_a_time"] = round((tokens / inflight_s) / (serial_tokens / serial_s), 3)
     print("one at a time", rec["one_at_a_time"], "in flight", rec["in_flight"], flush=True)
@@ -148,7 +149,8 @@ def run(a: argparse.Namespace, model: Path, rec: dict) -> None:
     eng.close()
     torch.cuda.empty_cache()
     rec["passed"] = (rec["driver"] and within_tolerance(worst)
-                     and rec["in_flight"]["served_from"].get("prefill", 0) == 0 and len(results) == a.batches)
+                     and rec["in_flight"]["served_from"].get("prefill", 0) == 0 and len(results) == a.batches
+                     and rec["in_flight"]["placed"].get("at_capture", 0) == 0)  # every row placed as it arrived
 
 
 if __name__ == "__main__":

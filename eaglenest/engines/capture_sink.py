@@ -23,7 +23,7 @@ import struct
 import threading
 import time
 import traceback
-from collections import defaultdict, deque
+from collections import Counter, defaultdict, deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -115,6 +115,8 @@ class CaptureSink:
         self._overflow: dict[str, str] = {}  # reserved rids whose rows did not fit, with why
         self._reserved_bytes = 0
         self._reader_error: str | None = None
+        self.served: Counter[str] = Counter()
+        """sequences assembled from rows placed as they arrived ("on_arrival") or after their batch ("at_capture")"""
 
     # ------------------------------------------------------------------------------------------------ reading
     def start(self) -> None:
@@ -298,6 +300,7 @@ class CaptureSink:
         with self._lock:
             reserved = {k: self._from_slab(*w) for k, w in enumerate(wanted) if w[0] in self._slots}
         if reserved:
+            self.served["on_arrival"] += sum(cap is not None for cap, _ in reserved.values())
             rest = [k for k in range(len(wanted)) if k not in reserved]
             got = dict(zip(rest, self.assemble_many([wanted[k] for k in rest]), strict=True)) if rest else {}
             return [reserved[k] if k in reserved else got[k] for k in range(len(wanted))]
@@ -375,6 +378,7 @@ class CaptureSink:
             for i, (k, t, _, _) in enumerate(placed):
                 a, b = int(starts[i]), int(starts[i]) + t
                 out[k] = (Capture(aux_hidden_states=aux[a:b], last_hidden_state=last[a:b]), "")
+            self.served["at_capture"] += len(placed)
         return out
 
     def _from_slab(self, rid: str, ids: Sequence[int], mask: Sequence[int]) -> tuple[Capture | None, str]:

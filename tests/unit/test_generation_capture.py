@@ -285,7 +285,7 @@ def test_reserved_rows_are_placed_while_generating_and_their_chunks_freed(tmp_pa
         assert int((slab.ids >= 0).sum()) == sum(len(p) + 3 for p in prompts)  # every recorded row in place
     assert not list(rec.folder.glob("*.chunk"))
     caps = rec.capture(seqs, hints, prefill=lambda s, r: pytest.fail("no prefill"))
-    assert rec.counts == {"generation": 3}
+    assert rec.counts == {"generation": 3} and rec.sink.served == {"on_arrival": 3}
     for seq, cap in zip(seqs, caps, strict=True):
         got = torch.cat([cap.aux_hidden_states, cap.last_hidden_state], dim=-1)
         torch.testing.assert_close(got[:-2], model.model.reference(seq)[:-2], rtol=1e-6, atol=1e-6)
@@ -348,6 +348,7 @@ def test_a_batch_beyond_the_reservation_budget_is_placed_at_capture(tmp_path) ->
     for seq, cap in zip(seqs, rec.capture(seqs, hints, prefill=lambda s, r: pytest.fail("no")), strict=True):
         got = torch.cat([cap.aux_hidden_states, cap.last_hidden_state], dim=-1)
         torch.testing.assert_close(got[:-2], model.model.reference(seq)[:-2], rtol=1e-6, atol=1e-6)
+    assert rec.sink.served == {"at_capture": 2}
     rec.close()
 
 
