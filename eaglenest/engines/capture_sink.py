@@ -138,9 +138,13 @@ class CaptureSink:
             if self._reserved_bytes + nbytes > self.reserve_max_bytes:
                 return False
             self._reserved_bytes += nbytes
-        # pooled memory; its pages are first touched by the reader thread's copies (no zeroing here)
-        aux = self.buffers.take(total * (self.width - h) * isz).view(self.dtype).view(total, self.width - h)
-        last = self.buffers.take(total * h * isz).view(self.dtype).view(total, h)
+        try:  # pooled memory; its pages are first touched by the reader thread's copies (no zeroing here)
+            aux = self.buffers.take(total * (self.width - h) * isz).view(self.dtype).view(total, self.width - h)
+            last = self.buffers.take(total * h * isz).view(self.dtype).view(total, h)
+        except BaseException:
+            with self._lock:
+                self._reserved_bytes -= nbytes
+            raise
         slab = Slab(aux, last, torch.full((total,), -1, dtype=torch.int32), nbytes, len(rids))
         with self._lock:
             off = 0
@@ -299,8 +303,9 @@ class CaptureSink:
         """
         with self._lock:
             reserved = {k: self._from_slab(*w) for k, w in enumerate(wanted) if w[0] in self._slots}
+            if reserved:
+                self.served["on_arrival"] += sum(cap is not None for cap, _ in reserved.values())
         if reserved:
-            self.served["on_arrival"] += sum(cap is not None for cap, _ in reserved.values())
             rest = [k for k in range(len(wanted)) if k not in reserved]
             got = dict(zip(rest, self.assemble_many([wanted[k] for k in rest]), strict=True)) if rest else {}
             return [reserved[k] if k in reserved else got[k] for k in range(len(wanted))]
@@ -378,7 +383,8 @@ class CaptureSink:
             for i, (k, t, _, _) in enumerate(placed):
                 a, b = int(starts[i]), int(starts[i]) + t
                 out[k] = (Capture(aux_hidden_states=aux[a:b], last_hidden_state=last[a:b]), "")
-            self.served["at_capture"] += len(placed)
+            with self._lock:
+                self.served["at_capture"] += len(placed)
         return out
 
     def _from_slab(self, rid: str, ids: Sequence[int], mask: Sequence[int]) -> tuple[Capture | None, str]:
