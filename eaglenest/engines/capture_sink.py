@@ -73,6 +73,13 @@ def read_chunk(path: Path) -> Chunk:
     return Chunk(list(zip(head["rids"], head["counts"], strict=True)), positions, ids, states)
 
 
+def _zero_rows(rows: torch.Tensor, *tensors: torch.Tensor) -> None:
+    """Zero ``rows`` of each tensor, row by row: a boolean-mask assignment would pass over every byte of them."""
+    if rows.numel():
+        for t in tensors:
+            t.index_fill_(0, rows, 0)
+
+
 @dataclass
 class Slab:
     """A reserved batch's states: request ``r`` owns rows ``[offset_r, offset_r + capacity_r)``, row ``p`` of which is
@@ -125,6 +132,16 @@ class CaptureSink:
             self._thread = threading.Thread(target=self._loop, name="eaglenest-capture-reader", daemon=True)
             self._thread.start()
 
+    def _state_nbytes(self, rows: int, dtype: torch.dtype) -> tuple[int, int]:
+        """Bytes of ``rows`` rows of aux states and of final states (the two buffers a batch is laid out in)."""
+        return rows * (self.width - self.hidden_size) * dtype.itemsize, rows * self.hidden_size * dtype.itemsize
+
+    def _state_buffers(self, rows: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pooled ``[rows, width - hidden]`` aux and ``[rows, hidden]`` final-state tensors (contents not cleared)."""
+        a, b = self._state_nbytes(rows, dtype)
+        return (self.buffers.take(a).view(dtype).view(rows, self.width - self.hidden_size),
+                self.buffers.take(b).view(dtype).view(rows, self.hidden_size))
+
     def reserve(self, rids: Sequence[str], capacities: Sequence[int]) -> bool:
         """Place the rows of ``rids`` (up to ``capacities[i]`` positions each) as they arrive; call before their
         requests are submitted. False (nothing reserved: their rows are placed when captured) when the reserved
@@ -132,15 +149,13 @@ class CaptureSink:
         total = int(sum(capacities))
         if not rids or total <= 0:
             return False
-        h, isz = self.hidden_size, torch.empty((), dtype=self.dtype).element_size()
-        nbytes = total * self.width * isz
+        nbytes = sum(self._state_nbytes(total, self.dtype))
         with self._lock:
             if self._reserved_bytes + nbytes > self.reserve_max_bytes:
                 return False
             self._reserved_bytes += nbytes
         try:  # pooled memory; its pages are first touched by the reader thread's copies (no zeroing here)
-            aux = self.buffers.take(total * (self.width - h) * isz).view(self.dtype).view(total, self.width - h)
-            last = self.buffers.take(total * h * isz).view(self.dtype).view(total, h)
+            aux, last = self._state_buffers(total, self.dtype)
         except BaseException:
             with self._lock:
                 self._reserved_bytes -= nbytes
@@ -156,11 +171,9 @@ class CaptureSink:
     def prewarm(self, rows_per_batch: int, batches: int) -> int:
         """Touch the memory of ``batches`` reservations of ``rows_per_batch`` rows ahead of time (the engine actor does
         it while its engine starts); bounded by ``reserve_max_bytes``. Returns the bytes made ready."""
-        h, isz = self.hidden_size, torch.empty((), dtype=self.dtype).element_size()
-        per_batch = rows_per_batch * self.width * isz
-        batches = min(batches, self.reserve_max_bytes // max(per_batch, 1))
-        sizes = [rows_per_batch * (self.width - h) * isz, rows_per_batch * h * isz] * int(batches)
-        return self.buffers.prewarm(sizes)
+        sizes = list(self._state_nbytes(rows_per_batch, self.dtype))
+        batches = min(batches, self.reserve_max_bytes // max(sum(sizes), 1))
+        return self.buffers.prewarm(sizes * int(batches))
 
     def _loop(self) -> None:
         while not self._stop.is_set():
@@ -201,10 +214,10 @@ class CaptureSink:
                         self._next_index += 1
                     idx.append(self._index[rid])
                     self._counts[rid] += rows
-                owner = torch.repeat_interleave(torch.tensor(idx, dtype=torch.long),
-                                                torch.tensor([rows for _, rows in chunk.runs], dtype=torch.long))
+                counts = torch.tensor([rows for _, rows in chunk.runs], dtype=torch.long)
+                owner = torch.repeat_interleave(torch.tensor(idx, dtype=torch.long), counts)
                 if placed:
-                    self._place(chunk, placed)
+                    self._place(chunk, counts, placed)
                 live = set(idx) - {-1}
                 if live:
                     self._chunks.append((chunk, owner, live))
@@ -215,10 +228,10 @@ class CaptureSink:
                 self._last_chunk_at = time.monotonic()
         return read
 
-    def _place(self, chunk: Chunk, placed: list[tuple[int, str, int]]) -> None:
-        """Copy the rows of reserved requests into their slabs (the reader thread, under the lock). A decode step's
-        chunk has one row for each of thousands of requests: per run only dict lookups, the rest is tensor work."""
-        counts = torch.tensor([rows for _, rows in chunk.runs], dtype=torch.long)
+    def _place(self, chunk: Chunk, counts: torch.Tensor, placed: list[tuple[int, str, int]]) -> None:
+        """Copy the rows of reserved requests into their slabs (the reader thread, under the lock); ``counts``: rows
+        per run of the chunk. A decode step's chunk has one row for each of thousands of requests: per run only dict
+        lookups, the rest is tensor work."""
         run_start = torch.cumsum(counts, 0) - counts
         slabs: dict[int, int] = {}
         slab_list: list[Slab] = []
@@ -360,8 +373,7 @@ class CaptureSink:
             h, dtype = self.hidden_size, chunks[0][0].states.dtype
             starts = torch.cumsum(torch.tensor([0] + [t for _, t, _, _ in placed]), 0)
             total = int(starts[-1])
-            aux = self.buffers.take(total * (self.width - h) * dtype.itemsize).view(dtype).view(total, self.width - h)
-            last = self.buffers.take(total * h * dtype.itemsize).view(dtype).view(total, h)
+            aux, last = self._state_buffers(total, dtype)
             src = torch.cat([sel for _, _, sel, _ in placed])
             dst = torch.cat([p + starts[i] for i, (_, _, _, p) in enumerate(placed)])
             which = torch.searchsorted(rows_of, src, right=True) - 1
@@ -378,8 +390,8 @@ class CaptureSink:
                 last.index_copy_(0, to, rows[:, self.width - h:])
             unfilled = torch.ones(total, dtype=torch.bool)
             unfilled[dst] = False
-            aux[unfilled] = 0  # the positions training never reads (a reused buffer holds an earlier batch's rows)
-            last[unfilled] = 0
+            # the positions training never reads (a reused buffer holds an earlier batch's rows)
+            _zero_rows(unfilled.nonzero().flatten(), aux, last)
             for i, (k, t, _, _) in enumerate(placed):
                 a, b = int(starts[i]), int(starts[i]) + t
                 out[k] = (Capture(aux_hidden_states=aux[a:b], last_hidden_state=last[a:b]), "")
@@ -403,16 +415,14 @@ class CaptureSink:
             at = int(bad.nonzero()[0])
             return None, (f"request {rid} computed token {int(rec[at])} at position {at}, the sequence has "
                           f"{int(want[at])}")
+        gone = (~have).nonzero().flatten()
         unread = unread_state_positions(t, mask)
-        missing = [i for i in (~have).nonzero().flatten().tolist() + list(range(n, t)) if i not in unread]
+        missing = [i for i in gone.tolist() + list(range(n, t)) if i not in unread]
         if missing:
             return None, (f"request {rid} has no states for {len(missing)} positions training reads "
                           f"(first {missing[0]})")
         aux, last = slab.aux[off:off + n], slab.last[off:off + n]
-        gone = (~have).nonzero().flatten()
-        if gone.numel():  # row by row: a boolean-mask assignment would pass over every byte of the sequence
-            aux.index_fill_(0, gone, 0)
-            last.index_fill_(0, gone, 0)
+        _zero_rows(gone, aux, last)
         if t > n:  # the sequence runs past the reservation (unread positions only): its own, longer copy
             aux = torch.cat([aux, aux.new_zeros(t - n, aux.shape[1])])
             last = torch.cat([last, last.new_zeros(t - n, last.shape[1])])

@@ -27,6 +27,11 @@ GRANULE = 64 << 20
 """Sizes are rounded up to this, so batches of slightly different lengths reuse the same buffers."""
 
 
+def _rounded(nbytes: int) -> int:
+    """The size of the buffer that holds ``nbytes``: whole granules, at least one."""
+    return max(GRANULE, -(-nbytes // GRANULE) * GRANULE)
+
+
 class HostBufferPool:
     """Lends uint8 host tensors on pooled anonymous mappings; keeps at most ``max_free_bytes`` of free ones."""
 
@@ -41,7 +46,7 @@ class HostBufferPool:
         """A 1-D uint8 tensor of ``nbytes`` on a pooled buffer (its old contents are not cleared)."""
         if nbytes <= 0:
             return torch.empty(0, dtype=torch.uint8)
-        size = max(GRANULE, -(-nbytes // GRANULE) * GRANULE)
+        size = _rounded(nbytes)
         with self._lock:
             free = [i for i in range(len(self._buffers)) if self._is_free(i)]
             fits = [i for i in free if len(self._buffers[i]) >= size]
@@ -77,7 +82,7 @@ class HostBufferPool:
         cap grows to keep them."""
         added = 0
         for nbytes in sizes:
-            size = max(GRANULE, -(-nbytes // GRANULE) * GRANULE)
+            size = _rounded(nbytes)
             buf = mmap.mmap(-1, size)
             torch.frombuffer(buf, dtype=torch.uint8).zero_()  # writes every page (the GIL is released meanwhile)
             with self._lock:
