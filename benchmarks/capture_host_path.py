@@ -65,6 +65,20 @@ def write_batch(folder: Path, n: int, prompt: int, answer: int, hidden: int, gro
     return seqs
 
 
+def add_batch_args(ap: argparse.ArgumentParser, *, sequences: int, prompt: int, answer: int) -> None:
+    """The shape of the batch :func:`write_batch` writes, as command-line options (with these defaults)."""
+    ap.add_argument("--sequences", type=int, default=sequences)
+    ap.add_argument("--prompt-tokens", type=int, default=prompt)
+    ap.add_argument("--answer-tokens", type=int, default=answer)
+    ap.add_argument("--hidden", type=int, default=4096)
+
+
+def chunk_folder(prefix: str) -> Path:
+    """A fresh folder for chunk files where the scheduler writes them: /dev/shm when there is one."""
+    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+    return Path(tempfile.mkdtemp(prefix=prefix, dir=base))
+
+
 def blobs_table(seqs: list[list[int]], caps: list, blob) -> tuple[float, float, pa.Table]:
     """Seconds for the storage blobs and for the block, and the block, with ``blob`` = tensor_to_bytes or
     tensor_to_buffer."""
@@ -83,15 +97,11 @@ def blobs_table(seqs: list[list[int]], caps: list, blob) -> tuple[float, float, 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--sequences", type=int, default=256)
-    ap.add_argument("--prompt-tokens", type=int, default=64)
-    ap.add_argument("--answer-tokens", type=int, default=128)
-    ap.add_argument("--hidden", type=int, default=4096)
+    add_batch_args(ap, sequences=256, prompt=64, answer=128)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--object-store", action="store_true", help="also time ray.put of the block (starts Ray)")
     a = ap.parse_args()
-    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
-    folder = Path(tempfile.mkdtemp(prefix="eaglenest-hostpath-", dir=base))
+    folder = chunk_folder("eaglenest-hostpath-")
     try:
         seqs = write_batch(folder, a.sequences, a.prompt_tokens, a.answer_tokens, a.hidden)
         stored = sum(len(s) for s in seqs)

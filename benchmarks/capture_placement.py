@@ -21,7 +21,6 @@ import argparse
 import json
 import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -29,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from capture_host_path import write_batch  # noqa: E402
+from capture_host_path import add_batch_args, chunk_folder, write_batch  # noqa: E402
 
 from eaglenest.engines.capture_sink import CaptureSink  # noqa: E402
 
@@ -58,15 +57,11 @@ def run(variant: str, folder: Path, seqs: list[list[int]], a: argparse.Namespace
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--sequences", type=int, default=512)
-    ap.add_argument("--prompt-tokens", type=int, default=40)
-    ap.add_argument("--answer-tokens", type=int, default=160)
-    ap.add_argument("--hidden", type=int, default=4096)
+    add_batch_args(ap, sequences=512, prompt=40, answer=160)
     a = ap.parse_args()
-    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
     res: dict = {"sequences": a.sequences, "hidden": a.hidden}
     for variant in ("at-capture", "on-arrival", "on-arrival-prewarmed"):
-        folder = Path(tempfile.mkdtemp(prefix="eaglenest-placement-", dir=base))
+        folder = chunk_folder("eaglenest-placement-")
         try:
             seqs = write_batch(folder, a.sequences, a.prompt_tokens, a.answer_tokens, a.hidden)
             gb = sum(len(s) for s in seqs) * 8 * a.hidden / 1e9
