@@ -78,7 +78,7 @@ class HostBufferPool:
     def prewarm(self, sizes: list[int]) -> int:
         """Add free buffers of ``sizes`` bytes with every page already touched, so the batches that take them copy at
         memory speed from their first row (a fresh page costs a fault and a kernel zero-fill: on the development CPU
-        the sink placed rows 2.6x slower into fresh memory, BENCHMARKS.md). Returns the bytes added; the free-bytes
+        the sink placed rows 1.4-2.6x slower into fresh memory, BENCHMARKS.md). Returns the bytes added; the free-bytes
         cap grows to keep them."""
         added = 0
         for nbytes in sizes:
