@@ -18,14 +18,17 @@
 #   call 2: carry [".gpu/r1", ".gpu/jit"]                      command: bash benchmarks/gpu_e2e.sh --phase2
 # (.gpu/jit: SGLang's JIT cache from an earlier device call's `save_jit_cache`, optional; phase A never starts SGLang)
 # (If the runner is still going when call 2 ends, another `--phase2` call collects the rest.)
-# Knobs: E2E_PRETRAIN_STEPS, E2E_TRAIN_PROMPTS, E2E_TRAIN_AFTER_CUT (how many of them from records the stand-in never
-# saw; default 800), E2E_EPOCHS, E2E_TTT_STEPS, E2E_MAX_NEW_TOKENS, E2E_CAPTURE (generation | prefill: how regen gets
-# hidden states; default generation), E2E_REGEN_BATCH / E2E_REGEN_IN_FLIGHT (regen batch size and batches per engine
-# at once; default 256 x 13: every prompt in flight, as in the offline reference), E2E_REGEN_MEM_FRACTION (SGLang's
-# memory share for regen and its offline reference; default 0.75: KV room for all 3,200 prompts at once),
-# E2E_ACCEPT_PROMPTS (per prompt set for the served accept length; default 64), E2E_CONCURRENT_GENERATE=0 (regen's
-# batches one synchronous Engine.generate at a time; may also be written to $E2E_WORK/overrides.env before call 2); E2E_REGEN_ACTORS=2
-# E2E_TRAIN_WORKERS=2 E2E_NUM_GPUS=2 on a 2-GPU machine (regen data parallel, DDP training).
+# Knobs: E2E_PRETRAIN_STEPS, E2E_TRAIN_PROMPTS, E2E_TRAIN_AFTER_CUT (how many of them from records the stand-in
+# never saw; default 800), E2E_EPOCHS (default 4), E2E_TTT_STEPS, E2E_MAX_NEW_TOKENS, E2E_CAPTURE (generation | prefill:
+# how regen gets hidden states; default generation), E2E_REGEN_BATCH / E2E_REGEN_IN_FLIGHT (regen batch size and
+# batches per engine at once; default 256 x 13: every prompt in flight, as in the offline reference),
+# E2E_REGEN_MEM_FRACTION (SGLang's memory share for regen and its offline reference; default 0.75: KV room for all
+# 3,200 prompts at once), E2E_ACCEPT_PROMPTS (per prompt set for the served accept length; default 64),
+# E2E_BENCH_PROMPTS (held-out prompts in the bench; default 40), E2E_CONCURRENT_GENERATE=0 (regen's batches one
+# synchronous Engine.generate at a time; may also be written to $E2E_WORK/overrides.env before call 2);
+# E2E_REGEN_ACTORS=2 E2E_TRAIN_WORKERS=2 E2E_NUM_GPUS=2 on a 2-GPU machine (regen data parallel, DDP training).
+# A regen job that fails is submitted once more (e2e-regen-fallback) with states placed after generation, so the rest
+# of the loop still runs; the summary says so.
 set -uo pipefail
 ROOT=${E2E_ROOT:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)}  # the runner runs from a copy: E2E_ROOT
 cd "$ROOT"

@@ -18,7 +18,7 @@ from eaglenest.contracts.target import TargetSpec
 from eaglenest.drafter.batch import Batch, pad_batch
 
 __all__ = ["COLUMNS", "Batch", "DataMismatchError", "build_datasets", "check_manifest", "collate",
-           "count_split_rows", "is_eval_sample", "pad_batch", "split_table"]
+           "eval_files", "is_eval_sample", "pad_batch", "split_counts", "split_table"]
 
 COLUMNS = ["id", "input_ids", "loss_mask", "aux_hidden_states", "last_hidden_state"]
 
@@ -106,30 +106,49 @@ def collate(table: pa.Table, *, dtype: str, hidden_size: int, max_seq_len: int) 
     return pad_batch(rows, max_seq_len=max_seq_len, exponents=exponents if dtype == FP8 else None)
 
 
-def count_split_rows(files: Sequence[str | Path], fraction: float, seed: int) -> tuple[int, int]:
-    """(train rows, held-out rows) over the shard files, reading only the id column."""
+def split_counts(files: Sequence[str | Path], fraction: float, seed: int) -> list[tuple[int, int]]:
+    """(train rows, held-out rows) per shard file, reading only the id column."""
     import pyarrow.parquet as pq
 
-    n_train = n_eval = 0
+    out = []
     for f in files:
-        for sid in pq.read_table(str(f), columns=["id"]).column("id").to_pylist():
-            if is_eval_sample(sid, fraction, seed):
-                n_eval += 1
-            else:
-                n_train += 1
-    return n_train, n_eval
+        ids = pq.read_table(str(f), columns=["id"]).column("id").to_pylist()
+        n_eval = sum(is_eval_sample(sid, fraction, seed) for sid in ids)
+        out.append((len(ids) - n_eval, n_eval))
+    return out
 
 
-def build_datasets(files: Sequence[str | Path], fraction: float, seed: int):
-    """Ray datasets ``{"train": ..., "eval": ...}`` over the shard files (read lazily, streamed to workers)."""
+def eval_files(files: Sequence[str | Path], counts: Sequence[tuple[int, int]],
+               max_samples: int | None) -> list[str | Path]:
+    """The shortest prefix of ``files`` that holds ``max_samples`` held-out rows (all files when None).
+
+    Evaluation keeps the first ``max_samples`` held-out rows in file order, so the files after that prefix are never
+    needed; without it Ray Data reads every shard (all their hidden states) to fill a limit of a few dozen rows.
+    """
+    if max_samples is None:
+        return list(files)
+    seen = 0
+    for i, (_, n_eval) in enumerate(counts):
+        seen += n_eval
+        if seen >= max_samples:
+            return list(files[: i + 1])
+    return list(files)
+
+
+def build_datasets(files: Sequence[str | Path], fraction: float, seed: int,
+                   held_out_files: Sequence[str | Path] | None = None):
+    """Ray datasets ``{"train": ..., "eval": ...}`` over the shard files (read lazily, streamed to workers).
+
+    ``held_out_files``: the files the held-out side reads (default: all; see :func:`eval_files`).
+    """
     import ray.data
 
-    def side(want_eval: bool):
-        ds = ray.data.read_parquet([str(f) for f in files], num_cpus=0.25).select_columns(COLUMNS)  # pushed down
+    def side(want_eval: bool, paths: Sequence[str | Path]):
+        ds = ray.data.read_parquet([str(f) for f in paths], num_cpus=0.25).select_columns(COLUMNS)  # pushed down
         return ds.map_batches(split_table, batch_format="pyarrow", num_cpus=0.25,
                               fn_kwargs={"fraction": fraction, "seed": seed, "want_eval": want_eval})
 
-    out = {"train": side(False)}
+    out = {"train": side(False, files)}
     if fraction > 0:
-        out["eval"] = side(True)
+        out["eval"] = side(True, files if held_out_files is None else held_out_files)
     return out

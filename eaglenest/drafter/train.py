@@ -116,7 +116,7 @@ def _init_ray(cfg: EaglenestConfig, *, online: bool) -> None:
 def _shard_inputs(cfg: EaglenestConfig, data_dir: Path, out: Path, facts: Any) -> _Inputs:
     """Offline: a regen folder's shards, checked against the target; the held-out split by sample id."""
     from eaglenest.contracts.shards import read_manifest, shard_files
-    from eaglenest.drafter.data import build_datasets, check_manifest, count_split_rows
+    from eaglenest.drafter.data import build_datasets, check_manifest, eval_files, split_counts
 
     tc = cfg.train
     manifest = read_manifest(data_dir)
@@ -126,7 +126,8 @@ def _shard_inputs(cfg: EaglenestConfig, data_dir: Path, out: Path, facts: Any) -
         raise FileNotFoundError(f"{data_dir}/shards has no parquet shards (run `eaglenest regen` first)")
     mapping, built = prepare_vocab(out, files, facts.vocab_size, tc.drafter.draft_vocab_size, tc.eval_fraction,
                                    tc.seed)
-    n_train, n_eval = count_split_rows(files, tc.eval_fraction, tc.seed)
+    counts = split_counts(files, tc.eval_fraction, tc.seed)
+    n_train, n_eval = sum(t for t, _ in counts), sum(e for _, e in counts)
     print(f"[eaglenest train] shards {len(files)} files, {manifest.num_samples} samples at layers "
           f"{manifest.aux_layer_ids} (physical)", flush=True)
     _init_ray(cfg, online=False)
@@ -136,7 +137,8 @@ def _shard_inputs(cfg: EaglenestConfig, data_dir: Path, out: Path, facts: Any) -
     bars = data_ctx.enable_progress_bars
     data_ctx.enable_progress_bars = False  # per-operator bars of the streaming split drown the training progress lines
     try:
-        datasets = build_datasets(files, tc.eval_fraction, tc.seed)
+        datasets = build_datasets(files, tc.eval_fraction, tc.seed,
+                                  held_out_files=eval_files(files, counts, tc.eval_max_samples))
     finally:
         data_ctx.enable_progress_bars = bars
     datasets["train"] = datasets["train"].randomize_block_order(seed=tc.seed)

@@ -171,6 +171,11 @@ class SGLangEngine(TargetEngine):
         ready before the first batch (bytes made ready; 0 when this engine does not record)."""
         return self.recorder.sink.prewarm(rows_per_batch, batches) if self.recorder is not None else 0
 
+    def capture_placement(self) -> dict[str, int]:
+        """Capture during generation: sequences assembled so far from rows placed as they arrived ("on_arrival") or
+        after their batch ("at_capture", the slower path); empty when this engine does not record."""
+        return dict(self.recorder.sink.served) if self.recorder is not None else {}
+
     def generate_ids(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> list[Generation]:
         """All prompts in one ``Engine.generate`` call (sglang batches them continuously); exact output ids."""
         if not prompts:

@@ -124,12 +124,14 @@ def _run_locked(cfg: EaglenestConfig, sources: list, out_dir: Path, limit: int |
         batches: list = []
         batch_records: list = []
         engine_time: dict[str, float] = {}
+        placement: dict[str, int] = {}
         if plan.planned:
             totals = _run_engine_stage(cfg, plan.files, out_dir, identity, tracker, log, interval)
             engine_version = (ray.get(tracker.snapshot.remote()).get("engine") or {}).get("engine_version")
             batches = ray.get(tracker.batch_timeline.remote())
             batch_records = ray.get(tracker.batch_records.remote())
             engine_time = ray.get(tracker.engine_time.remote())
+            placement = ray.get(tracker.placement_totals.remote())
         if flush_metrics if flush_metrics is not None else bool(os.environ.get("RAY_ADDRESS")):
             ray.get(tracker.snapshot.remote())  # final gauges (ETA 0)
             from eaglenest.ray_private import metrics_report_interval_s
@@ -158,6 +160,8 @@ def _run_locked(cfg: EaglenestConfig, sources: list, out_dir: Path, limit: int |
                      # engine start, warm-up and the last shard's write are outside the steady window
                      "steady": steady_state(batches, rc.num_actors), "whole_run": whole_run(batches),
                      "engine_seconds": engine_time,
+                     # capture during generation: sequences whose rows were placed as recorded vs after their batch
+                     "capture_placement": placement,
                      "batches": batch_records},
     }
     manifest = write_final_manifest(out_dir, identity, engine_version, extra)

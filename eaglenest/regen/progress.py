@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
+from collections.abc import Iterable
 from typing import Any
 
 import ray
@@ -47,6 +48,7 @@ class ProgressTracker:
         self.batch_seconds: deque[tuple[float, float] | None] = deque(maxlen=200_000)  # aligned with timeline
         self.engine_seconds = {"generate": 0.0, "capture": 0.0}
         self.rows: dict[str, dict[int, list[int]]] = {}
+        self.placement: dict[int, dict[str, int]] = {}  # actor pid -> its engine's capture placement counts
 
     def start(self, planned: int) -> None:
         """A new phase of work: ``planned`` samples go to the engines."""
@@ -57,6 +59,14 @@ class ProgressTracker:
 
     def engine_info(self, info: dict[str, Any]) -> None:
         self.engine = info
+
+    def capture_placement(self, pid: int, counts: dict[str, int]) -> None:
+        """One engine actor's running totals of where its captured sequences were assembled."""
+        self.placement[pid] = dict(counts)
+
+    def placement_totals(self) -> dict[str, int]:
+        """Capture placement summed over engine actors (empty when no engine recorded while generating)."""
+        return sum_counts(self.placement.values())
 
     def generated(self, tokens: int, batch: tuple[float, ...] | None = None,
                   seconds: tuple[float, float] | None = None) -> None:
@@ -155,6 +165,15 @@ class ProgressTracker:
                 "generated_tokens": self.tokens, "tokens_per_second": round(self._tps(), 1),
                 "eta_seconds": None if self._eta() is None else round(self._eta() or 0.0),
                 "elapsed_seconds": round(time.monotonic() - self.t0, 1), "engine": self.engine}
+
+
+def sum_counts(counts: Iterable[dict[str, int]]) -> dict[str, int]:
+    """Per-actor counters summed key by key."""
+    out: dict[str, int] = {}
+    for c in counts:
+        for k, n in c.items():
+            out[k] = out.get(k, 0) + n
+    return out
 
 
 def format_progress(s: dict[str, Any]) -> str:

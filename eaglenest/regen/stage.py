@@ -244,6 +244,9 @@ class EngineActor:
                 self.tracker.engine_rows.remote(self.ledger.get("stream", "train"),
                                                 _rows_per_epoch(batch, generate, skipped))
             self.tracker.generated.remote(st.generated_tokens, timing, (st.generate_seconds, st.capture_seconds))
+            placement = getattr(self.engine, "capture_placement", None)
+            if placement is not None:
+                self.tracker.capture_placement.remote(os.getpid(), placement())
         if self.ledger is not None:
             return keep_regenerated(table, self.ledger["ledger_dir"], self.ledger["columns"])
         return table

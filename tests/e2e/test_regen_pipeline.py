@@ -136,6 +136,7 @@ def test_loss_masks_are_the_regenerated_turns(demo_run, tiny_engine):
     shards, _ = read_output(out)
     assert summary["last_run"]["dropped_turns"] == 0
     batches = summary["last_run"]["batches"]  # the engine batches' timeline, in the manifest
+    assert summary["last_run"]["capture_placement"] == {}  # only an engine recording while it generates counts
     assert sum(b["tokens"] for b in batches) == summary["last_run"]["generated_tokens"]
     assert sum(b["rows"] for b in batches) == summary["last_run"]["written"] + summary["last_run"][
         "quarantined_by_engine_stage"]

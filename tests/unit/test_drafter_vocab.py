@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from eaglenest.contracts.shards import tensor_to_bytes
-from eaglenest.drafter.data import collate, is_eval_sample
+from eaglenest.drafter.data import collate, eval_files, is_eval_sample, split_counts
 from eaglenest.drafter.train import prepare_vocab
 from eaglenest.drafter.vocab import VocabMapping, build_vocab_mapping, count_tokens
 
@@ -80,3 +80,25 @@ def test_split_is_deterministic() -> None:
     picks = [is_eval_sample(f"id{i}", 0.25, seed=0) for i in range(400)]
     assert picks == [is_eval_sample(f"id{i}", 0.25, seed=0) for i in range(400)]
     assert 60 < sum(picks) < 140 and not any(is_eval_sample(f"id{i}", 0.0) for i in range(50))
+
+
+def test_eval_reads_only_the_files_its_limit_needs(tmp_path) -> None:
+    """The first N held-out rows in file order all lie in eval_files' prefix; fewer held-out rows than N: every file."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    files = []
+    for f in range(8):
+        path = tmp_path / f"shard-{f:03d}.parquet"
+        pq.write_table(pa.table({"id": [f"s{f}-{i}" for i in range(25)]}), path)
+        files.append(path)
+    counts = split_counts(files, 0.2, seed=1)
+    assert sum(t + e for t, e in counts) == 200 and all(e > 0 for _, e in counts)
+    every = [i for f in files for i in pq.read_table(f).column("id").to_pylist() if is_eval_sample(i, 0.2, 1)]
+    for limit in (1, 7, 16):
+        prefix = eval_files(files, counts, limit)
+        assert len(prefix) < len(files) and prefix == files[: len(prefix)]
+        got = [i for f in prefix for i in pq.read_table(f).column("id").to_pylist() if is_eval_sample(i, 0.2, 1)]
+        assert got[:limit] == every[:limit] and len(got) >= limit
+        assert sum(e for _, e in counts[: len(prefix) - 1]) < limit  # the shortest such prefix
+    assert eval_files(files, counts, len(every) + 1) == files and eval_files(files, counts, None) == files

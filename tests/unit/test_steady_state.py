@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from eaglenest.regen.progress import steady_state, whole_run
+from eaglenest.regen.progress import steady_state, sum_counts, whole_run
 
 
 def test_batches_one_after_another_count_whole_after_the_first() -> None:
@@ -38,3 +38,9 @@ def test_the_whole_run_counts_every_token_from_the_first_start_to_the_last_end()
     assert w == {"seconds": 11.0, "tokens": 3000, "tokens_per_second": round(3000 / 11.0, 1)}
     assert steady_state(batches, engines=1)["seconds"] == 1.0
     assert whole_run([]) == {"seconds": 0.0, "tokens": 0, "tokens_per_second": 0.0}
+
+
+def test_capture_placement_is_summed_over_engine_actors() -> None:
+    assert sum_counts([{"on_arrival": 500, "at_capture": 12}, {"on_arrival": 256}]) == {"on_arrival": 756,
+                                                                                          "at_capture": 12}
+    assert sum_counts([]) == {}
