@@ -204,7 +204,7 @@ def _run_engine_stage(cfg: EaglenestConfig, files: list[str], out_dir: Path, ide
     try:
         with data_context(enable_progress_bars=True, enable_operator_progress_bars=sys.stdout.isatty(),
                           preserve_order=False, use_datasource_v2=False):
-            ds = regenerate_dataset(plan_dataset(files), cfg, identity, tracker, whole_blocks=True)
+            ds = regenerate_dataset(plan_dataset(files), cfg, identity, tracker)
             ds.write_datasink(sink, ray_remote_args={"num_cpus": WRITE_CPUS})
     finally:
         stop.set()
@@ -224,16 +224,17 @@ def plan_dataset(files: list[str]) -> Any:
 
 
 def regenerate_dataset(plan_rows: Any, cfg: EaglenestConfig, identity: dict[str, Any], tracker: Any = None, *,
-                       ledger_dir: str | None = None, columns: list[str] | None = None, stream: str = "train",
-                       whole_blocks: bool = False) -> Any:
+                       ledger_dir: str | None = None, columns: list[str] | None = None,
+                       stream: str = "train") -> Any:
     """``plan_rows`` (a Ray Data dataset of plan rows) through the engine actor pool: rows of ``RESULT_SCHEMA``.
 
     The one definition of the engine stage: ``run_regen`` writes its output to shards, online training
     (``eaglenest train --online``) streams it to the trainer's workers. With ``ledger_dir`` the actors file rejected
     rows there themselves (quarantine files, as in a regen folder) and pass on only regenerated rows, in ``columns``;
     they also file every answer they generate there and only capture the answers filed before
-    (:mod:`eaglenest.regen.answers`), reporting their rows to ``tracker`` under ``stream``. ``whole_blocks``: every
-    input block is one engine batch as it is (the plan's files are written ``regen.batch_size`` rows each).
+    (:mod:`eaglenest.regen.answers`), reporting their rows to ``tracker`` under ``stream``. A block of
+    ``regen.batch_size`` rows (a plan file, :func:`plan_dataset`) is one engine batch as it is. (Ray Data refuses
+    ``batch_size=None`` with GPUs: "You must provide `batch_size` to `map_batches` when requesting GPUs".)
     """
     from eaglenest.regen.stage import EngineActor
 
@@ -245,7 +246,7 @@ def regenerate_dataset(plan_rows: Any, cfg: EaglenestConfig, identity: dict[str,
                                "sampling": sampling, "identity": identity, "tracker": tracker,
                                "ledger": None if ledger_dir is None else {"ledger_dir": ledger_dir,
                                                                           "columns": columns, "stream": stream}},
-        batch_size=None if whole_blocks else rc.batch_size, batch_format="pyarrow", zero_copy_batch=True,
+        batch_size=rc.batch_size, batch_format="pyarrow", zero_copy_batch=True,
         compute=_actor_pool(rc.num_actors, rc.batches_in_flight),
         num_cpus=rc.num_cpus_per_actor, num_gpus=rc.num_gpus_per_actor,
     )

@@ -13,6 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 import yaml
+from ray.data import ActorPoolStrategy
 
 from eaglenest.config import load_config
 from eaglenest.contracts.shards import SHARD_SCHEMA, bytes_to_tensor, read_manifest, shard_files
@@ -329,6 +330,10 @@ def test_each_plan_file_reaches_the_engine_stage_as_one_block(ray_session, tmp_p
     from eaglenest.regen.pipeline import plan_dataset
     from eaglenest.regen.sources import data_context
 
+    class RowsPerCall:  # defined here: Ray's workers cannot import a test module (pickled by value)
+        def __call__(self, batch: pa.Table) -> pa.Table:
+            return pa.table({"rows": [batch.num_rows]})
+
     files = []
     for k, n in enumerate([256, 256, 256, 128]):
         path = tmp_path / f"part-{k}.parquet"
@@ -336,4 +341,23 @@ def test_each_plan_file_reaches_the_engine_stage_as_one_block(ray_session, tmp_p
         files.append(str(path))
     with data_context(use_datasource_v2=False, preserve_order=False):  # as run_regen reads it
         blocks = [m.num_rows for b in plan_dataset(files).iter_internal_ref_bundles() for m in b.metadata]
+        # ... and the engine stage's batching (batch_size = the plan's rows per file) calls the engine once per file
+        calls = plan_dataset(files).map_batches(
+            RowsPerCall, batch_size=256, batch_format="pyarrow", zero_copy_batch=True, num_cpus=0.25,
+            compute=ActorPoolStrategy(size=1, max_concurrent_calls_per_actor=4, enable_true_multi_threading=True),
+        ).take_all()
     assert sorted(blocks) == [128, 256, 256, 256]
+    assert sorted(r["rows"] for r in calls) == [128, 256, 256, 256]
+
+
+def test_the_engine_stage_can_ask_for_gpus(ray_session):
+    """Ray Data refuses GPU actors whose map_batches has no batch_size, when the stage is defined: on a GPU this
+    failed every regen (H200, fifth run), and no CPU run requests a GPU. Defining the stage is enough to see it."""
+    import ray.data
+
+    from eaglenest.regen.pipeline import regenerate_dataset
+
+    cfg = load_config(REPO / "configs" / "demo.yaml")
+    cfg.regen.num_gpus_per_actor = 1
+    plan = ray.data.from_items([{"id": "a"}])
+    assert regenerate_dataset(plan, cfg, {"aux_layer_ids": [1, 2, 3]}) is not None
