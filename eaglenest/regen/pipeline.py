@@ -213,13 +213,28 @@ def _run_engine_stage(cfg: EaglenestConfig, files: list[str], out_dir: Path, ide
     return sink.totals
 
 
+PLAN_IN_MEMORY_BYTES = 64 << 20
+"""Plans up to this size on disk (prompt rows only: ~3,200 chat prompts take ~2 MB) go to Ray Data as in-memory
+blocks; larger ones are read by Ray Data's read tasks."""
+
+
 def plan_dataset(files: list[str]) -> Any:
     """The plan's rows, one block per plan file (each file is one engine batch: ``regen.batch_size`` rows, the last
-    one fewer). Read with Ray Data's defaults and bundled into ``batch_size`` rows, files came in pieces and the last,
-    partial batch waited until every read finished: on the H200 the last 128 of 3,200 prompts reached the engine 20 s
-    after the rest (BENCHMARKS.md, fourth GPU run)."""
+    one fewer).
+
+    Why not simply ``read_parquet``: with Ray Data's default read, files came in pieces and the last, partial batch
+    waited until every read had finished (fourth GPU run). One read block per file fixed the pieces, but a batch short
+    of ``regen.batch_size`` still waits in Ray Data's bundler until the read operator has completed, which came only
+    after the full batches' outputs had drained: on the H200 the last 128 of 3,200 prompts started 36 s in, 17 s after
+    the other 3,072 had finished (fifth run; reproduced on a CPU). Blocks already in memory complete their input at
+    once, so every batch starts together. A plan too large to hold (a long run, where one late batch costs little) is
+    still read lazily, one block per file."""
     import ray
 
+    if sum(os.path.getsize(f) for f in files) <= PLAN_IN_MEMORY_BYTES:
+        import pyarrow.parquet as pq
+
+        return ray.data.from_arrow([pq.read_table(f) for f in files])
     return ray.data.read_parquet(files, num_cpus=WRITE_CPUS, file_extensions=None, override_num_blocks=len(files))
 
 
