@@ -258,7 +258,7 @@ def step_offline_ref() -> dict[str, Any]:
     finally:
         eng.shutdown()
     tokens = sum(int(o["meta_info"]["completion_tokens"]) for o in outs)
-    return {"prompts": len(prompts), "output_tokens": tokens, "seconds": round(secs, 2),
+    return {"prompts": len(prompts), "output_tokens": tokens, "generate_seconds": round(secs, 2),
             "tokens_per_s": round(tokens / secs, 1), "engine_start_seconds": round(start_s, 1),
             "note": "engine start and a 64-prompt warm-up excluded; greedy, max_new_tokens as regen"}
 
