@@ -352,6 +352,9 @@ def step_regen() -> dict[str, Any]:
         "generate_only_vs_offline": round(gen_tps / offline, 3) if gen_tps and offline else None,
         "ray_data_progress_lines_in_job_logs": len(progress), "progress_examples": progress[:3] + progress[-2:],
         "first_attempt_failed": first_attempt,
+        # per batch: how long its finished generation waited for its last rows, and what the sink's reader did
+        "capture_waits": [ln.split("[eaglenest capture] ", 1)[1] for ln in logs.splitlines()
+                          if "[eaglenest capture] " in ln][:40],
     }
 
 

@@ -48,6 +48,25 @@ class CaptureSinkError(RuntimeError):
 
 
 @dataclass
+class ReaderStats:
+    """What the sink's reader did since it was last asked: why a finished batch may still wait for its rows (is the
+    reader behind the scheduler's writes, or slow to place them?)."""
+
+    chunks: int = 0
+    bytes: int = 0
+    placing_s: float = 0.0  # reading + placing, summed
+    lag_sum_s: float = 0.0  # a chunk file's age when read (written by the scheduler -> read here)
+    lag_max_s: float = 0.0
+
+    def line(self) -> str:
+        if not self.chunks:
+            return "reader: no chunk since the last batch"
+        return (f"reader: {self.chunks} chunks, {self.bytes / 1e9:.2f} GB, {self.placing_s:.2f} s reading and "
+                f"placing ({self.bytes / 1e9 / max(self.placing_s, 1e-9):.2f} GB/s), chunk age when read mean "
+                f"{self.lag_sum_s / self.chunks:.3f} s, max {self.lag_max_s:.3f} s")
+
+
+@dataclass
 class Chunk:
     """One forward's rows: the request of each row (as a list of ``(rid, count)`` runs), positions, ids, states."""
 
@@ -124,6 +143,7 @@ class CaptureSink:
         self._reader_error: str | None = None
         self.served: Counter[str] = Counter()
         """sequences assembled from rows placed as they arrived ("on_arrival") or after their batch ("at_capture")"""
+        self._stats = ReaderStats()
 
     # ------------------------------------------------------------------------------------------------ reading
     def start(self) -> None:
@@ -195,7 +215,10 @@ class CaptureSink:
         with self._lock:
             while True:
                 path = self.folder / chunk_name(self._next)
-                if not path.exists():
+                t_read = time.time()
+                try:
+                    stat = path.stat()
+                except FileNotFoundError:
                     break
                 chunk = read_chunk(path)
                 idx = []
@@ -224,6 +247,13 @@ class CaptureSink:
                 path.unlink()
                 self._next += 1
                 read += 1
+                done = time.time()
+                st = self._stats
+                st.chunks += 1
+                st.bytes += stat.st_size
+                st.placing_s += done - t_read
+                st.lag_sum_s += max(t_read - stat.st_mtime, 0.0)
+                st.lag_max_s = max(st.lag_max_s, t_read - stat.st_mtime)
             if read:
                 self._last_chunk_at = time.monotonic()
         return read
@@ -284,6 +314,12 @@ class CaptureSink:
         err = self.folder / ERROR_FILE
         if err.exists():
             raise CaptureSinkError(f"capture during generation failed in SGLang's scheduler: {err.read_text()[:2000]}")
+
+    def take_stats(self) -> ReaderStats:
+        """The reader's work since the last call (and start afresh)."""
+        with self._lock:
+            st, self._stats = self._stats, ReaderStats()
+        return st
 
     def wait(self, need: Mapping[str, int], *, quiet_s: float = 1.0, timeout_s: float = 300.0) -> None:
         """Until every rid has ``need[rid]`` rows, or no chunk arrived for ``quiet_s`` (the engine is idle after a

@@ -14,6 +14,7 @@ import os
 import shutil
 import tempfile
 import threading
+import time
 import uuid
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -105,7 +106,12 @@ class GenerationRecorder:
     def _capture(self, seqs: Sequence[Sequence[int]], hints: list[CaptureHint | None], need: dict[str, int],
                  prefill: Callable[[list[list[int]], list[str]], None]) -> list[Capture]:
         if need:
+            t0 = time.monotonic()
             self.sink.wait(need)
+            # one line per batch in the actor's log (`ray job logs`): how long a finished generation waited for its
+            # last rows, and whether the reader was behind the scheduler's writes or slow to place them
+            print(f"[eaglenest capture] {len(need)} requests waited {time.monotonic() - t0:.2f} s for their last "
+                  f"rows; {self.sink.take_stats().line()}", flush=True)
         out: list[Capture | None] = [None] * len(seqs)
         hinted = [i for i, h in enumerate(hints) if h is not None]
         got = self.sink.assemble_many([(hints[i].ref, seqs[i], hints[i].loss_mask) for i in hinted])  # type: ignore[union-attr]

@@ -8,6 +8,8 @@ same hooks through sglang's own ``register_forward_hooks``: tests/unit/test_sgla
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from capture_toy import AUX, H, Model, Scheduler, V, attach
@@ -252,6 +254,31 @@ def test_rows_arriving_after_their_request_was_released_are_not_kept(tmp_path) -
         assert not sink._chunks
     sink.close()
 
+
+
+def test_the_reader_reports_what_it_read_since_it_was_last_asked(tmp_path) -> None:
+    """Each regen batch logs how long it waited for its last rows and what the reader did meanwhile: chunks, bytes,
+    time spent reading and placing, and how old each chunk file was when read (behind the writer, or slow)."""
+    import os
+
+    import torch as t
+
+    from eaglenest.engines.capture_sink import CaptureSink
+    from eaglenest.engines.sglang_hooks import chunk_name, write_chunk
+
+    sink = CaptureSink(tmp_path, hidden_size=2, n_aux=1)
+    assert sink.take_stats().line() == "reader: no chunk since the last batch"
+    rows = lambda n: (t.arange(n, dtype=t.int32), t.arange(n, dtype=t.int32), t.ones(n, 4))  # noqa: E731
+    write_chunk(tmp_path, 0, ["r1"], [3], *rows(3))
+    write_chunk(tmp_path, 1, ["r1"], [1], *rows(1))
+    sizes = sum((tmp_path / chunk_name(k)).stat().st_size for k in (0, 1))
+    os.utime(tmp_path / chunk_name(1), (time.time() - 5, time.time() - 5))  # written 5 s before it is read
+    assert sink.poll() == 2
+    st = sink.take_stats()
+    assert st.chunks == 2 and st.bytes == sizes and 5 <= st.lag_max_s < 60 and st.placing_s >= 0
+    assert "2 chunks" in st.line() and "max 5." in st.line()
+    assert sink.take_stats().chunks == 0  # started afresh
+    sink.close()
 
 def _truncated_batch(rec: GenerationRecorder, sched: Scheduler, prompts: list[list[int]], max_new: int, *,
                      reserve: bool = True) -> tuple[list[str], list[list[int]], list[CaptureHint]]:
