@@ -281,6 +281,7 @@ def _bench_rows(out: Path) -> dict[str, Any]:
                                    "baseline_end_tok_per_s": round(r["baseline"].get("tok_per_s_end", 0), 1),
                                    "spec_tok_per_s": round(c["tok_per_s"], 1), "speedup": round(c["speedup"], 3),
                                    "accept_length": round(c["accept_length"], 3),
+                                   "accept_length_per_prompt": c.get("accept_length_per_prompt"),
                                    "identical_outputs_fraction": c["identical_outputs_fraction"]}
     return rows
 

@@ -43,6 +43,8 @@ class _Run:
     accepted: int
     draft_s: float = 0.0
     verify_s: float = 0.0
+    per_prompt: list[tuple[int, int]] = field(default_factory=list)
+    """(verify steps, accepted tokens) of each prompt, in prompt order: where an accept length comes from"""
 
 
 CEILING_ENV = "SGLANG_SIMULATE_ACC_LEN"
@@ -71,6 +73,17 @@ class VariantStats:
         acc = sum(r.accepted for r in self.rounds)
         return accept_length(steps, acc)
 
+    def accept_length_per_prompt(self) -> list[float]:
+        """Each prompt's accept length over all rounds (prompts in the order given): the spread behind the mean."""
+        if not self.rounds or not self.rounds[0].per_prompt:
+            return []
+        out = []
+        for k in range(len(self.rounds[0].per_prompt)):
+            steps = sum(r.per_prompt[k][0] for r in self.rounds if k < len(r.per_prompt))
+            acc = sum(r.per_prompt[k][1] for r in self.rounds if k < len(r.per_prompt))
+            out.append(round(accept_length(steps, acc), 3))
+        return out
+
 
 # ------------------------------------------------------------------------------------------------------- runners
 Runner = Callable[[Sequence[Sequence[int]], SamplingParams], _Run]
@@ -81,6 +94,7 @@ def hf_runner(decoder: Any, batch_size: int) -> Runner:
 
     def run(prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> _Run:
         toks, steps, acc, secs, ds, vs = [], 0, 0, 0.0, 0.0, 0.0
+        per: list[tuple[int, int]] = []
         for i in range(0, len(prompts), batch_size):
             t0 = decoder.clock()
             res = decoder.generate(prompts[i:i + batch_size], sampling)
@@ -91,7 +105,8 @@ def hf_runner(decoder: Any, batch_size: int) -> Runner:
                 acc += sum(r.accepted_per_step)
                 ds += r.draft_time_s
                 vs += r.verify_time_s
-        return _Run(toks, secs, sum(len(t) for t in toks), steps, acc, ds, vs)
+                per.append((r.draft_steps, sum(r.accepted_per_step)))
+        return _Run(toks, secs, sum(len(t) for t in toks), steps, acc, ds, vs, per)
 
     return run
 
@@ -101,6 +116,7 @@ def sglang_runner(engine: Any, batch_size: int) -> Runner:
 
     def run(prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> _Run:
         toks, steps, acc, secs = [], 0, 0, 0.0
+        per: list[tuple[int, int]] = []
         for i in range(0, len(prompts), batch_size):
             t0 = time.perf_counter()
             gens = engine.generate_ids(prompts[i:i + batch_size], sampling)
@@ -108,9 +124,11 @@ def sglang_runner(engine: Any, batch_size: int) -> Runner:
             for g in gens:
                 toks.append(g.token_ids)
                 verify = int(g.meta.get("spec_verify_ct") or 0)
+                got = max(0, int(g.meta.get("completion_tokens", len(g.token_ids))) - verify) if verify else 0
                 steps += verify
-                acc += max(0, int(g.meta.get("completion_tokens", len(g.token_ids))) - verify) if verify else 0
-        return _Run(toks, secs, sum(len(t) for t in toks), steps, acc)
+                acc += got
+                per.append((verify, got))
+        return _Run(toks, secs, sum(len(t) for t in toks), steps, acc, per_prompt=per)
 
     return run
 
@@ -229,6 +247,7 @@ def _bench_hf(target, drafter, prompts, variants, sampling, repeats, batch_size,
                 acc.accepted += r.accepted
                 acc.draft_s += r.draft_s
                 acc.verify_s += r.verify_s
+                acc.per_prompt += r.per_prompt
                 bar.update(1)
         for v in variants:
             v.rounds.append(per[v.name])
@@ -318,6 +337,7 @@ def _report(variants: list[VariantStats], **meta: Any) -> dict[str, Any]:
             "tok_per_s": tps,
             "tok_per_s_rounds": v.tok_per_s(),
             "accept_length": v.accept_length(),
+            "accept_length_per_prompt": v.accept_length_per_prompt(),
             "speedup": tps / base_tps if base_tps > 0 else 0.0,
             "speedup_median_of_round_ratios": statistics.median(ratios) if ratios else 0.0,
             "draft_share": draft_s / (draft_s + verify_s) if draft_s + verify_s > 0 else None,

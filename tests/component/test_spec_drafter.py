@@ -99,6 +99,9 @@ def test_eval_and_bench_cli(tmp_path, tiny_target_path, tiny_engine, trained_dra
     assert [c["config"] for c in rep["configs"]] == ["2-1-3", "2-2-4"]
     assert all(c["outputs_match_baseline"] for c in rep["configs"])
     assert rep["best"]["config"] in {"2-1-3", "2-2-4"} and rep["verdict"]
+    for c in rep["configs"]:  # each prompt's accept length, in prompt order: the spread behind the mean
+        per = c["accept_length_per_prompt"]
+        assert len(per) == 3 and min(per) - 1e-3 <= c["accept_length"] <= max(per) + 1e-3
     from eaglenest.kernels import uses_packed_linears
 
     # the CLI loads the target the way the session engine was loaded (cpu_kernels auto): same kernel choice
