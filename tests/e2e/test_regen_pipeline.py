@@ -322,6 +322,31 @@ def test_two_batches_in_flight_write_every_sample_once(demo_run, tiny_engine, tm
         torch.testing.assert_close(aux.float(), cap.aux_hidden_states.float(), rtol=2 ** -7, atol=1e-4)
 
 
+def _plan_files(tmp_path: Path, sizes: list[int], raw_chars: int) -> list[str]:
+    """Plan-shaped parquet files of ``sizes`` rows each."""
+    import pyarrow as pa
+
+    files = []
+    for k, n in enumerate(sizes):
+        path = tmp_path / f"part-{k}.parquet"
+        pq.write_table(pa.table({"id": [f"{k}-{i}" for i in range(n)], "raw": ["x" * raw_chars] * n}), path)
+        files.append(str(path))
+    return files
+
+
+def _through_engine_pool(files: list[str], fn: type, batch_size: int) -> list[dict]:
+    """The plan through an actor pool shaped like regen's engine stage (one actor, 4 calls in flight), read as
+    run_regen reads it; ``fn`` returns one row per call."""
+    from eaglenest.regen.pipeline import plan_dataset
+    from eaglenest.regen.sources import data_context
+
+    with data_context(use_datasource_v2=False, preserve_order=False):
+        return plan_dataset(files).map_batches(
+            fn, batch_size=batch_size, batch_format="pyarrow", zero_copy_batch=True, num_cpus=0.25,
+            compute=ActorPoolStrategy(size=1, max_concurrent_calls_per_actor=4, enable_true_multi_threading=True),
+        ).take_all()
+
+
 def test_each_plan_file_reaches_the_engine_stage_as_one_block(ray_session, tmp_path):
     """Plan files are engine batches: read as one block each, never split or merged, so each is one engine call
     (with Ray Data's default read, files of 256 rows came as blocks of 85 and the last batch waited for them)."""
@@ -334,21 +359,13 @@ def test_each_plan_file_reaches_the_engine_stage_as_one_block(ray_session, tmp_p
         def __call__(self, batch: pa.Table) -> pa.Table:
             return pa.table({"rows": [batch.num_rows]})
 
-    files = []
-    for k, n in enumerate([256, 256, 256, 128]):
-        path = tmp_path / f"part-{k}.parquet"
-        pq.write_table(pa.table({"id": [f"{k}-{i}" for i in range(n)], "raw": ["x" * 2000] * n}), path)
-        files.append(str(path))
+    files = _plan_files(tmp_path, [256, 256, 256, 128], raw_chars=2000)
     with data_context(use_datasource_v2=False, preserve_order=False):  # as run_regen reads it
         blocks = [m.num_rows for b in plan_dataset(files).iter_internal_ref_bundles() for m in b.metadata]
-        # ... and the engine stage's batching (batch_size = the plan's rows per file) calls the engine once per file
-        calls = plan_dataset(files).map_batches(
-            RowsPerCall, batch_size=256, batch_format="pyarrow", zero_copy_batch=True, num_cpus=0.25,
-            compute=ActorPoolStrategy(size=1, max_concurrent_calls_per_actor=4, enable_true_multi_threading=True),
-        ).take_all()
+    # ... and the engine stage's batching (batch_size = the plan's rows per file) calls the engine once per file
+    calls = _through_engine_pool(files, RowsPerCall, batch_size=256)
     assert sorted(blocks) == [128, 256, 256, 256]
     assert sorted(r["rows"] for r in calls) == [128, 256, 256, 256]
-
 
 
 def test_a_short_last_batch_starts_with_the_others(ray_session, tmp_path):
@@ -356,9 +373,6 @@ def test_a_short_last_batch_starts_with_the_others(ray_session, tmp_path):
     batch_size until the read had completed, which came after the full batches had finished (on the H200 the last
     128 of 3,200 prompts started 17 s after the rest had ended)."""
     import pyarrow as pa
-
-    from eaglenest.regen.pipeline import plan_dataset
-    from eaglenest.regen.sources import data_context
 
     class Timed:  # defined here: Ray's workers cannot import a test module (pickled by value)
         def __call__(self, batch: pa.Table) -> pa.Table:
@@ -368,18 +382,10 @@ def test_a_short_last_batch_starts_with_the_others(ray_session, tmp_path):
             time.sleep(3)
             return pa.table({"rows": [batch.num_rows], "start": [t0], "end": [time.time()]})
 
-    files = []
-    for k, n in enumerate([64, 64, 64, 32]):
-        path = tmp_path / f"part-{k}.parquet"
-        pq.write_table(pa.table({"id": [f"{k}-{i}" for i in range(n)], "raw": ["x" * 200] * n}), path)
-        files.append(str(path))
-    with data_context(use_datasource_v2=False, preserve_order=False):  # as run_regen reads it
-        calls = plan_dataset(files).map_batches(
-            Timed, batch_size=64, batch_format="pyarrow", zero_copy_batch=True, num_cpus=0.25,
-            compute=ActorPoolStrategy(size=1, max_concurrent_calls_per_actor=4, enable_true_multi_threading=True),
-        ).take_all()
+    calls = _through_engine_pool(_plan_files(tmp_path, [64, 64, 64, 32], raw_chars=200), Timed, batch_size=64)
     assert sorted(c["rows"] for c in calls) == [32, 64, 64, 64]
     assert max(c["start"] for c in calls) < min(c["end"] for c in calls), calls  # all four overlapped
+
 
 def test_the_engine_stage_can_ask_for_gpus(ray_session):
     """Ray Data refuses GPU actors whose map_batches has no batch_size, when the stage is defined: on a GPU this
