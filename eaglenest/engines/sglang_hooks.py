@@ -9,8 +9,9 @@ scheduler process and attaches it to ``model.layers.{k-1}`` (whose output ``hidd
 entering physical layer ``k``) and to ``model.norm`` (the final normed state). Rows are attributed through the
 forward batch's own ``rids``, ``positions`` and ``input_ids``, so nothing depends on scheduling order.
 
-Every forward's rows go GPU -> host on a background thread and into one chunk file in the sink folder (written under
-a temporary name, then renamed); ``eaglenest.engines.capture_sink`` reads them in the engine actor. Hooks do not fire
+Every forward's rows go GPU -> host on one of a few writer threads and into one chunk file in the sink folder (written
+under a temporary name, then renamed; the reader takes them in forward order whatever order they land in);
+``eaglenest.engines.capture_sink`` reads them in the engine actor. Hooks do not fire
 inside CUDA-graph replays and a radix-cache hit would skip prompt rows, so the engine that carries these hooks runs
 with CUDA graphs and the radix cache off (``sglang_args.generation_capture_kwargs``).
 
@@ -37,7 +38,10 @@ HOOK_FACTORY = "eaglenest.engines.sglang_hooks:capture_hook"
 ERROR_FILE = "error.txt"
 CHUNK_SUFFIX = ".chunk"
 QUEUE_DEPTH = 16
-"""Forwards whose states may wait on the GPU for the writer thread (the hook blocks beyond that: back-pressure)."""
+"""Forwards whose states may wait on the GPU for a writer thread (the hook blocks beyond that: back-pressure)."""
+WRITERS = 3
+"""Writer threads: one thread writing ~1 GB/s of chunk files into tmpfs is near its limit, so a burst (the prompts'
+prefill chunks) left a backlog that lasted to the end of generation; writes of separate files scale with threads."""
 
 
 def hook_specs(sink: str | Path, physical_ids: list[int], dtype: str = "bfloat16") -> list[dict[str, Any]]:
@@ -121,8 +125,10 @@ class _Recorder:
         self.seq = 0
         self.failed = False
         self.queue: queue.Queue[tuple | None] = queue.Queue(maxsize=QUEUE_DEPTH)
-        self.thread = threading.Thread(target=self._drain, name="eaglenest-capture-writer", daemon=True)
-        self.thread.start()
+        self.threads = [threading.Thread(target=self._drain, name=f"eaglenest-capture-writer-{k}", daemon=True)
+                        for k in range(WRITERS)]
+        for t in self.threads:
+            t.start()
 
     def fail(self, where: str) -> None:
         self.failed = True
@@ -158,8 +164,8 @@ class _Recorder:
         if layout is None:
             return
         states = torch.cat([pending[s] for s in range(self.n_aux)] + [normed], dim=-1).to(self.dtype)
-        ids = fb.input_ids[:rows].to(torch.int32)
-        positions = fb.positions[:rows].to(torch.int32)
+        ids = fb.input_ids[:rows].to(torch.int32, copy=True)  # SGLang reuses its buffers: the writer needs its own
+        positions = fb.positions[:rows].to(torch.int32, copy=True)
         event = torch.cuda.Event() if states.is_cuda else None
         if event is not None:
             event.record()
@@ -176,19 +182,26 @@ class _Recorder:
             seq, (rids, counts), ids, positions, states, event = item
             try:
                 if event is None:
-                    host = states
+                    host_ids, host_pos, host = ids, positions, states
                 else:
                     event.synchronize()
                     if copy_stream is None:
                         copy_stream = torch.cuda.Stream(device=states.device)
                     nbytes = states.numel() * states.element_size()
-                    if staging is None or staging.numel() < nbytes:
-                        staging = torch.empty(max(nbytes, 64 << 20), dtype=torch.uint8, pin_memory=True)
+                    need = nbytes + 8 * ids.numel()
+                    if staging is None or staging.numel() < need:
+                        staging = torch.empty(max(need, 64 << 20), dtype=torch.uint8, pin_memory=True)
                     host = staging[:nbytes].view(states.dtype).view(states.shape)
-                    with torch.cuda.stream(copy_stream):  # off the compute streams: the copy never waits on them
+                    host_ids = staging[nbytes:nbytes + 4 * ids.numel()].view(torch.int32)
+                    host_pos = staging[nbytes + 4 * ids.numel():need].view(torch.int32)
+                    # every copy on this thread's own stream: a plain .cpu() of the ids would queue behind the forward
+                    # running on the compute stream, so the writer would manage one chunk per forward, never a backlog
+                    with torch.cuda.stream(copy_stream):
                         host.copy_(states, non_blocking=True)
+                        host_ids.copy_(ids, non_blocking=True)
+                        host_pos.copy_(positions, non_blocking=True)
                         copy_stream.synchronize()
-                write_chunk(self.folder, seq, rids, counts, ids.cpu(), positions.cpu(), host)
+                write_chunk(self.folder, seq, rids, counts, host_ids, host_pos, host)
             except Exception:  # noqa: BLE001
                 self.fail("writer")
             del states, ids, positions

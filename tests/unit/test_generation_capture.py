@@ -256,6 +256,29 @@ def test_rows_arriving_after_their_request_was_released_are_not_kept(tmp_path) -
 
 
 
+def test_chunks_written_out_of_order_are_read_in_forward_order(tmp_path) -> None:
+    """The hooks write chunks from several threads, so forward k + 1's file can land before forward k's. The reader
+    takes them in forward order: it waits for k, and where a position was recorded twice (a retracted, recomputed
+    request) the later forward's row wins."""
+    import torch as t
+
+    from eaglenest.engines.capture_sink import CaptureSink
+    from eaglenest.engines.sglang_hooks import write_chunk
+
+    sink = CaptureSink(tmp_path, hidden_size=2, n_aux=1)
+    assert sink.reserve(["r"], [4])
+    pos = t.tensor([2], dtype=t.int32)
+    write_chunk(tmp_path, 1, ["r"], [1], t.tensor([9], dtype=t.int32), pos, t.full((1, 4), 2.0))  # the recompute
+    assert sink.poll() == 0  # forward 0 has not landed yet
+    write_chunk(tmp_path, 0, ["r"], [3], t.tensor([5, 6, 7], dtype=t.int32), t.arange(3, dtype=t.int32),
+                t.ones(3, 4))
+    assert sink.poll() == 2
+    cap, why = sink.assemble("r", [5, 6, 9, 8], [0, 1, 1, 1])
+    assert why == "" and cap is not None
+    assert cap.aux_hidden_states[:3, 0].tolist() == [1.0, 1.0, 2.0]
+    sink.close()
+
+
 def test_the_reader_reports_what_it_read_since_it_was_last_asked(tmp_path) -> None:
     """Each regen batch logs how long it waited for its last rows and what the reader did meanwhile: chunks, bytes,
     time spent reading and placing, and how old each chunk file was when read (behind the writer, or slow)."""
