@@ -17,6 +17,8 @@ their chunks and are placed when the batch is captured.
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import json
 import shutil
 import struct
@@ -351,7 +353,7 @@ class CaptureSink:
         serves the whole batch.
         """
         with self._lock:
-            reserved = {k: self._from_slab(*w) for k, w in enumerate(wanted) if w[0] in self._slots}
+            reserved = self._from_slabs([(k, *w) for k, w in enumerate(wanted) if w[0] in self._slots])
             if reserved:
                 self.served["on_arrival"] += sum(cap is not None for cap, _ in reserved.values())
         if reserved:
@@ -435,34 +437,78 @@ class CaptureSink:
                 self.served["at_capture"] += len(placed)
         return out
 
-    def _from_slab(self, rid: str, ids: Sequence[int], mask: Sequence[int]) -> tuple[Capture | None, str]:
-        """A reserved request's sequence: views of its slab rows, checked as :meth:`assemble_many` checks (under the
-        lock). Positions nothing recorded are zeroed (reused memory holds an earlier batch's rows)."""
-        if rid in self._overflow:
-            return None, self._overflow[rid]
-        slab, off, cap = self._slots[rid]
-        t = len(ids)
-        n = min(t, cap)
-        rec = slab.ids[off:off + n].long()
-        want = torch.as_tensor(list(ids), dtype=torch.long)
-        have = rec >= 0
-        bad = have & (rec != want[:n])
-        if bool(bad.any()):
-            at = int(bad.nonzero()[0])
-            return None, (f"request {rid} computed token {int(rec[at])} at position {at}, the sequence has "
-                          f"{int(want[at])}")
-        gone = (~have).nonzero().flatten()
-        unread = unread_state_positions(t, mask)
-        missing = [i for i in gone.tolist() + list(range(n, t)) if i not in unread]
-        if missing:
-            return None, (f"request {rid} has no states for {len(missing)} positions training reads "
-                          f"(first {missing[0]})")
-        aux, last = slab.aux[off:off + n], slab.last[off:off + n]
-        _zero_rows(gone, aux, last)
-        if t > n:  # the sequence runs past the reservation (unread positions only): its own, longer copy
-            aux = torch.cat([aux, aux.new_zeros(t - n, aux.shape[1])])
-            last = torch.cat([last, last.new_zeros(t - n, last.shape[1])])
-        return Capture(aux_hidden_states=aux, last_hidden_state=last), ""
+    def _from_slabs(self, items: Sequence[tuple[int, str, Sequence[int], Sequence[int]]]
+                    ) -> dict[int, tuple[Capture | None, str]]:
+        """Reserved requests' sequences, ``(key, rid, ids, loss_mask)`` each: views of their slab rows, checked as
+        :meth:`assemble_many` checks (under the lock). Positions nothing recorded are zeroed (reused memory holds an
+        earlier batch's rows).
+
+        A whole batch costs a handful of tensor calls per slab, not several per sequence: most torch calls release the
+        GIL, and at the end of a regen wave a dozen batch threads and SGLang's output loop want it at once, so every
+        release can wait out a switch interval (a few ms) before the call returns.
+        """
+        out: dict[int, tuple[Capture | None, str]] = {}
+        by_slab: dict[int, list[tuple[int, str, Sequence[int], Sequence[int], int, int]]] = defaultdict(list)
+        slabs: dict[int, Slab] = {}
+        for key, rid, ids, mask in items:
+            if rid in self._overflow:
+                out[key] = (None, self._overflow[rid])
+                continue
+            slab, off, cap = self._slots[rid]
+            slabs[id(slab)] = slab
+            by_slab[id(slab)].append((key, rid, ids, mask, off, cap))
+        for sid, group in by_slab.items():
+            out.update(self._from_slab(slabs[sid], group))
+        return out
+
+    def _from_slab(self, slab: Slab, group: list[tuple[int, str, Sequence[int], Sequence[int], int, int]]
+                   ) -> dict[int, tuple[Capture | None, str]]:
+        """:meth:`_from_slabs` for the requests of one slab."""
+        lengths = [min(len(ids), cap) for _, _, ids, _, _, cap in group]
+        rows: list[int] = []
+        want: list[int] = []
+        for (_, _, ids, _, off, _), n in zip(group, lengths, strict=True):
+            rows.extend(range(off, off + n))
+            want.extend(ids[:n])
+        rows_t = torch.tensor(rows, dtype=torch.long)
+        rec = slab.ids[rows_t]
+        recorded = rec >= 0
+        wrong = (recorded & (rec != torch.tensor(want, dtype=torch.int32))).nonzero().flatten().tolist()
+        gone = (~recorded).nonzero().flatten()
+        seg_start = list(itertools.accumulate(lengths, initial=0))
+        first_wrong: dict[int, int] = {}  # group index -> its first position computed with another token
+        for i in wrong:
+            g = bisect.bisect_right(seg_start, i) - 1
+            first_wrong.setdefault(g, i - seg_start[g])
+        unrecorded: dict[int, list[int]] = defaultdict(list)
+        for i in gone.tolist():
+            g = bisect.bisect_right(seg_start, i) - 1
+            unrecorded[g].append(i - seg_start[g])
+        if gone.numel():
+            _zero_rows(rows_t[gone], slab.aux, slab.last)
+        out: dict[int, tuple[Capture | None, str]] = {}
+        wa, wl = slab.aux.shape[1], slab.last.shape[1]
+        for g, ((key, rid, ids, mask, off, _), n) in enumerate(zip(group, lengths, strict=True)):
+            if g in first_wrong:
+                at = first_wrong[g]
+                out[key] = (None, f"request {rid} computed token {int(slab.ids[off + at])} at position {at}, the "
+                                  f"sequence has {int(ids[at])}")
+                continue
+            t = len(ids)
+            unread = unread_state_positions(t, mask)
+            missing = [i for i in unrecorded.get(g, []) + list(range(n, t)) if i not in unread]
+            if missing:
+                out[key] = (None, f"request {rid} has no states for {len(missing)} positions training reads "
+                                  f"(first {missing[0]})")
+                continue
+            # as_strided views: unlike slicing, they do not release the GIL (see above)
+            aux = slab.aux.as_strided((n, wa), (wa, 1), slab.aux.storage_offset() + off * wa)
+            last = slab.last.as_strided((n, wl), (wl, 1), slab.last.storage_offset() + off * wl)
+            if t > n:  # the sequence runs past the reservation (unread positions only): its own, longer copy
+                aux = torch.cat([aux, aux.new_zeros(t - n, wa)])
+                last = torch.cat([last, last.new_zeros(t - n, wl)])
+            out[key] = (Capture(aux_hidden_states=aux, last_hidden_state=last), "")
+        return out
 
     def rows(self, rid: str) -> int:
         with self._lock:
