@@ -11,6 +11,7 @@ from eaglenest.engines.base import (
     SamplingParams,
     TargetEngine,
     TargetInfo,
+    decode_texts,
     render_chat_ids,
     render_chat_text,
 )
@@ -38,6 +39,7 @@ __all__ = [
     "SamplingParams",
     "TargetEngine",
     "TargetInfo",
+    "decode_texts",
     "load_engine",
     "render_chat_ids",
     "render_chat_text",

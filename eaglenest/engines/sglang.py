@@ -56,7 +56,15 @@ import torch
 from eaglenest.config import SGLangEngineConfig, SpecConfig, TargetConfig
 from eaglenest.contracts.layers import default_aux_layer_ids, validate_aux_layer_ids
 from eaglenest.contracts.target import TargetSpec, resolve_target_path
-from eaglenest.engines.base import Capture, CaptureHint, Generation, SamplingParams, TargetEngine, TargetInfo
+from eaglenest.engines.base import (
+    Capture,
+    CaptureHint,
+    Generation,
+    SamplingParams,
+    TargetEngine,
+    TargetInfo,
+    decode_texts,
+)
 from eaglenest.engines.sglang_args import (
     SGLANG_VERSION,
     capture_server_kwargs,
@@ -185,6 +193,7 @@ class SGLangEngine(TargetEngine):
             self.recorder.reserve(rids, prompts, sampling.max_new_tokens)
         with self._one_call():
             gens = run_generate(self._generate_call(), prompts, sampling, decode=self._decode,
+                                decode_many=self._decode_many,
                                 vocab_size=self.info.vocab_size, eos_token_ids=self.info.eos_token_ids, rids=rids)
         if self.recorder is not None:
             self.recorder.expect(rids, prompts, gens)
@@ -203,6 +212,10 @@ class SGLangEngine(TargetEngine):
     def _decode(self, ids: list[int]) -> str:
         """Answer text from ids, the same way for streamed and whole generations."""
         return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def _decode_many(self, seqs: list[list[int]]) -> list[str]:
+        """:meth:`_decode` of each sequence, in one call."""
+        return decode_texts(self.tokenizer, seqs, skip_special_tokens=True)
 
     # --------------------------------------------------------------------------------------------------- capture
     @property

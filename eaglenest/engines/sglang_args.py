@@ -276,30 +276,39 @@ def spec_meta(meta_info: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def generation_from_output(
-    out: Mapping[str, Any],
-    *,
-    prompt_len: int,
-    decode: Callable[[list[int]], str],
-    stop: Sequence[str] = (),
-) -> Generation:
-    """One ``Engine.generate`` result dict -> Generation with exact token ids.
-
-    The finishing token stays in ``token_ids`` (a stop on EOS keeps the EOS, as in the hf backend); text is decoded by
-    our tokenizer and cut at the first stop string, the same way for every backend.
-    """
+def output_ids(out: Mapping[str, Any]) -> list[int]:
+    """The exact ids of one ``Engine.generate`` result, the end-of-turn token kept explicit."""
     meta = out.get("meta_info")
     if not isinstance(meta, Mapping):
         raise SGLangOutputError(f"sglang output has no meta_info: keys {sorted(out)}")
     if "output_ids" not in out or out["output_ids"] is None:
         raise SGLangOutputError("sglang output has no output_ids; this backend needs token ids (do not stream)")
     ids = [int(t) for t in out["output_ids"]]
-    reason = map_finish_reason(meta.get("finish_reason"))
     finish = meta.get("finish_reason")
     matched = finish.get("matched") if isinstance(finish, Mapping) else None
-    if reason == "stop" and isinstance(matched, int) and (not ids or ids[-1] != matched):
-        ids.append(matched)  # keep the end-of-turn token explicit, whatever the engine trimmed
-    text = decode(ids)
+    if map_finish_reason(finish) == "stop" and isinstance(matched, int) and (not ids or ids[-1] != matched):
+        ids.append(matched)  # whatever the engine trimmed
+    return ids
+
+
+def generation_from_output(
+    out: Mapping[str, Any],
+    *,
+    prompt_len: int,
+    decode: Callable[[list[int]], str],
+    stop: Sequence[str] = (),
+    text: str | None = None,
+) -> Generation:
+    """One ``Engine.generate`` result dict -> Generation with exact token ids.
+
+    The finishing token stays in ``token_ids`` (a stop on EOS keeps the EOS, as in the hf backend); text is decoded by
+    our tokenizer (``text``: already decoded from :func:`output_ids`) and cut at the first stop string, the same way
+    for every backend.
+    """
+    ids = output_ids(out)
+    meta = out["meta_info"]
+    reason = map_finish_reason(meta.get("finish_reason"))
+    text = decode(ids) if text is None else text
     for s in stop:
         cut = text.find(s)
         if cut >= 0:
@@ -357,6 +366,7 @@ def run_generate(
     sampling: SamplingParams,
     *,
     decode: Callable[[list[int]], str],
+    decode_many: Callable[[list[list[int]]], list[str]] | None = None,
     vocab_size: int | None = None,
     eos_token_ids: Sequence[int] = (),
     rids: Sequence[str] | None = None,
@@ -375,8 +385,11 @@ def run_generate(
         outs = [outs]
     if len(outs) != len(ids):
         raise SGLangOutputError(f"sglang returned {len(outs)} outputs for {len(ids)} prompts")
-    return [generation_from_output(o, prompt_len=len(p), decode=decode, stop=sampling.stop)
-            for o, p in zip(outs, ids, strict=True)]
+    texts: list[str | None] = [None] * len(outs)
+    if decode_many is not None:  # the whole batch's answers in one call (see ``engines.base.decode_texts``)
+        texts = list(decode_many([output_ids(o) for o in outs]))
+    return [generation_from_output(o, prompt_len=len(p), decode=decode, stop=sampling.stop, text=t)
+            for o, p, t in zip(outs, ids, texts, strict=True)]
 
 
 def check_prompts(prompts: Sequence[Sequence[int]], *, vocab_size: int | None = None) -> list[list[int]]:

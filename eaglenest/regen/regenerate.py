@@ -34,7 +34,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from eaglenest.contracts.shards import tensor_to_buffer
-from eaglenest.engines.base import CaptureHint, Generation, SamplingParams, TargetEngine, render_chat_text
+from eaglenest.engines.base import (
+    CaptureHint,
+    Generation,
+    SamplingParams,
+    TargetEngine,
+    decode_texts,
+    render_chat_text,
+)
 from eaglenest.regen.formats import (
     ASSISTANT_RENDER_MISMATCH,
     ENGINE_ERROR,
@@ -151,6 +158,8 @@ class BatchStats:
     generated_tokens: int = 0
     generate_seconds: float = 0.0
     capture_seconds: float = 0.0
+    generate_from: float | None = None  # wall clock: the first generate call started, the last one returned
+    generate_to: float | None = None
     captured_tokens: int = 0
 
 
@@ -226,13 +235,17 @@ class Regenerator:
         if len(st.ids) >= self.max_tokens:
             self._cut(st, f"the prompt of assistant turn {st.slot + 1} reaches {len(st.ids)} tokens")
 
-    def _close_turn(self, st: _State, gen: Generation) -> None:
-        """Append the target's answer (exact ids), check the template renders it back, move to the next turn."""
+    def _body(self, toks: Sequence[int]) -> list[int]:
+        """An answer's ids without its final EOS (the text the template must render back)."""
+        return list(toks[:-1]) if toks and toks[-1] in self.eos_ids else list(toks)
+
+    def _close_turn(self, st: _State, gen: Generation, body_text: str) -> None:
+        """Append the target's answer (exact ids; ``body_text``: :meth:`_body` decoded), check the template renders
+        it back, move to the next turn."""
         toks = list(gen.token_ids)
         st.generated += len(toks)
         ended = bool(toks) and toks[-1] == self.facts.turn_end_id
-        body = toks[:-1] if toks and toks[-1] in self.eos_ids else toks
-        body_text = self.tok.decode(body, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        body = self._body(toks)
         expected = body_text + self.facts.turn_end_text
         chosen = None
         for cand in _answer_candidates(body_text):
@@ -290,15 +303,21 @@ class Regenerator:
                 groups[st.sampling].append(st)
             for sampling, group in groups.items():
                 t0 = time.perf_counter()
+                if self.stats.generate_from is None:
+                    self.stats.generate_from = time.time()
                 outs = _isolated(lambda g, sp=sampling: self.engine.generate_ids([st.ids for st in g], sp), group)
                 self.stats.generate_seconds += time.perf_counter() - t0
+                self.stats.generate_to = time.time()
+                texts = iter(decode_texts(self.tok, [self._body(out.token_ids) for out in outs
+                                                     if not isinstance(out, BaseException)],
+                                          skip_special_tokens=False, clean_up_tokenization_spaces=False))
                 for st, out in zip(group, outs, strict=True):
                     if isinstance(out, BaseException):
                         st.fail(ENGINE_ERROR, f"generate: {type(out).__name__}: {out}"[:500])
                     else:
                         self.stats.generated_tokens += len(out.token_ids)
                         st.capture_ref = out.meta.get("capture_ref")
-                        self._close_turn(st, out)
+                        self._close_turn(st, out, next(texts))
 
     def _capture_all(self, states: list[_State]) -> list[Result]:
         ready = [st for st in states if st.failure is None]

@@ -9,13 +9,14 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from eaglenest.config import SGLangEngineConfig, SpecConfig, TargetConfig
 from eaglenest.contracts.drafter_format import read_drafter
 from eaglenest.contracts.layers import default_aux_layer_ids, sglang_captured_layers, sglang_config_ids_for
 from eaglenest.contracts.preflight import SpeculativeConfigError, derive_algorithm
 from eaglenest.contracts.target import TargetSpec
-from eaglenest.engines.base import SamplingParams
+from eaglenest.engines.base import SamplingParams, decode_texts
 from eaglenest.engines.sglang_args import (
     SGLANG_VERSION,
     SGLangOutputError,
@@ -147,6 +148,13 @@ def test_run_generate_submits_the_whole_batch_once() -> None:
     assert len(calls) == 1 and calls[0][0] == prompts and len(calls[0][1]) == 3
     assert [g.token_ids for g in gens] == [[10, 2], [7, 2], [8, 2]]
     assert gens[0].meta["accept_length"] == 2.0
+    # the batch's texts in one call: each output's ids (the end-of-turn token put back) decoded once, in order
+    batched: list[list[list[int]]] = []
+    gens2 = run_generate(generate, prompts, SamplingParams(max_new_tokens=4), decode=str, vocab_size=100,
+                         eos_token_ids=(2,), decode_many=lambda seqs: batched.append(seqs) or [f"t{s}" for s in seqs])
+    assert batched == [[[10, 2], [7, 2], [8, 2]]]
+    assert [g.text for g in gens2] == ["t[10, 2]", "t[7, 2]", "t[8, 2]"]
+    assert [g.token_ids for g in gens2] == [g.token_ids for g in gens]
     with pytest.raises(ValueError, match="outside the vocab"):
         run_generate(generate, [[1, 500]], SamplingParams(), decode=str, vocab_size=100)
     with pytest.raises(ValueError, match="empty"):
@@ -306,3 +314,22 @@ def test_target_facts_and_weights_match_the_hf_backend(tiny_target_path: Path, t
     assert spec.embed_shape() == list(embed.shape) and spec.lm_head_shape() == list(head.shape)
     with pytest.raises(KeyError, match="not_a_tensor"):
         spec.load_tensor("not_a_tensor")
+
+
+@pytest.mark.parametrize("skip_special_tokens", [False, True])
+def test_batched_decoding_gives_the_texts_of_one_by_one_decoding(tiny_engine, skip_special_tokens: bool) -> None:
+    """``decode_texts`` goes straight to the fast tokenizer's backend; it must give what ``decode`` gives, special
+    tokens and odd byte sequences included, and fall back to ``decode`` where a clean-up pass would change the text."""
+    tok = tiny_engine.tokenizer
+    g = torch.Generator().manual_seed(3)
+    seqs = [torch.randint(0, len(tok), (n,), generator=g).tolist() for n in (0, 1, 7, 40, 160)]
+    seqs.append(list(tiny_engine.info.eos_token_ids) + seqs[3] + list(tiny_engine.info.eos_token_ids))
+    for clean_up in (None, False):
+        want = [tok.decode(s, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=clean_up)
+                for s in seqs]
+        assert decode_texts(tok, seqs, skip_special_tokens=skip_special_tokens,
+                            clean_up_tokenization_spaces=clean_up) == want
+    text = "Hello , world ! it 's"
+    ids = tok.encode(text, add_special_tokens=False)
+    cleaned = tok.decode(ids, clean_up_tokenization_spaces=True)
+    assert decode_texts(tok, [ids], skip_special_tokens=False, clean_up_tokenization_spaces=True) == [cleaned]
