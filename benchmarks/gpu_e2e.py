@@ -338,10 +338,17 @@ def step_regen() -> dict[str, Any]:
     gen_s = (run.get("engine_seconds") or {}).get("generate")
     # summed over batches: wall time only when batches do not overlap (one in flight per actor)
     gen_tps = run.get("generated_tokens", 0) / gen_s if gen_s and REGEN_IN_FLIGHT == 1 else None
+    # where the whole run's window went: first batch start -> the last generation's return -> the last batch's end
+    batches = run.get("batches") or []
+    gen_to = max((b["generate_to_s"] for b in batches if "generate_to_s" in b), default=None)
+    window = {"generation_s": gen_to, "after_generation_s": round(max(b["end_s"] for b in batches) - gen_to, 2),
+              "generation_tokens_per_s": round(run.get("generated_tokens", 0) / gen_to, 1) if gen_to else None
+              } if batches and gen_to else None
     return {
         "status": "ok" if res.returncode == 0 else "error",
         "error": None if res.returncode == 0 else _errors(logs), "rc": res.returncode,
         "job_succeeded": "succeeded" in res.stdout, "wall_seconds_incl_job_start": round(wall, 1),
+        "whole_run_split": window,
         "samples": manifest.get("num_samples"), "quarantined": manifest.get("num_quarantined"),
         "tokens": manifest.get("num_tokens"), "bytes_per_token": manifest.get("bytes_per_token"),
         "last_run": run,
@@ -603,7 +610,8 @@ def summarize() -> dict[str, Any]:
                      f"{regen.get('generate_only_vs_offline')}x); {REGEN_IN_FLIGHT} batches of {REGEN_BATCH} in "
                      f"flight; Ray Data progress lines in job logs: "
                      f"{regen.get('ray_data_progress_lines_in_job_logs')}; capture placement "
-                     f"{(regen.get('last_run') or {}).get('capture_placement')}")
+                     f"{(regen.get('last_run') or {}).get('capture_placement')}; the whole run's window split "
+                     f"(seconds to the last generation's return, seconds after it): {regen.get('whole_run_split')}")
         if regen.get("first_attempt_failed"):
             lines.append(f"regen's first attempt FAILED (the figures above are the fallback's, states placed after "
                          f"generation): {regen['first_attempt_failed']}")

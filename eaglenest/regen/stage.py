@@ -243,7 +243,8 @@ class EngineActor:
                 timing += (sum(generate),)
                 self.tracker.engine_rows.remote(self.ledger.get("stream", "train"),
                                                 _rows_per_epoch(batch, generate, skipped))
-            self.tracker.generated.remote(st.generated_tokens, timing, (st.generate_seconds, st.capture_seconds))
+            self.tracker.generated.remote(st.generated_tokens, timing, (st.generate_seconds, st.capture_seconds,
+                                                                        st.generate_from, st.generate_to))
             placement = getattr(self.engine, "capture_placement", None)
             if placement is not None:
                 self.tracker.capture_placement.remote(os.getpid(), placement())

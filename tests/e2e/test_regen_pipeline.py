@@ -143,6 +143,9 @@ def test_loss_masks_are_the_regenerated_turns(demo_run, tiny_engine):
         "quarantined_by_engine_stage"]
     assert min(b["start_s"] for b in batches) == 0 and all(b["end_s"] >= b["start_s"] for b in batches)
     assert all(b["generate_s"] >= 0 and b["capture_s"] >= 0 for b in batches)
+    generating = [b for b in batches if "generate_from_s" in b]  # a batch of native samples only generates nothing
+    assert generating and all(b["start_s"] <= b["generate_from_s"] <= b["generate_to_s"] <= b["end_s"]
+                              for b in generating)
     for r in (r for t in shards for r in t.to_pylist()):
         src = inputs[r["id"]]
         ids, mask = r["input_ids"], r["loss_mask"]
