@@ -133,6 +133,7 @@ class CaptureSink:
         self._next = 0
         self._last_chunk_at = time.monotonic()
         self._lock = threading.Lock()
+        self._read_lock = threading.Lock()  # one reader of chunk files at a time (see :meth:`poll`)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.buffers = HostBufferPool()
@@ -207,69 +208,101 @@ class CaptureSink:
             if not read:
                 self._stop.wait(self.poll_s)
 
-    def poll(self) -> int:
+    def poll(self, *, block: bool = True) -> int:
         """Read every chunk that is ready, in order; returns how many were read.
+
+        One thread reads at a time (chunks are placed in forward order: where a position was recorded twice, the
+        later row wins); ``block=False`` returns 0 at once while another thread is reading. Rows are copied into
+        their slabs outside the lock that :meth:`reserve`, :meth:`wait` and :meth:`assemble_many` take: a batch
+        about to be submitted or one collecting its states never waits behind the copy of other batches' rows (in
+        the sixth GPU run half the batches waited ~0.7 s to reserve while the first prompts' prefill chunks were
+        placed). A request's rows count as arrived only once copied.
 
         Rows of a request already released (a late chunk after a wait that ended on its quiet timeout) are not kept:
         they belong to request index -1, which nothing asks for and which does not keep a chunk alive.
         """
-        read = 0
-        with self._lock:
-            while True:
-                path = self.folder / chunk_name(self._next)
-                t_read = time.time()
-                try:
-                    stat = path.stat()
-                except FileNotFoundError:
-                    break
-                chunk = read_chunk(path)
-                idx = []
-                placed: list[tuple[int, str, int]] = []  # (run, rid, rows) of reserved requests
-                for k, (rid, rows) in enumerate(chunk.runs):
-                    if rid in self._released:
-                        idx.append(-1)
-                        continue
-                    if rid in self._slots:
-                        placed.append((k, rid, rows))
-                        self._counts[rid] += rows
-                        idx.append(-1)  # its rows go to its slab now; the chunk is not kept for them
-                        continue
-                    if rid not in self._index:
-                        self._index[rid] = self._next_index
-                        self._next_index += 1
-                    idx.append(self._index[rid])
-                    self._counts[rid] += rows
-                counts = torch.tensor([rows for _, rows in chunk.runs], dtype=torch.long)
-                owner = torch.repeat_interleave(torch.tensor(idx, dtype=torch.long), counts)
-                if placed:
-                    self._place(chunk, counts, placed)
-                live = set(idx) - {-1}
-                if live:
-                    self._chunks.append((chunk, owner, live))
-                path.unlink()
-                self._next += 1
+        if not self._read_lock.acquire(blocking=block):
+            return 0
+        try:
+            read = 0
+            while self._read_next():
                 read += 1
-                done = time.time()
-                st = self._stats
-                st.chunks += 1
-                st.bytes += stat.st_size
-                st.placing_s += done - t_read
-                st.lag_sum_s += max(t_read - stat.st_mtime, 0.0)
-                st.lag_max_s = max(st.lag_max_s, t_read - stat.st_mtime)
             if read:
-                self._last_chunk_at = time.monotonic()
-        return read
+                with self._lock:
+                    self._last_chunk_at = time.monotonic()
+            return read
+        finally:
+            self._read_lock.release()
 
-    def _place(self, chunk: Chunk, counts: torch.Tensor, placed: list[tuple[int, str, int]]) -> None:
-        """Copy the rows of reserved requests into their slabs (the reader thread, under the lock); ``counts``: rows
-        per run of the chunk. A decode step's chunk has one row for each of thousands of requests: per run only dict
-        lookups, the rest is tensor work."""
+    def _read_next(self) -> bool:
+        """Read and place chunk ``self._next`` if it is there (the caller holds ``_read_lock``)."""
+        path = self.folder / chunk_name(self._next)
+        t_read = time.time()
+        try:
+            stat = path.stat()
+        except FileNotFoundError:
+            return False
+        chunk = read_chunk(path)
+        idx = []
+        placed: list[tuple[int, str, int]] = []  # (run, rid, rows) of reserved requests
+        kept: list[tuple[str, int]] = []  # (rid, rows) of the others: their rows stay in the chunk
+        with self._lock:
+            for k, (rid, rows) in enumerate(chunk.runs):
+                if rid in self._released:
+                    idx.append(-1)
+                    continue
+                if rid in self._slots:
+                    placed.append((k, rid, rows))
+                    idx.append(-1)  # its rows go to its slab now; the chunk is not kept for them
+                    continue
+                if rid not in self._index:
+                    self._index[rid] = self._next_index
+                    self._next_index += 1
+                idx.append(self._index[rid])
+                kept.append((rid, rows))
+            slots = {rid: self._slots[rid] for _, rid, _ in placed}
+        counts = torch.tensor([rows for _, rows in chunk.runs], dtype=torch.long)
+        live = set(idx) - {-1}
+        owner = torch.repeat_interleave(torch.tensor(idx, dtype=torch.long), counts) if live else None
+        # the copy, outside ``_lock``: the slabs stay alive while referenced here, even if their batch is released
+        overflow = self._place(chunk, counts, placed, slots) if placed else {}
+        with self._lock:  # the rows count as arrived now, for requests not released meanwhile
+            for _, rid, rows in placed:
+                if rid in self._slots:
+                    self._counts[rid] += rows
+            for rid, why in overflow.items():
+                if rid in self._slots:
+                    self._overflow[rid] = why
+            for rid, rows in kept:
+                if rid in self._index:
+                    self._counts[rid] += rows
+            live -= self._dead
+            if live:
+                self._chunks.append((chunk, owner, live))
+            self._next += 1
+            done = time.time()
+            st = self._stats
+            st.chunks += 1
+            st.bytes += stat.st_size
+            st.placing_s += done - t_read
+            st.lag_sum_s += max(t_read - stat.st_mtime, 0.0)
+            st.lag_max_s = max(st.lag_max_s, t_read - stat.st_mtime)
+        path.unlink()
+        return True
+
+    def _place(self, chunk: Chunk, counts: torch.Tensor, placed: list[tuple[int, str, int]],
+               slots: dict[str, tuple[Slab, int, int]]) -> dict[str, str]:
+        """Copy the rows of reserved requests into their slabs (the reading thread, outside ``_lock``); ``counts``:
+        rows per run of the chunk; ``slots``: where each placed request's rows go. Returns the requests that recorded
+        a position past their reservation, with why. A decode step's chunk has one row for each of thousands of
+        requests: per run only dict lookups, the rest is tensor work."""
         run_start = torch.cumsum(counts, 0) - counts
         slabs: dict[int, int] = {}
         slab_list: list[Slab] = []
         runs, offs, caps, which = [], [], [], []
+        overflow: dict[str, str] = {}
         for k, rid, _ in placed:
-            slab, off, cap = self._slots[rid]
+            slab, off, cap = slots[rid]
             j = slabs.setdefault(id(slab), len(slab_list))
             if j == len(slab_list):
                 slab_list.append(slab)
@@ -288,7 +321,7 @@ class CaptureSink:
             run_of_row = torch.repeat_interleave(torch.arange(len(runs)), n)
             for r in torch.unique(run_of_row[over]).tolist():
                 rid = chunk.runs[runs[r]][0]
-                self._overflow[rid] = f"request {rid} recorded a position past the {caps[r]} reserved for it"
+                overflow[rid] = f"request {rid} recorded a position past the {caps[r]} reserved for it"
         dst = torch.repeat_interleave(torch.tensor(offs, dtype=torch.long), n) + pos
         row_slab = torch.repeat_interleave(torch.tensor(which, dtype=torch.long), n)
         h = self.hidden_size
@@ -307,6 +340,7 @@ class CaptureSink:
             slab.aux.index_copy_(0, d_j, rows[:, : self.width - h])
             slab.last.index_copy_(0, d_j, rows[:, self.width - h:])
             slab.ids.index_copy_(0, d_j, ids.to(torch.int32))
+        return overflow
 
     def check(self) -> None:
         """Raise if the recorder in the scheduler process, or the reader thread here, failed."""
@@ -328,7 +362,7 @@ class CaptureSink:
         finished ``generate``, so nothing more is coming), or ``timeout_s``."""
         t0 = time.monotonic()
         while True:
-            self.poll()
+            self.poll(block=False)  # the reader thread may be at it already
             self.check()
             with self._lock:
                 if all(self._counts.get(r, 0) >= n for r, n in need.items()):

@@ -279,6 +279,45 @@ def test_chunks_written_out_of_order_are_read_in_forward_order(tmp_path) -> None
     sink.close()
 
 
+def test_reserving_and_checking_do_not_wait_for_rows_being_copied(tmp_path) -> None:
+    """The reader copies rows into slabs outside the lock that ``reserve``/``wait``/``assemble`` take: a batch about
+    to be submitted must not wait behind other batches' copies (the sixth GPU run: half the batches waited ~0.7 s to
+    reserve while the first prompts' prefill chunks were placed). Rows count as arrived only once copied."""
+    import threading
+
+    import torch as t
+
+    from eaglenest.engines.capture_sink import CaptureSink
+    from eaglenest.engines.sglang_hooks import write_chunk
+
+    sink = CaptureSink(tmp_path, hidden_size=2, n_aux=1)
+    assert sink.reserve(["a"], [4])
+    copying, release = threading.Event(), threading.Event()
+    place = sink._place
+
+    def slow_place(*args):  # the real copy, held open until the test lets it finish
+        copying.set()
+        release.wait(10)
+        return place(*args)
+
+    sink._place = slow_place
+    write_chunk(tmp_path, 0, ["a"], [3], t.tensor([5, 6, 7], dtype=t.int32), t.arange(3, dtype=t.int32), t.ones(3, 4))
+    reader = threading.Thread(target=sink.poll)
+    reader.start()
+    assert copying.wait(10)
+    t0 = time.monotonic()
+    assert sink.reserve(["b"], [4])  # another batch reserves while "a"'s rows are being copied
+    assert sink.poll(block=False) == 0  # a waiting batch does not queue behind the reader either
+    assert sink.rows("a") == 0  # not arrived until copied
+    assert time.monotonic() - t0 < 1.0
+    release.set()
+    reader.join(10)
+    assert sink.rows("a") == 3
+    cap, why = sink.assemble("a", [5, 6, 7, 8], [0, 1, 1, 1])
+    assert why == "" and cap is not None and cap.aux_hidden_states[:3].eq(1).all()
+    sink.close()
+
+
 def test_the_reader_reports_what_it_read_since_it_was_last_asked(tmp_path) -> None:
     """Each regen batch logs how long it waited for its last rows and what the reader did meanwhile: chunks, bytes,
     time spent reading and placing, and how old each chunk file was when read (behind the writer, or slow)."""
