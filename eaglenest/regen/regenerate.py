@@ -183,6 +183,7 @@ class Regenerator:
         """Regenerate and capture a batch; every sample comes back as Regenerated or Quarantined, in order."""
         self.stats = BatchStats()
         states = [self._start(s, sampling_for(s)) for s in samples]
+        self._open_turns([st for st in states if not st.sample.native and st.failure is None])
         self._generate_all([st for st in states if not st.sample.native])
         return self._capture_all(states)
 
@@ -190,8 +191,13 @@ class Regenerator:
     def _render(self, messages: list[dict[str, Any]], tools: Any, gen: bool) -> str:
         return render_chat_text(self.tok, messages, tools=tools, add_generation_prompt=gen)
 
-    def _encode(self, text: str) -> list[int]:
-        return list(self.tok.encode(text, add_special_tokens=False)) if text else []
+    def _encode_many(self, texts: list[str]) -> list[list[int]]:
+        """``tok.encode(t, add_special_tokens=False)`` of each text, in one call: at the start of a regen wave a
+        dozen batches prepare their prompts together under one GIL, and the per-call wrapper costs more than the
+        tokenizing (a fast tokenizer's batch call runs in its backend)."""
+        if not any(texts):
+            return [[] for _ in texts]
+        return [list(ids) for ids in self.tok(texts, add_special_tokens=False)["input_ids"]]
 
     def _start(self, s: Sample, sampling: SamplingParams) -> _State:
         if s.native:
@@ -204,9 +210,7 @@ class Regenerator:
         slots = [i for i, m in enumerate(msgs) if m["role"] == "assistant"]
         if msgs and msgs[-1]["role"] != "assistant":
             slots.append(len(msgs))  # a trailing user/tool turn gets an answer too
-        st = _State(s, msgs, tools, slots, sampling)
-        self._open_turn(st)  # no length filter on the original answers: the target's own answers decide
-        return st
+        return _State(s, msgs, tools, slots, sampling)  # its first turn is opened with the batch's (run)
 
     def _check_native(self, st: _State) -> None:
         problem = length_problem(len(st.ids), self.min_tokens, self.max_tokens)
@@ -220,20 +224,29 @@ class Regenerator:
 
     def _open_turn(self, st: _State) -> None:
         """Append the prompt segment up to the next generation prompt (user/tool/system turns of the dataset)."""
-        k = st.slots[st.slot]
-        hist = st.hist + st.msgs[st.pos:k]
-        text = self._render(hist, st.tools, gen=True)
-        if not text.startswith(st.text):
-            st.fail(TEMPLATE_NOT_APPEND_ONLY,
-                    f"rendering up to turn {k} changes earlier text at char {_diverge(st.text, text)}: "
-                    f"{st.text[_diverge(st.text, text):][:60]!r} -> {text[_diverge(st.text, text):][:60]!r}")
-            return
-        seg = self._encode(text[len(st.text):])
-        st.ids += seg
-        st.mask += [0] * len(seg)
-        st.text, st.hist, st.pos = text, hist, k
-        if len(st.ids) >= self.max_tokens:
-            self._cut(st, f"the prompt of assistant turn {st.slot + 1} reaches {len(st.ids)} tokens")
+        self._open_turns([st])
+
+    def _open_turns(self, states: list[_State]) -> None:
+        """:meth:`_open_turn` for each state, the new segments tokenized together. No length filter on the original
+        answers: the target's own answers decide."""
+        pending: list[tuple[_State, str, list[dict[str, Any]], int]] = []
+        for st in states:
+            k = st.slots[st.slot]
+            hist = st.hist + st.msgs[st.pos:k]
+            text = self._render(hist, st.tools, gen=True)
+            if not text.startswith(st.text):
+                st.fail(TEMPLATE_NOT_APPEND_ONLY,
+                        f"rendering up to turn {k} changes earlier text at char {_diverge(st.text, text)}: "
+                        f"{st.text[_diverge(st.text, text):][:60]!r} -> {text[_diverge(st.text, text):][:60]!r}")
+                continue
+            pending.append((st, text, hist, k))
+        segs = self._encode_many([text[len(st.text):] for st, text, _, _ in pending])
+        for (st, text, hist, k), seg in zip(pending, segs, strict=True):
+            st.ids += seg
+            st.mask += [0] * len(seg)
+            st.text, st.hist, st.pos = text, hist, k
+            if len(st.ids) >= self.max_tokens:
+                self._cut(st, f"the prompt of assistant turn {st.slot + 1} reaches {len(st.ids)} tokens")
 
     def _body(self, toks: Sequence[int]) -> list[int]:
         """An answer's ids without its final EOS (the text the template must render back)."""

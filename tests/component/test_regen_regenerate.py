@@ -235,3 +235,16 @@ def test_native_samples_are_captured_not_regenerated(tiny_engine):
         if isinstance(r, Regenerated):
             assert r.input_ids == s.native_input_ids and r.loss_mask == s.native_loss_mask
             assert r.generated_tokens == 0
+
+
+def test_a_batch_of_prompts_is_tokenized_as_one_by_one(tiny_engine):
+    """A batch's first prompt segments are tokenized in one call; each must be what encoding it alone gives."""
+    samples = fixture_samples("sharegpt_vicuna", "swe_smith", "xlam", "openthoughts", "ultrachat", "numina_math")
+    regen = Regenerator(tiny_engine, min_tokens=1, max_tokens=4096, storage_dtype="float32")
+    states = [regen._start(s, GREEDY) for s in samples]
+    regen._open_turns(states)
+    tok = tiny_engine.tokenizer
+    assert len(states) >= 6 and all(st.failure is None for st in states)
+    for st in states:
+        assert st.ids == tok.encode(st.text, add_special_tokens=False) and st.mask == [0] * len(st.ids)
+        assert st.text.startswith(render_chat_text(tok, st.msgs[:st.pos], tools=st.tools, add_generation_prompt=True))
