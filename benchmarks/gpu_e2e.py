@@ -160,7 +160,8 @@ def write_configs() -> dict[str, Any]:
 
     sglang = {"mem_fraction_static": 0.55, "context_length": 2048, "capture_mem_fraction_static": 0.5,
               "capture_max_tokens": 32768, "capture": CAPTURE,
-              "concurrent_generate": os.environ.get("E2E_CONCURRENT_GENERATE", "1") == "1"}
+              "concurrent_generate": os.environ.get("E2E_CONCURRENT_GENERATE", "1") == "1",
+              "capture_writers": int(os.environ.get("E2E_CAPTURE_WRITERS", "3"))}
     cfg = {
         "target": {"model": str(MODEL), "engine": "sglang" if gpu() else "hf", "device": "cuda" if gpu() else "cpu",
                    "dtype": "bfloat16" if gpu() else "float32", **({"sglang": sglang} if gpu() else {})},

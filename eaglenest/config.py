@@ -73,6 +73,9 @@ class SGLangEngineConfig(Section):
         32, gt=0, description="capture: generation: host memory per engine actor for the states of its batches in "
         "flight, placed as they are recorded and touched while the engine starts (a batch beyond it is placed after "
         "its generation, more slowly)")
+    capture_writers: int = Field(
+        3, ge=1, le=8, description="capture: generation: threads in SGLang's scheduler writing recorded states to the "
+        "actor (one fell behind a prompt burst's prefill; more share the scheduler's GIL with its decode loop)")
     concurrent_generate: bool = Field(
         True, description="regen: the batches an engine actor has in flight (regen.batches_in_flight) go to SGLang "
         "together through its asyncio loop, so their requests decode in one running batch; false: one synchronous "

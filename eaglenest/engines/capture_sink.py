@@ -59,13 +59,20 @@ class ReaderStats:
     placing_s: float = 0.0  # reading + placing, summed
     lag_sum_s: float = 0.0  # a chunk file's age when read (written by the scheduler -> read here)
     lag_max_s: float = 0.0
+    write_lag_sum_s: float = 0.0  # its forward -> its file written (the scheduler's writers; chunks that say when)
+    write_lag_max_s: float = 0.0
+    write_lag_n: int = 0
 
     def line(self) -> str:
         if not self.chunks:
             return "reader: no chunk since the last batch"
-        return (f"reader: {self.chunks} chunks, {self.bytes / 1e9:.2f} GB, {self.placing_s:.2f} s reading and "
+        line = (f"reader: {self.chunks} chunks, {self.bytes / 1e9:.2f} GB, {self.placing_s:.2f} s reading and "
                 f"placing ({self.bytes / 1e9 / max(self.placing_s, 1e-9):.2f} GB/s), chunk age when read mean "
                 f"{self.lag_sum_s / self.chunks:.3f} s, max {self.lag_max_s:.3f} s")
+        if self.write_lag_n:
+            line += (f"; written after their forward mean {self.write_lag_sum_s / self.write_lag_n:.3f} s, max "
+                     f"{self.write_lag_max_s:.3f} s")
+        return line
 
 
 @dataclass
@@ -76,6 +83,7 @@ class Chunk:
     positions: torch.Tensor  # [rows] int64
     ids: torch.Tensor  # [rows] int64
     states: torch.Tensor  # [rows, width]
+    forward_at: float | None = None  # when its forward recorded it (wall clock), if the writer said
 
 
 def read_chunk(path: Path) -> Chunk:
@@ -91,7 +99,7 @@ def read_chunk(path: Path) -> Chunk:
     positions = raw[off + 4 * rows:off + 8 * rows].view(torch.int32).long()
     off += 8 * rows + (-(8 * rows) % ALIGN)
     states = raw[off:off + rows * width * dtype.itemsize].view(dtype).view(rows, width)
-    return Chunk(list(zip(head["rids"], head["counts"], strict=True)), positions, ids, states)
+    return Chunk(list(zip(head["rids"], head["counts"], strict=True)), positions, ids, states, head.get("forward_at"))
 
 
 def _zero_rows(rows: torch.Tensor, *tensors: torch.Tensor) -> None:
@@ -287,6 +295,11 @@ class CaptureSink:
             st.placing_s += done - t_read
             st.lag_sum_s += max(t_read - stat.st_mtime, 0.0)
             st.lag_max_s = max(st.lag_max_s, t_read - stat.st_mtime)
+            if chunk.forward_at is not None:
+                written = max(stat.st_mtime - chunk.forward_at, 0.0)
+                st.write_lag_sum_s += written
+                st.write_lag_max_s = max(st.write_lag_max_s, written)
+                st.write_lag_n += 1
         path.unlink()
         return True
 

@@ -128,7 +128,8 @@ class SGLangEngine(TargetEngine):
             self.recorder = GenerationRecorder(self.engine_cfg.capture_dir, self.aux_layer_ids,
                                                hidden_size=self.info.hidden_size,
                                                dtype="bfloat16" if self.dtype == "auto" else self.dtype,
-                                               reserve_max_bytes=int(self.engine_cfg.capture_host_gib * 2**30))
+                                               reserve_max_bytes=int(self.engine_cfg.capture_host_gib * 2**30),
+                                               writers=self.engine_cfg.capture_writers)
             kwargs = generation_capture_kwargs(kwargs, self.recorder.hooks)
         self.engine_kwargs = kwargs
         self._engine: Any = None

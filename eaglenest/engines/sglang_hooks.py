@@ -28,6 +28,7 @@ import os
 import queue
 import struct
 import threading
+import time
 import traceback
 from pathlib import Path
 from typing import Any
@@ -40,11 +41,13 @@ CHUNK_SUFFIX = ".chunk"
 QUEUE_DEPTH = 16
 """Forwards whose states may wait on the GPU for a writer thread (the hook blocks beyond that: back-pressure)."""
 WRITERS = 3
-"""Writer threads: one thread writing ~1 GB/s of chunk files into tmpfs is near its limit, so a burst (the prompts'
-prefill chunks) left a backlog that lasted to the end of generation; writes of separate files scale with threads."""
+"""Writer threads by default (``target.sglang.capture_writers``): one thread writing ~1 GB/s of chunk files into tmpfs
+is near its limit, so a burst (the prompts' prefill chunks) left a backlog that lasted to the end of generation;
+writes of separate files scale with threads. Each also takes the scheduler's GIL now and then."""
 
 
-def hook_specs(sink: str | Path, physical_ids: list[int], dtype: str = "bfloat16") -> list[dict[str, Any]]:
+def hook_specs(sink: str | Path, physical_ids: list[int], dtype: str = "bfloat16",
+               writers: int = WRITERS) -> list[dict[str, Any]]:
     """SGLang ``forward_hooks`` entries recording the streams entering ``physical_ids`` and the final normed state.
 
     Physical id ``k`` is ``output_hidden_states[k]`` in transformers' numbering: the output of decoder layer ``k-1``,
@@ -53,7 +56,7 @@ def hook_specs(sink: str | Path, physical_ids: list[int], dtype: str = "bfloat16
     if any(k < 1 for k in physical_ids):
         raise ValueError(f"capture during generation needs physical aux ids >= 1 (got {physical_ids}); "
                          f"use target.sglang.capture: prefill for layer 0 (the embeddings)")
-    common = {"sink": str(sink), "n_aux": len(physical_ids), "dtype": dtype}
+    common = {"sink": str(sink), "n_aux": len(physical_ids), "dtype": dtype, "writers": int(writers)}
     specs = [{"name": f"eaglenest-capture-aux{slot}", "target_modules": [f"model.layers.{k - 1}"],
               "hook_factory": HOOK_FACTORY, "config": {**common, "role": "aux", "slot": slot}}
              for slot, k in enumerate(physical_ids)]
@@ -71,10 +74,12 @@ ALIGN = 64
 
 
 def write_chunk(folder: Path, seq: int, rids: list[str], counts: list[int], ids: torch.Tensor,
-                positions: torch.Tensor, states: torch.Tensor) -> None:
-    """One forward's rows as a chunk file (CPU tensors), made visible atomically by a rename."""
+                positions: torch.Tensor, states: torch.Tensor, forward_at: float | None = None) -> None:
+    """One forward's rows as a chunk file (CPU tensors), made visible atomically by a rename. ``forward_at``: when
+    the forward recorded them (wall clock), so the reader can tell a writer's lag from its own."""
     header = json.dumps({"rids": rids, "counts": counts, "rows": int(states.shape[0]),
-                         "width": int(states.shape[1]), "dtype": str(states.dtype).removeprefix("torch.")}).encode()
+                         "width": int(states.shape[1]), "dtype": str(states.dtype).removeprefix("torch."),
+                         "forward_at": forward_at}).encode()
     header += b" " * (-(8 + len(header)) % ALIGN)
     tmp = folder / f".{seq:012d}.tmp"
     with open(tmp, "wb") as f:
@@ -115,7 +120,7 @@ def row_layout(forward_batch: Any, rows: int) -> tuple[list[str], list[int]] | N
 class _Recorder:
     """Collects one forward's aux streams and final state, and writes them out on a background thread."""
 
-    def __init__(self, sink: str, n_aux: int, dtype: str) -> None:
+    def __init__(self, sink: str, n_aux: int, dtype: str, writers: int = WRITERS) -> None:
         self.folder = Path(sink)
         self.folder.mkdir(parents=True, exist_ok=True)
         self.n_aux = n_aux
@@ -126,7 +131,7 @@ class _Recorder:
         self.failed = False
         self.queue: queue.Queue[tuple | None] = queue.Queue(maxsize=QUEUE_DEPTH)
         self.threads = [threading.Thread(target=self._drain, name=f"eaglenest-capture-writer-{k}", daemon=True)
-                        for k in range(WRITERS)]
+                        for k in range(max(1, writers))]
         for t in self.threads:
             t.start()
 
@@ -169,7 +174,7 @@ class _Recorder:
         event = torch.cuda.Event() if states.is_cuda else None
         if event is not None:
             event.record()
-        self.queue.put((self.seq, layout, ids, positions, states, event))
+        self.queue.put((self.seq, layout, ids, positions, states, event, time.time()))
         self.seq += 1
 
     def _drain(self) -> None:
@@ -179,7 +184,7 @@ class _Recorder:
             item = self.queue.get()
             if item is None:
                 return
-            seq, (rids, counts), ids, positions, states, event = item
+            seq, (rids, counts), ids, positions, states, event, forward_at = item
             try:
                 if event is None:
                     host_ids, host_pos, host = ids, positions, states
@@ -201,7 +206,7 @@ class _Recorder:
                         host_ids.copy_(ids, non_blocking=True)
                         host_pos.copy_(positions, non_blocking=True)
                         copy_stream.synchronize()
-                write_chunk(self.folder, seq, rids, counts, host_ids, host_pos, host)
+                write_chunk(self.folder, seq, rids, counts, host_ids, host_pos, host, forward_at)
             except Exception:  # noqa: BLE001
                 self.fail("writer")
             del states, ids, positions
@@ -215,7 +220,8 @@ def _recorder(cfg: dict[str, Any]) -> _Recorder:
     with _LOCK:
         rec = _RECORDERS.get(cfg["sink"])
         if rec is None:
-            rec = _RECORDERS[cfg["sink"]] = _Recorder(cfg["sink"], int(cfg["n_aux"]), cfg.get("dtype", "bfloat16"))
+            rec = _RECORDERS[cfg["sink"]] = _Recorder(cfg["sink"], int(cfg["n_aux"]), cfg.get("dtype", "bfloat16"),
+                                                      int(cfg.get("writers", WRITERS)))
         return rec
 
 

@@ -21,17 +21,22 @@ from eaglenest.engines.sglang_hooks import ERROR_FILE, hook_specs
 from eaglenest.engines.sglang_recorded import GenerationRecorder
 
 
-def setup(tmp_path) -> tuple[Model, Scheduler, GenerationRecorder]:
+def setup(tmp_path, writers: int = 3) -> tuple[Model, Scheduler, GenerationRecorder]:
     model = Model()
-    rec = GenerationRecorder(str(tmp_path), AUX, hidden_size=H, dtype="float32")
+    rec = GenerationRecorder(str(tmp_path), AUX, hidden_size=H, dtype="float32", writers=writers)
     attach(model, rec.hooks)
     rec.sink.start()
     return model, Scheduler(model), rec
 
 
-@pytest.mark.parametrize("reserve", [False, True], ids=["placed-at-capture", "placed-on-arrival"])
-def test_states_recorded_while_generating_equal_a_teacher_forced_forward(tmp_path, reserve: bool) -> None:
-    model, sched, rec = setup(tmp_path)
+@pytest.mark.parametrize("reserve,writers", [(False, 3), (True, 3), (True, 1)],
+                         ids=["placed-at-capture", "placed-on-arrival", "placed-on-arrival-one-writer"])
+def test_states_recorded_while_generating_equal_a_teacher_forced_forward(tmp_path, reserve: bool,
+                                                                         writers: int) -> None:
+    model, sched, rec = setup(tmp_path, writers)
+    from eaglenest.engines.sglang_hooks import _RECORDERS
+
+    assert len(_RECORDERS[str(rec.folder)].threads) == writers
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(1, V, (n,), generator=g).tolist() for n in (5, 9, 3, 12)]
     max_new = [4, 6, 1, 3]
@@ -141,6 +146,10 @@ def test_generation_capture_launch_kwargs_and_guards() -> None:
     from eaglenest.engines.sglang_args import check_generation_capture, engine_kwargs, generation_capture_kwargs
 
     hooks = hook_specs("/tmp/x", [2, 4, 5])
+    assert {h["config"]["writers"] for h in hooks} == {SGLangEngineConfig().capture_writers} == {3}
+    assert {h["config"]["writers"] for h in hook_specs("/tmp/x", [2, 4, 5], writers=1)} == {1}
+    with pytest.raises(ValueError, match="capture_writers"):
+        SGLangEngineConfig(capture_writers=0)
     kw = generation_capture_kwargs(engine_kwargs("m", SGLangEngineConfig()), hooks)
     assert kw["forward_hooks"] == hooks and kw["disable_radix_cache"] is True and kw["disable_cuda_graph"] is True
     with pytest.raises(ValueError, match="speculative"):
@@ -332,13 +341,14 @@ def test_the_reader_reports_what_it_read_since_it_was_last_asked(tmp_path) -> No
     assert sink.take_stats().line() == "reader: no chunk since the last batch"
     rows = lambda n: (t.arange(n, dtype=t.int32), t.arange(n, dtype=t.int32), t.ones(n, 4))  # noqa: E731
     write_chunk(tmp_path, 0, ["r1"], [3], *rows(3))
-    write_chunk(tmp_path, 1, ["r1"], [1], *rows(1))
+    write_chunk(tmp_path, 1, ["r1"], [1], *rows(1), forward_at=time.time() - 7)  # its forward ran 7 s ago ...
     sizes = sum((tmp_path / chunk_name(k)).stat().st_size for k in (0, 1))
-    os.utime(tmp_path / chunk_name(1), (time.time() - 5, time.time() - 5))  # written 5 s before it is read
+    os.utime(tmp_path / chunk_name(1), (time.time() - 5, time.time() - 5))  # ... it was written 5 s ago
     assert sink.poll() == 2
     st = sink.take_stats()
     assert st.chunks == 2 and st.bytes == sizes and 5 <= st.lag_max_s < 60 and st.placing_s >= 0
-    assert "2 chunks" in st.line() and "max 5." in st.line()
+    assert st.write_lag_n == 1 and 1.5 < st.write_lag_max_s < 2.5  # the writer's share: 2 s of the 7
+    assert "2 chunks" in st.line() and "max 5." in st.line() and "written after their forward" in st.line()
     assert sink.take_stats().chunks == 0  # started afresh
     sink.close()
 
