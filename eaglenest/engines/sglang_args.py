@@ -297,18 +297,21 @@ def generation_from_output(
     prompt_len: int,
     decode: Callable[[list[int]], str],
     stop: Sequence[str] = (),
-    text: str | None = None,
 ) -> Generation:
     """One ``Engine.generate`` result dict -> Generation with exact token ids.
 
     The finishing token stays in ``token_ids`` (a stop on EOS keeps the EOS, as in the hf backend); text is decoded by
-    our tokenizer (``text``: already decoded from :func:`output_ids`) and cut at the first stop string, the same way
-    for every backend.
+    our tokenizer and cut at the first stop string, the same way for every backend.
     """
     ids = output_ids(out)
+    return _generation(out, ids, decode(ids), prompt_len=prompt_len, stop=stop)
+
+
+def _generation(out: Mapping[str, Any], ids: list[int], text: str, *, prompt_len: int,
+                stop: Sequence[str]) -> Generation:
+    """:func:`generation_from_output` given the result's :func:`output_ids` and their decoded text."""
     meta = out["meta_info"]
     reason = map_finish_reason(meta.get("finish_reason"))
-    text = decode(ids) if text is None else text
     for s in stop:
         cut = text.find(s)
         if cut >= 0:
@@ -385,11 +388,11 @@ def run_generate(
         outs = [outs]
     if len(outs) != len(ids):
         raise SGLangOutputError(f"sglang returned {len(outs)} outputs for {len(ids)} prompts")
-    texts: list[str | None] = [None] * len(outs)
-    if decode_many is not None:  # the whole batch's answers in one call (see ``engines.base.decode_texts``)
-        texts = list(decode_many([output_ids(o) for o in outs]))
-    return [generation_from_output(o, prompt_len=len(p), decode=decode, stop=sampling.stop, text=t)
-            for o, p, t in zip(outs, ids, texts, strict=True)]
+    answers = [output_ids(o) for o in outs]
+    # the whole batch's answers in one call where the engine can (see ``engines.base.decode_texts``)
+    texts = decode_many(answers) if decode_many is not None else [decode(a) for a in answers]
+    return [_generation(o, a, t, prompt_len=len(p), stop=sampling.stop)
+            for o, a, t, p in zip(outs, answers, texts, ids, strict=True)]
 
 
 def check_prompts(prompts: Sequence[Sequence[int]], *, vocab_size: int | None = None) -> list[list[int]]:

@@ -252,13 +252,12 @@ class Regenerator:
         """An answer's ids without its final EOS (the text the template must render back)."""
         return list(toks[:-1]) if toks and toks[-1] in self.eos_ids else list(toks)
 
-    def _close_turn(self, st: _State, gen: Generation, body_text: str) -> None:
-        """Append the target's answer (exact ids; ``body_text``: :meth:`_body` decoded), check the template renders
-        it back, move to the next turn."""
+    def _close_turn(self, st: _State, gen: Generation, body: list[int], body_text: str) -> None:
+        """Append the target's answer (exact ids; ``body``: :meth:`_body` of them, ``body_text`` its text), check the
+        template renders it back, move to the next turn."""
         toks = list(gen.token_ids)
         st.generated += len(toks)
         ended = bool(toks) and toks[-1] == self.facts.turn_end_id
-        body = self._body(toks)
         expected = body_text + self.facts.turn_end_text
         chosen = None
         for cand in _answer_candidates(body_text):
@@ -321,16 +320,16 @@ class Regenerator:
                 outs = _isolated(lambda g, sp=sampling: self.engine.generate_ids([st.ids for st in g], sp), group)
                 self.stats.generate_seconds += time.perf_counter() - t0
                 self.stats.generate_to = time.time()
-                texts = iter(decode_texts(self.tok, [self._body(out.token_ids) for out in outs
-                                                     if not isinstance(out, BaseException)],
-                                          skip_special_tokens=False, clean_up_tokenization_spaces=False))
-                for st, out in zip(group, outs, strict=True):
+                bodies = [None if isinstance(out, BaseException) else self._body(out.token_ids) for out in outs]
+                texts = iter(decode_texts(self.tok, [b for b in bodies if b is not None], skip_special_tokens=False,
+                                          clean_up_tokenization_spaces=False))
+                for st, out, body in zip(group, outs, bodies, strict=True):
                     if isinstance(out, BaseException):
                         st.fail(ENGINE_ERROR, f"generate: {type(out).__name__}: {out}"[:500])
                     else:
                         self.stats.generated_tokens += len(out.token_ids)
                         st.capture_ref = out.meta.get("capture_ref")
-                        self._close_turn(st, out, next(texts))
+                        self._close_turn(st, out, body, next(texts))
 
     def _capture_all(self, states: list[_State]) -> list[Result]:
         ready = [st for st in states if st.failure is None]
