@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -154,6 +155,28 @@ def step_standin() -> dict[str, Any]:
     return report
 
 
+SCHEDULER_LOG = {"log_level": os.environ.get("E2E_SGLANG_LOG_LEVEL", "info"), "decode_log_interval": 10}
+"""Regen and its offline reference log SGLang's own scheduler lines (prefill forwards, decode rate every 10 steps),
+so the two engines' paces can be compared step by step, not only end to end."""
+_DECODE_LINE = re.compile(r"Decode batch[^,]*, #running-req: (\d+),.*gen throughput \(token/s\): ([\d.]+), "
+                          r"#queue-req: (\d+)")
+_PREFILL_LINE = re.compile(r"Prefill batch[^,]*, #new-seq: (\d+), #new-token: (\d+),")
+
+
+def scheduler_pace(text: str) -> dict[str, Any] | None:
+    """SGLang's scheduler lines in a log: prefill forwards, and the decode rate while the running batch was full
+    (within 10% of its largest), which is where regen's recording engine and the offline engine compare directly."""
+    decode = [(int(a), float(b), int(c)) for a, b, c in _DECODE_LINE.findall(text)]
+    prefill = [(int(a), int(b)) for a, b in _PREFILL_LINE.findall(text)]
+    if not decode and not prefill:
+        return None
+    full = [d for d in decode if decode and d[0] >= 0.9 * max(x[0] for x in decode)]
+    return {"prefill_forwards": len(prefill), "prefill_tokens": sum(t for _, t in prefill),
+            "decode_lines": len(decode), "decode_rates": [[n, round(r), q] for n, r, q in decode][:60],
+            "full_batch_decode_tokens_per_s": round(sum(r for _, r, _ in full) / len(full), 1) if full else None,
+            "full_batch_running_reqs": max(n for n, _, _ in full) if full else None}
+
+
 def write_configs() -> dict[str, Any]:
     """The run's eaglenest config, next to the stand-in."""
     import yaml
@@ -206,7 +229,8 @@ def write_configs() -> dict[str, Any]:
     if gpu():
         # host memory for all 13 batches in flight, prewarmed while the engine starts (256 prompt tokens assumed
         # per sample: ~3.5 GB a batch of 256 at 160 new tokens and 32 KiB a token)
-        cfg["target"]["sglang"] = {**sglang, "mem_fraction_static": REGEN_MEM_FRACTION, "capture_host_gib": 48}
+        cfg["target"]["sglang"] = {**sglang, "mem_fraction_static": REGEN_MEM_FRACTION, "capture_host_gib": 48,
+                                   "extra_args": SCHEDULER_LOG}
     REGEN_CONFIG.write_text(yaml.safe_dump(cfg, sort_keys=False))
     cfg["target"]["sglang"] = {**cfg["target"].get("sglang", {}), "capture_host_gib": 0.001}
     REGEN_FALLBACK_CONFIG.write_text(yaml.safe_dump(cfg, sort_keys=False))
@@ -247,20 +271,30 @@ def step_offline_ref() -> dict[str, Any]:
     kw = engine_kwargs(str(MODEL), cfg.target.sglang, dtype="bfloat16")
     kw["disable_radix_cache"] = True  # each prompt once; nothing to reuse, as in regen
     Engine = sglang_symbol("sglang:Engine")
+    runner_log = WORK / "runner.log"  # the scheduler process writes its log lines to the runner's output
     t0 = time.perf_counter()
     eng = Engine(**kw)
     start_s = time.perf_counter() - t0
     try:
         sp = {"temperature": 0.0, "max_new_tokens": MAX_NEW_TOKENS}
         eng.generate(input_ids=prompts[:64], sampling_params=sp)  # warm-up (kernels, graphs)
+        time.sleep(0.5)
+        log_from = runner_log.stat().st_size if runner_log.is_file() else None
         t0 = time.perf_counter()
         outs = eng.generate(input_ids=prompts, sampling_params=sp)
         secs = time.perf_counter() - t0
+        time.sleep(0.5)
+        pace = None
+        if log_from is not None:
+            with open(runner_log, "rb") as f:
+                f.seek(log_from)
+                pace = scheduler_pace(f.read().decode(errors="replace"))
     finally:
         eng.shutdown()
     tokens = sum(int(o["meta_info"]["completion_tokens"]) for o in outs)
     return {"prompts": len(prompts), "output_tokens": tokens, "generate_seconds": round(secs, 2),
             "tokens_per_s": round(tokens / secs, 1), "engine_start_seconds": round(start_s, 1),
+            "scheduler_pace": pace,
             "note": "engine start and a 64-prompt warm-up excluded; greedy, max_new_tokens as regen"}
 
 
@@ -361,6 +395,7 @@ def step_regen() -> dict[str, Any]:
         "generate_only_vs_offline": round(gen_tps / offline, 3) if gen_tps and offline else None,
         "ray_data_progress_lines_in_job_logs": len(progress), "progress_examples": progress[:3] + progress[-2:],
         "first_attempt_failed": first_attempt,
+        "scheduler_pace": scheduler_pace(logs),
         # per batch: how long its finished generation waited for its last rows, and what the sink's reader did
         "capture_waits": [ln.split("[eaglenest capture] ", 1)[1] for ln in logs.splitlines()
                           if "[eaglenest capture] " in ln][:40],
@@ -613,6 +648,14 @@ def summarize() -> dict[str, Any]:
                      f"{regen.get('ray_data_progress_lines_in_job_logs')}; capture placement "
                      f"{(regen.get('last_run') or {}).get('capture_placement')}; the whole run's window split "
                      f"(seconds to the last generation's return, seconds after it): {regen.get('whole_run_split')}")
+        ours, theirs = regen.get("scheduler_pace") or {}, load("offline_ref").get("scheduler_pace") or {}
+        if ours.get("full_batch_decode_tokens_per_s") and theirs.get("full_batch_decode_tokens_per_s"):
+            lines.append(f"decode pace with the running batch full, SGLang's own lines: regen's recording engine "
+                         f"{ours['full_batch_decode_tokens_per_s']} tok/s ({ours['full_batch_running_reqs']} requests) "
+                         f"vs the offline engine {theirs['full_batch_decode_tokens_per_s']} tok/s "
+                         f"({theirs['full_batch_running_reqs']}) = "
+                         f"{ours['full_batch_decode_tokens_per_s'] / theirs['full_batch_decode_tokens_per_s']:.3f}x; "
+                         f"prefill forwards {ours['prefill_forwards']} vs {theirs['prefill_forwards']}")
         if regen.get("first_attempt_failed"):
             lines.append(f"regen's first attempt FAILED (the figures above are the fallback's, states placed after "
                          f"generation): {regen['first_attempt_failed']}")

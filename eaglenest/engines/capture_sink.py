@@ -62,16 +62,22 @@ class ReaderStats:
     write_lag_sum_s: float = 0.0  # its forward -> its file written (the scheduler's writers; chunks that say when)
     write_lag_max_s: float = 0.0
     write_lag_n: int = 0
+    scheduler: dict[str, float] | None = None  # recording's cost to the scheduler so far, as the latest chunk says
 
     def line(self) -> str:
         if not self.chunks:
-            return "reader: no chunk since the last batch"
-        line = (f"reader: {self.chunks} chunks, {self.bytes / 1e9:.2f} GB, {self.placing_s:.2f} s reading and "
-                f"placing ({self.bytes / 1e9 / max(self.placing_s, 1e-9):.2f} GB/s), chunk age when read mean "
-                f"{self.lag_sum_s / self.chunks:.3f} s, max {self.lag_max_s:.3f} s")
+            line = "reader: no chunk since the last batch"
+        else:
+            line = (f"reader: {self.chunks} chunks, {self.bytes / 1e9:.2f} GB, {self.placing_s:.2f} s reading and "
+                    f"placing ({self.bytes / 1e9 / max(self.placing_s, 1e-9):.2f} GB/s), chunk age when read mean "
+                    f"{self.lag_sum_s / self.chunks:.3f} s, max {self.lag_max_s:.3f} s")
         if self.write_lag_n:
             line += (f"; written after their forward mean {self.write_lag_sum_s / self.write_lag_n:.3f} s, max "
                      f"{self.write_lag_max_s:.3f} s")
+        if self.scheduler:
+            c = self.scheduler
+            line += (f"; scheduler so far: {c.get('hooks_s', 0.0):.2f} s in the hooks, {c.get('blocked_s', 0.0):.2f} s "
+                     f"of it waiting for a writer, writers pinning memory {c.get('pinning_s', 0.0):.2f} s")
         return line
 
 
@@ -84,6 +90,7 @@ class Chunk:
     ids: torch.Tensor  # [rows] int64
     states: torch.Tensor  # [rows, width]
     forward_at: float | None = None  # when its forward recorded it (wall clock), if the writer said
+    scheduler: dict[str, float] | None = None  # recording's cost to the scheduler up to that forward, if it said
 
 
 def read_chunk(path: Path) -> Chunk:
@@ -99,7 +106,8 @@ def read_chunk(path: Path) -> Chunk:
     positions = raw[off + 4 * rows:off + 8 * rows].view(torch.int32).long()
     off += 8 * rows + (-(8 * rows) % ALIGN)
     states = raw[off:off + rows * width * dtype.itemsize].view(dtype).view(rows, width)
-    return Chunk(list(zip(head["rids"], head["counts"], strict=True)), positions, ids, states, head.get("forward_at"))
+    return Chunk(list(zip(head["rids"], head["counts"], strict=True)), positions, ids, states, head.get("forward_at"),
+                 head.get("scheduler"))
 
 
 def _zero_rows(rows: torch.Tensor, *tensors: torch.Tensor) -> None:
@@ -155,6 +163,7 @@ class CaptureSink:
         self.served: Counter[str] = Counter()
         """sequences assembled from rows placed as they arrived ("on_arrival") or after their batch ("at_capture")"""
         self._stats = ReaderStats()
+        self._scheduler: dict[str, float] | None = None  # the latest chunk's word on recording's cost to the scheduler
 
     # ------------------------------------------------------------------------------------------------ reading
     def start(self) -> None:
@@ -300,6 +309,8 @@ class CaptureSink:
                 st.write_lag_sum_s += written
                 st.write_lag_max_s = max(st.write_lag_max_s, written)
                 st.write_lag_n += 1
+            if chunk.scheduler:
+                self._scheduler = chunk.scheduler
         path.unlink()
         return True
 
@@ -368,6 +379,7 @@ class CaptureSink:
         """The reader's work since the last call (and start afresh)."""
         with self._lock:
             st, self._stats = self._stats, ReaderStats()
+            st.scheduler = self._scheduler
         return st
 
     def wait(self, need: Mapping[str, int], *, quiet_s: float = 1.0, timeout_s: float = 300.0) -> None:

@@ -47,22 +47,39 @@ writes of separate files scale with threads. Each also takes the scheduler's GIL
 
 
 def hook_specs(sink: str | Path, physical_ids: list[int], dtype: str = "bfloat16",
-               writers: int = WRITERS) -> list[dict[str, Any]]:
+               writers: int = WRITERS, staging_bytes: int = 0) -> list[dict[str, Any]]:
     """SGLang ``forward_hooks`` entries recording the streams entering ``physical_ids`` and the final normed state.
 
     Physical id ``k`` is ``output_hidden_states[k]`` in transformers' numbering: the output of decoder layer ``k-1``,
     so ``k >= 1`` (the embeddings, ``k = 0``, have no layer whose output is them; use prefill capture for that).
+    ``staging_bytes``: pinned host memory each writer allocates when the engine starts (see :func:`staging_size`).
     """
     if any(k < 1 for k in physical_ids):
         raise ValueError(f"capture during generation needs physical aux ids >= 1 (got {physical_ids}); "
                          f"use target.sglang.capture: prefill for layer 0 (the embeddings)")
-    common = {"sink": str(sink), "n_aux": len(physical_ids), "dtype": dtype, "writers": int(writers)}
+    common = {"sink": str(sink), "n_aux": len(physical_ids), "dtype": dtype, "writers": int(writers),
+              "staging_bytes": int(staging_bytes)}
     specs = [{"name": f"eaglenest-capture-aux{slot}", "target_modules": [f"model.layers.{k - 1}"],
               "hook_factory": HOOK_FACTORY, "config": {**common, "role": "aux", "slot": slot}}
              for slot, k in enumerate(physical_ids)]
     specs.append({"name": "eaglenest-capture-final", "target_modules": ["model.norm"], "hook_factory": HOOK_FACTORY,
                   "config": {**common, "role": "final"}})
     return specs
+
+
+STAGING_ROWS = 8192
+"""Rows of the largest forward a writer's pinned staging is sized for at start: SGLang's chunked prefill on GPUs of
+60 GB and more (a larger forward grows it while serving)."""
+
+
+def staging_size(rows: int, width: int, itemsize: int) -> int:
+    """Pinned bytes for a forward of ``rows`` (states, then int32 ids and positions), rounded up to a power of two as
+    torch's pinned allocator rounds them anyway, so the whole block is usable."""
+    return _pow2(rows * (width * itemsize + 8))
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(n - 1, 1).bit_length()
 
 
 def chunk_name(seq: int) -> str:
@@ -74,12 +91,14 @@ ALIGN = 64
 
 
 def write_chunk(folder: Path, seq: int, rids: list[str], counts: list[int], ids: torch.Tensor,
-                positions: torch.Tensor, states: torch.Tensor, forward_at: float | None = None) -> None:
+                positions: torch.Tensor, states: torch.Tensor, forward_at: float | None = None,
+                scheduler: dict[str, float] | None = None) -> None:
     """One forward's rows as a chunk file (CPU tensors), made visible atomically by a rename. ``forward_at``: when
-    the forward recorded them (wall clock), so the reader can tell a writer's lag from its own."""
+    the forward recorded them (wall clock), so the reader can tell a writer's lag from its own; ``scheduler``: what
+    recording has cost the scheduler so far (seconds, cumulative; see :class:`_Recorder`)."""
     header = json.dumps({"rids": rids, "counts": counts, "rows": int(states.shape[0]),
                          "width": int(states.shape[1]), "dtype": str(states.dtype).removeprefix("torch."),
-                         "forward_at": forward_at}).encode()
+                         "forward_at": forward_at, "scheduler": scheduler}).encode()
     header += b" " * (-(8 + len(header)) % ALIGN)
     tmp = folder / f".{seq:012d}.tmp"
     with open(tmp, "wb") as f:
@@ -118,9 +137,13 @@ def row_layout(forward_batch: Any, rows: int) -> tuple[list[str], list[int]] | N
 
 
 class _Recorder:
-    """Collects one forward's aux streams and final state, and writes them out on a background thread."""
+    """Collects one forward's aux streams and final state, and writes them out on a background thread.
 
-    def __init__(self, sink: str, n_aux: int, dtype: str, writers: int = WRITERS) -> None:
+    It keeps what recording costs the scheduler (cumulative seconds, written into every chunk's header): ``hooks_s``
+    on the forward thread inside the hooks, ``blocked_s`` of it waiting for a writer (a full queue), ``pinning_s``
+    the writers spent allocating pinned memory (that call can hold up the launches of the forward thread)."""
+
+    def __init__(self, sink: str, n_aux: int, dtype: str, writers: int = WRITERS, staging_bytes: int = 0) -> None:
         self.folder = Path(sink)
         self.folder.mkdir(parents=True, exist_ok=True)
         self.n_aux = n_aux
@@ -129,8 +152,13 @@ class _Recorder:
         self.forward_batch: Any = None
         self.seq = 0
         self.failed = False
+        self.staging_bytes = staging_bytes
+        self.hooks_s = 0.0
+        self.blocked_s = 0.0
+        self.pinning_s = [0.0] * max(1, writers)  # one entry per writer: no lock on the sum
         self.queue: queue.Queue[tuple | None] = queue.Queue(maxsize=QUEUE_DEPTH)
-        self.threads = [threading.Thread(target=self._drain, name=f"eaglenest-capture-writer-{k}", daemon=True)
+        self.threads = [threading.Thread(target=self._drain, args=(k,), name=f"eaglenest-capture-writer-{k}",
+                                         daemon=True)
                         for k in range(max(1, writers))]
         for t in self.threads:
             t.start()
@@ -143,19 +171,28 @@ class _Recorder:
     def aux(self, slot: int, output: Any) -> None:
         if self.failed:
             return
+        t0 = time.perf_counter()
         try:
             hidden, residual = output if isinstance(output, tuple) else (output, None)
             self.pending[slot] = hidden + residual if residual is not None else hidden.clone()
         except Exception:  # noqa: BLE001 - a recording failure must not take the engine down
             self.fail("aux hook")
+        self.hooks_s += time.perf_counter() - t0
 
     def final(self, output: Any) -> None:
         if self.failed:
             return
+        t0 = time.perf_counter()
         try:
             self._final(output)
         except Exception:  # noqa: BLE001
             self.fail("final hook")
+        self.hooks_s += time.perf_counter() - t0
+
+    def costs(self) -> dict[str, float]:
+        """What recording has cost the scheduler so far (seconds)."""
+        return {"hooks_s": round(self.hooks_s, 4), "blocked_s": round(self.blocked_s, 4),
+                "pinning_s": round(sum(self.pinning_s), 4)}
 
     def _final(self, output: Any) -> None:
         pending, self.pending = self.pending, {}
@@ -174,17 +211,36 @@ class _Recorder:
         event = torch.cuda.Event() if states.is_cuda else None
         if event is not None:
             event.record()
-        self.queue.put((self.seq, layout, ids, positions, states, event, time.time()))
+        item = (self.seq, layout, ids, positions, states, event, time.time(), self.costs())
+        try:
+            self.queue.put_nowait(item)
+        except queue.Full:  # back-pressure: the forward thread waits for a writer
+            t0 = time.perf_counter()
+            self.queue.put(item)
+            self.blocked_s += time.perf_counter() - t0
         self.seq += 1
 
-    def _drain(self) -> None:
+    def _pinned(self, writer: int, nbytes: int) -> torch.Tensor:
+        t0 = time.perf_counter()
+        buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        self.pinning_s[writer] += time.perf_counter() - t0
+        return buf
+
+    def _drain(self, writer: int = 0) -> None:
         copy_stream = None
-        staging: torch.Tensor | None = None  # pinned, reused: a fresh pinned allocation per forward costs more
+        # pinned, reused: a fresh pinned allocation per forward costs more, and one while serving can hold up the
+        # scheduler's launches, so each writer allocates it for the largest forward expected while the engine starts
+        staging: torch.Tensor | None = None
+        if self.staging_bytes and torch.cuda.is_available():
+            try:
+                staging = self._pinned(writer, self.staging_bytes)
+            except Exception:  # noqa: BLE001 - allocated on demand instead
+                staging = None
         while True:
             item = self.queue.get()
             if item is None:
                 return
-            seq, (rids, counts), ids, positions, states, event, forward_at = item
+            seq, (rids, counts), ids, positions, states, event, forward_at, costs = item
             try:
                 if event is None:
                     host_ids, host_pos, host = ids, positions, states
@@ -195,7 +251,8 @@ class _Recorder:
                     nbytes = states.numel() * states.element_size()
                     need = nbytes + 8 * ids.numel()
                     if staging is None or staging.numel() < need:
-                        staging = torch.empty(max(need, 64 << 20), dtype=torch.uint8, pin_memory=True)
+                        staging = None  # back to torch's pinned cache before the larger one is allocated
+                        staging = self._pinned(writer, _pow2(max(need, 64 << 20)))
                     host = staging[:nbytes].view(states.dtype).view(states.shape)
                     host_ids = staging[nbytes:nbytes + 4 * ids.numel()].view(torch.int32)
                     host_pos = staging[nbytes + 4 * ids.numel():need].view(torch.int32)
@@ -206,7 +263,7 @@ class _Recorder:
                         host_ids.copy_(ids, non_blocking=True)
                         host_pos.copy_(positions, non_blocking=True)
                         copy_stream.synchronize()
-                write_chunk(self.folder, seq, rids, counts, host_ids, host_pos, host, forward_at)
+                write_chunk(self.folder, seq, rids, counts, host_ids, host_pos, host, forward_at, costs)
             except Exception:  # noqa: BLE001
                 self.fail("writer")
             del states, ids, positions
@@ -221,7 +278,8 @@ def _recorder(cfg: dict[str, Any]) -> _Recorder:
         rec = _RECORDERS.get(cfg["sink"])
         if rec is None:
             rec = _RECORDERS[cfg["sink"]] = _Recorder(cfg["sink"], int(cfg["n_aux"]), cfg.get("dtype", "bfloat16"),
-                                                      int(cfg.get("writers", WRITERS)))
+                                                      int(cfg.get("writers", WRITERS)),
+                                                      int(cfg.get("staging_bytes", 0)))
         return rec
 
 

@@ -24,7 +24,7 @@ import torch
 
 from eaglenest.engines.base import Capture, CaptureHint, Generation
 from eaglenest.engines.capture_sink import RESERVE_MAX_BYTES, CaptureSink, CaptureSinkError
-from eaglenest.engines.sglang_hooks import WRITERS, hook_specs
+from eaglenest.engines.sglang_hooks import STAGING_ROWS, WRITERS, hook_specs, staging_size
 
 SHM_MIN_FREE = 8 << 30
 """/dev/shm is used for the chunk files when it has this much free space (a container's default is 64 MiB)."""
@@ -47,7 +47,9 @@ class GenerationRecorder:
     def __init__(self, folder: str | None, aux_layer_ids: Sequence[int], *, hidden_size: int,
                  dtype: str = "bfloat16", reserve_max_bytes: int = RESERVE_MAX_BYTES, writers: int = WRITERS) -> None:
         self.folder = capture_folder(folder)
-        self.hooks = hook_specs(self.folder, list(aux_layer_ids), dtype, writers)
+        width = hidden_size * (len(aux_layer_ids) + 1)
+        self.hooks = hook_specs(self.folder, list(aux_layer_ids), dtype, writers,
+                                staging_size(STAGING_ROWS, width, getattr(torch, dtype).itemsize))
         self.sink = CaptureSink(self.folder, hidden_size=hidden_size, n_aux=len(aux_layer_ids),
                                 dtype=getattr(torch, dtype), reserve_max_bytes=reserve_max_bytes)
         self.counts: Counter[str] = Counter()

@@ -45,6 +45,9 @@ RESULT_SCHEMA = pa.schema([
 ])
 
 
+MIN_RUN_BYTES = 64 << 10
+"""A hidden-state column is chunked rather than copied when its runs of consecutive memory average at least this."""
+
 PASS_THROUGH = ("epoch",)
 """plan columns the engine stage hands on unchanged (online training tags every row with its epoch)"""
 
@@ -79,9 +82,10 @@ def blob_column(blobs: list[bytes | memoryview | None]) -> pa.LargeBinaryArray |
 
     Regen's capture lays a batch's states out back to back in result order, each sequence in room reserved for its
     longest possible answer: runs of consecutive blobs are consecutive pieces of one piece of memory, broken where an
-    answer ended early. One run becomes the column's buffer as it is; a few runs (at most one per 8 blobs) become a
-    chunked column, one chunk per run, still without a copy; anything else (blobs out of order, bytes objects) is
-    copied once into one buffer.
+    answer ended early. One run becomes the column's buffer as it is; several runs become a chunked column, one chunk
+    per run, still without a copy, as long as the runs are large (a chunk costs next to nothing beside a copy of a
+    batch's states, gigabytes; where most answers end early there is a run per sequence); small scattered blobs and
+    bytes objects are copied once into one buffer.
     """
     import numpy as np
 
@@ -94,7 +98,8 @@ def blob_column(blobs: list[bytes | memoryview | None]) -> pa.LargeBinaryArray |
                 runs.append([])
             last = v
         runs[-1].append(k)
-    if len(runs) > 1 and len(runs) <= max(1, len(views) // 8):
+    total = sum(v.nbytes for v in views if v is not None)
+    if len(runs) > 1 and total >= MIN_RUN_BYTES * len(runs):
         return pa.chunked_array([_binary_run([views[k] for k in run]) for run in runs], type=pa.large_binary())
     return _binary_run(views)
 

@@ -350,7 +350,38 @@ def test_the_reader_reports_what_it_read_since_it_was_last_asked(tmp_path) -> No
     assert st.write_lag_n == 1 and 1.5 < st.write_lag_max_s < 2.5  # the writer's share: 2 s of the 7
     assert "2 chunks" in st.line() and "max 5." in st.line() and "written after their forward" in st.line()
     assert sink.take_stats().chunks == 0  # started afresh
+    # the hooks say what recording has cost the scheduler so far; the latest word stays, even for a batch that read
+    # no chunk of its own
+    write_chunk(tmp_path, 2, ["r1"], [1], *rows(1), scheduler={"hooks_s": 1.25, "blocked_s": 0.5, "pinning_s": 0.125})
+    assert sink.poll() == 1
+    sink.take_stats()
+    line = sink.take_stats().line()
+    assert line.startswith("reader: no chunk since the last batch") and "1.25 s in the hooks" in line
+    assert "0.50 s of it waiting for a writer" in line and "pinning memory 0.12 s" in line
     sink.close()
+
+
+def test_every_chunk_says_what_recording_has_cost_the_scheduler(tmp_path) -> None:
+    """The hooks time themselves on the forward thread (and any wait for a writer), so a slow generation pace can be
+    told apart from recording's cost; the sums only grow."""
+    from eaglenest.engines.sglang_hooks import _RECORDERS
+
+    model, sched, rec = setup(tmp_path)
+    prompts = [[1, 2, 3, 4, 5], [6, 7, 8]]
+    rids = rec.new_rids(2)
+    rec.expect(rids, prompts, sched.generate(prompts, [4, 4], rids))
+    recorder = _RECORDERS[str(rec.folder)]
+    deadline = time.time() + 30
+    while (said := rec.sink.take_stats().scheduler) is None and time.time() < deadline:
+        time.sleep(0.05)
+    costs = recorder.costs()
+    assert set(costs) == {"hooks_s", "blocked_s", "pinning_s"} and costs["hooks_s"] > 0
+    assert said is not None and 0 < said["hooks_s"] <= costs["hooks_s"]
+    assert costs["blocked_s"] <= costs["hooks_s"] and costs["pinning_s"] == 0  # no CUDA here: nothing pinned
+    # each writer's pinned staging is sized at start for a prefill chunk of SGLang's 8192 rows: a power of two
+    need = 8192 * (H * (len(AUX) + 1) * 4 + 8)
+    assert {h["config"]["staging_bytes"] for h in rec.hooks} == {1 << (need - 1).bit_length()}
+    rec.close()
 
 def _truncated_batch(rec: GenerationRecorder, sched: Scheduler, prompts: list[list[int]], max_new: int, *,
                      reserve: bool = True) -> tuple[list[str], list[list[int]], list[CaptureHint]]:
@@ -487,15 +518,18 @@ def test_an_engine_actor_prewarms_its_batches_in_flight_while_the_engine_starts(
     assert _prewarm_capture(object(), {"batch_size": 8, "batches_in_flight": 3}, {}) is None  # no recording engine
 
 
-def test_a_batch_with_early_answers_is_written_to_shards_without_losing_a_byte(tmp_path) -> None:
+def test_a_batch_with_early_answers_is_written_to_shards_without_losing_a_byte(tmp_path, monkeypatch) -> None:
     """Early answers leave gaps in the batch's memory, so its hidden-state columns are chunked (one chunk per run):
     the engine stage's table goes through the shard writer and reads back byte for byte."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     from eaglenest.contracts.shards import shard_files, tensor_to_buffer
+    from eaglenest.regen import stage
     from eaglenest.regen.regenerate import Regenerated, Sample
     from eaglenest.regen.stage import ShardDatasink, results_table
+
+    monkeypatch.setattr(stage, "MIN_RUN_BYTES", 1)  # the toy's rows are a few bytes wide: chunk them all the same
 
     model, sched, rec = setup(tmp_path / "sink")
     g = torch.Generator().manual_seed(3)

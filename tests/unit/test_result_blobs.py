@@ -48,7 +48,7 @@ def test_blobs_out_of_order_or_from_bytes_are_copied_once_into_one_buffer() -> N
 def test_runs_broken_by_early_answers_become_chunks_without_a_copy() -> None:
     """Each sequence sits in room for its longest answer: one that ended early leaves a gap, so the column is a few
     runs of consecutive memory, each taken as it is."""
-    slab = torch.randn(40, 4).to(torch.bfloat16)
+    slab = torch.randn(40, 4096).to(torch.bfloat16)  # rows of a real width: runs of ~100 KB
     spans = [(0, 2), (2, 4), (4, 5), (6, 8), (8, 10), (10, 12), (12, 14), (14, 16), (16, 18), (18, 20), (20, 22),
              (22, 24), (24, 26), (26, 28), (28, 30), (30, 32)]  # (4, 5) ended one row early
     blobs = [tensor_to_buffer(slab[a:b], "bfloat16") for a, b in spans]
@@ -60,4 +60,16 @@ def test_runs_broken_by_early_answers_become_chunks_without_a_copy() -> None:
     table = pa.table({"aux_hidden_states": col})
     assert pickle.loads(pickle.dumps(table)).equals(table)  # what the object store does with it
     scattered = [tensor_to_buffer(slab[a:a + 1], "bfloat16") for a in range(0, 16, 2)]  # a gap after every blob
-    assert not isinstance(blob_column(scattered), pa.ChunkedArray)  # too many runs: one copy instead
+    assert not isinstance(blob_column(scattered), pa.ChunkedArray)  # small runs: one copy instead
+
+
+def test_a_batch_whose_answers_all_ended_early_is_still_not_copied() -> None:
+    """Real chats mostly end before the token limit: then every sequence is a run of its own, and copying the batch's
+    states (gigabytes) would cost far more than a chunk per sequence."""
+    width = 3 * 4096
+    slab = torch.randn(8 * 12, width).to(torch.bfloat16)  # 8 sequences, each in room for 12 rows, each used 10
+    blobs = [tensor_to_buffer(slab[12 * k:12 * k + 10], "bfloat16") for k in range(8)]
+    col = blob_column(blobs)
+    assert isinstance(col, pa.ChunkedArray) and col.num_chunks == 8
+    assert [c.buffers()[2].address for c in col.chunks] == [slab[12 * k].data_ptr() for k in range(8)]
+    assert col.to_pylist() == [bytes(b) for b in blobs]
