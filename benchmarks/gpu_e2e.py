@@ -354,6 +354,13 @@ def _regen_job(job_id: str, config: Path) -> tuple[subprocess.CompletedProcess, 
     return res, logs
 
 
+def ray_data_progress(logs: str) -> list[str]:
+    """Ray Data's own progress lines in a job's logs, and regen's: not every line an actor of the pool prints (those
+    carry the pool's ``MapBatches`` name too, SGLang's scheduler lines among them)."""
+    marks = ("logging_progress.py", "streaming_executor.py", "Running Dataset", "regen progress")
+    return [ln for ln in logs.splitlines() if any(m in ln for m in marks)]
+
+
 def step_regen() -> dict[str, Any]:
     t0 = time.time()
     res, logs = _regen_job("e2e-regen", REGEN_CONFIG)
@@ -365,8 +372,7 @@ def step_regen() -> dict[str, Any]:
     wall = time.time() - t0
     manifest = json.loads((REGEN_OUT / "manifest.json").read_text()) if (REGEN_OUT / "manifest.json").is_file() else {}
     run = manifest.get("last_run", {}) if manifest else {}
-    progress = [ln for ln in logs.splitlines() if "Running Dataset" in ln or "regen progress" in ln
-                or "MapBatches" in ln or "ShardDatasink" in ln]
+    progress = ray_data_progress(logs)
     offline = load("offline_ref").get("tokens_per_s")
     steady = (run.get("steady") or {}).get("tokens_per_second")
     whole = (run.get("whole_run") or {}).get("tokens_per_second")
