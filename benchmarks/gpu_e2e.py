@@ -184,7 +184,8 @@ def write_configs() -> dict[str, Any]:
     sglang = {"mem_fraction_static": 0.55, "context_length": 2048, "capture_mem_fraction_static": 0.5,
               "capture_max_tokens": 32768, "capture": CAPTURE,
               "concurrent_generate": os.environ.get("E2E_CONCURRENT_GENERATE", "1") == "1",
-              "capture_writers": int(os.environ.get("E2E_CAPTURE_WRITERS", "3"))}
+              "capture_writers": int(os.environ.get("E2E_CAPTURE_WRITERS", "1")),
+              "capture_ring_gib": float(os.environ.get("E2E_CAPTURE_RING_GIB", "4"))}
     cfg = {
         "target": {"model": str(MODEL), "engine": "sglang" if gpu() else "hf", "device": "cuda" if gpu() else "cpu",
                    "dtype": "bfloat16" if gpu() else "float32", **({"sglang": sglang} if gpu() else {})},
@@ -232,7 +233,9 @@ def write_configs() -> dict[str, Any]:
         cfg["target"]["sglang"] = {**sglang, "mem_fraction_static": REGEN_MEM_FRACTION, "capture_host_gib": 48,
                                    "extra_args": SCHEDULER_LOG}
     REGEN_CONFIG.write_text(yaml.safe_dump(cfg, sort_keys=False))
-    cfg["target"]["sglang"] = {**cfg["target"].get("sglang", {}), "capture_host_gib": 0.001}
+    # the fallback: the proven paths (states placed after generation, through chunk files, three writers)
+    cfg["target"]["sglang"] = {**cfg["target"].get("sglang", {}), "capture_host_gib": 0.001, "capture_ring_gib": 0,
+                               "capture_writers": 3}
     REGEN_FALLBACK_CONFIG.write_text(yaml.safe_dump(cfg, sort_keys=False))
     return {"config": str(CONFIG), "regen_config": str(REGEN_CONFIG), "max_new_tokens": MAX_NEW_TOKENS,
             "regen_batch": REGEN_BATCH, "regen_in_flight": REGEN_IN_FLIGHT,

@@ -110,6 +110,8 @@ if [ "$MODE" = gpu ]; then
   # shellcheck disable=SC1091
   source .gpu/bin/install.sh
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  # the host the scheduler's bookkeeping shares with recording: its CPU, and the shared memory the ring lives in
+  echo "cpu: $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs); /dev/shm: $(df -h --output=size,avail /dev/shm | tail -1 | xargs)"
   python3 -c "import sys, torch, sglang, transformers; print('python', sys.version.split()[0], 'torch', torch.__version__, 'sglang', sglang.__version__, 'transformers', transformers.__version__)"
 fi
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1

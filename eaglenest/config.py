@@ -74,8 +74,13 @@ class SGLangEngineConfig(Section):
         "flight, placed as they are recorded and touched while the engine starts (a batch beyond it is placed after "
         "its generation, more slowly)")
     capture_writers: int = Field(
-        3, ge=1, le=8, description="capture: generation: threads in SGLang's scheduler writing recorded states to the "
-        "actor (one fell behind a prompt burst's prefill; more share the scheduler's GIL with its decode loop)")
+        1, ge=1, le=8, description="capture: generation: threads in SGLang's scheduler passing recorded states to the "
+        "actor (with the ring one starts DMA copies and writes a small file per forward; each shares the scheduler's "
+        "GIL and host; without the ring, writing whole chunk files, one fell behind a prompt burst's prefill)")
+    capture_ring_gib: float = Field(
+        4, ge=0, description="capture: generation: shared memory between SGLang's scheduler and the actor that "
+        "recorded states reach by DMA (pinned in the scheduler; states of the forwards in flight to the reader); 0: "
+        "each forward's states go through a chunk file instead")
     concurrent_generate: bool = Field(
         True, description="regen: the batches an engine actor has in flight (regen.batches_in_flight) go to SGLang "
         "together through its asyncio loop, so their requests decode in one running batch; false: one synchronous "

@@ -34,6 +34,7 @@ import torch
 
 from eaglenest.contracts.states import unread_state_positions
 from eaglenest.engines.base import Capture
+from eaglenest.engines.capture_ring import RingView, create_ring
 from eaglenest.engines.host_buffers import HostBufferPool
 from eaglenest.engines.sglang_hooks import ALIGN, ERROR_FILE, chunk_name
 
@@ -77,7 +78,11 @@ class ReaderStats:
         if self.scheduler:
             c = self.scheduler
             line += (f"; scheduler so far: {c.get('hooks_s', 0.0):.2f} s in the hooks, {c.get('blocked_s', 0.0):.2f} s "
-                     f"of it waiting for a writer, writers pinning memory {c.get('pinning_s', 0.0):.2f} s")
+                     f"of it waiting for a writer or the ring, writers pinning memory {c.get('pinning_s', 0.0):.2f} s")
+            if "ring_pinned" in c:
+                line += (f"; ring {'pinned' if c['ring_pinned'] else 'NOT pinned (synchronous copies)'}, set up in "
+                         f"{c.get('ring_setup_s', 0.0):.2f} s, {int(c.get('ring_fallbacks', 0))} forwards through "
+                         f"chunk files instead")
         return line
 
 
@@ -91,11 +96,12 @@ class Chunk:
     states: torch.Tensor  # [rows, width]
     forward_at: float | None = None  # when its forward recorded it (wall clock), if the writer said
     scheduler: dict[str, float] | None = None  # recording's cost to the scheduler up to that forward, if it said
+    ring_end: int | None = None  # its states are a view of the ring: hand the space back (up to here) once done
 
 
-def read_chunk(path: Path) -> Chunk:
+def read_chunk(path: Path, ring: RingView | None = None) -> Chunk:
     """One chunk file, mapped rather than read (on /dev/shm the states are never copied; the mapping outlives the
-    file's deletion and goes when the tensors do)."""
+    file's deletion and goes when the tensors do); states the writer put in the ring are a view of it."""
     size = path.stat().st_size
     raw = torch.from_file(str(path), shared=False, size=size, dtype=torch.uint8)
     (hlen,) = struct.unpack("<Q", raw[:8].numpy().tobytes())
@@ -104,10 +110,17 @@ def read_chunk(path: Path) -> Chunk:
     off = 8 + hlen
     ids = raw[off:off + 4 * rows].view(torch.int32).long()
     positions = raw[off + 4 * rows:off + 8 * rows].view(torch.int32).long()
-    off += 8 * rows + (-(8 * rows) % ALIGN)
-    states = raw[off:off + rows * width * dtype.itemsize].view(dtype).view(rows, width)
+    nbytes = rows * width * dtype.itemsize
+    region = head.get("ring")
+    if region is not None:
+        if ring is None:
+            raise CaptureSinkError(f"chunk {path.name} has its states in a ring this sink does not have")
+        states = ring.region(int(region[0]), nbytes).view(dtype).view(rows, width)
+    else:
+        off += 8 * rows + (-(8 * rows) % ALIGN)
+        states = raw[off:off + nbytes].view(dtype).view(rows, width)
     return Chunk(list(zip(head["rids"], head["counts"], strict=True)), positions, ids, states, head.get("forward_at"),
-                 head.get("scheduler"))
+                 head.get("scheduler"), int(region[1]) if region is not None else None)
 
 
 def _zero_rows(rows: torch.Tensor, *tensors: torch.Tensor) -> None:
@@ -133,9 +146,15 @@ class CaptureSink:
     """Reads chunk files from ``folder`` in sequence order and keeps each request's rows until they are used."""
 
     def __init__(self, folder: str | Path, *, hidden_size: int, n_aux: int = 3, poll_s: float = 0.02,
-                 dtype: torch.dtype = torch.bfloat16, reserve_max_bytes: int = RESERVE_MAX_BYTES) -> None:
+                 dtype: torch.dtype = torch.bfloat16, reserve_max_bytes: int = RESERVE_MAX_BYTES,
+                 ring_bytes: int = 0) -> None:
         self.folder = Path(folder)
         self.folder.mkdir(parents=True, exist_ok=True)
+        self.ring: RingView | None = None
+        """where the scheduler puts recorded states (``capture_ring``); created here, before the engine starts"""
+        if ring_bytes > 0:
+            create_ring(self.folder, ring_bytes)
+            self.ring = RingView(self.folder, populate=True)
         self.hidden_size = hidden_size
         self.width = (n_aux + 1) * hidden_size
         self.poll_s = poll_s
@@ -259,7 +278,7 @@ class CaptureSink:
             stat = path.stat()
         except FileNotFoundError:
             return False
-        chunk = read_chunk(path)
+        chunk = read_chunk(path, self.ring)
         idx = []
         placed: list[tuple[int, str, int]] = []  # (run, rid, rows) of reserved requests
         kept: list[tuple[str, int]] = []  # (rid, rows) of the others: their rows stay in the chunk
@@ -283,6 +302,10 @@ class CaptureSink:
         owner = torch.repeat_interleave(torch.tensor(idx, dtype=torch.long), counts) if live else None
         # the copy, outside ``_lock``: the slabs stay alive while referenced here, even if their batch is released
         overflow = self._place(chunk, counts, placed, slots) if placed else {}
+        if chunk.ring_end is not None:  # rows kept for later leave the ring before its space is handed back
+            if live:
+                chunk.states = chunk.states.clone()
+            self.ring.release(chunk.ring_end)
         with self._lock:  # the rows count as arrived now, for requests not released meanwhile
             for _, rid, rows in placed:
                 if rid in self._slots:
@@ -300,7 +323,8 @@ class CaptureSink:
             done = time.time()
             st = self._stats
             st.chunks += 1
-            st.bytes += stat.st_size
+            st.bytes += stat.st_size + (chunk.states.numel() * chunk.states.element_size()
+                                        if chunk.ring_end is not None else 0)
             st.placing_s += done - t_read
             st.lag_sum_s += max(t_read - stat.st_mtime, 0.0)
             st.lag_max_s = max(st.lag_max_s, t_read - stat.st_mtime)

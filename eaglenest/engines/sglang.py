@@ -129,7 +129,8 @@ class SGLangEngine(TargetEngine):
                                                hidden_size=self.info.hidden_size,
                                                dtype="bfloat16" if self.dtype == "auto" else self.dtype,
                                                reserve_max_bytes=int(self.engine_cfg.capture_host_gib * 2**30),
-                                               writers=self.engine_cfg.capture_writers)
+                                               writers=self.engine_cfg.capture_writers,
+                                               ring_bytes=int(self.engine_cfg.capture_ring_gib * 2**30))
             kwargs = generation_capture_kwargs(kwargs, self.recorder.hooks)
         self.engine_kwargs = kwargs
         self._engine: Any = None

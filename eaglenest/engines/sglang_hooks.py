@@ -9,15 +9,18 @@ scheduler process and attaches it to ``model.layers.{k-1}`` (whose output ``hidd
 entering physical layer ``k``) and to ``model.norm`` (the final normed state). Rows are attributed through the
 forward batch's own ``rids``, ``positions`` and ``input_ids``, so nothing depends on scheduling order.
 
-Every forward's rows go GPU -> host on one of a few writer threads and into one chunk file in the sink folder (written
-under a temporary name, then renamed; the reader takes them in forward order whatever order they land in);
-``eaglenest.engines.capture_sink`` reads them in the engine actor. Hooks do not fire
+Every forward's rows go GPU -> host on a writer thread: the states by DMA into a ring of shared memory
+(``eaglenest.engines.capture_ring``, registered as pinned memory here) where the sink has one, else into the chunk
+file; the chunk file (header, ids, positions) is written under a temporary name, then renamed, and the reader takes
+chunks in forward order whatever order they land in. ``eaglenest.engines.capture_sink`` reads them in the engine
+actor. Hooks do not fire
 inside CUDA-graph replays and a radix-cache hit would skip prompt rows, so the engine that carries these hooks runs
 with CUDA graphs and the radix cache off (``sglang_args.generation_capture_kwargs``).
 
 Chunk file layout (little endian): ``u64`` header length, a JSON header (``rids``, ``counts`` per rid in row order,
-``rows``, ``width``, ``dtype``), then ``rows`` int32 input ids, ``rows`` int32 positions, and ``rows x width`` states
-(the aux streams in the configured order, then the final normed state). A hook failure is written to ``error.txt``
+``rows``, ``width``, ``dtype``, and ``ring``: ``[start, end]`` when the states are in the ring), then ``rows`` int32
+input ids, ``rows`` int32 positions, and, without a ring region, ``rows x width`` states (the aux streams in the
+configured order, then the final normed state). A hook failure is written to ``error.txt``
 in the sink and recording stops; the scheduler keeps serving.
 """
 
@@ -35,30 +38,35 @@ from typing import Any
 
 import torch
 
+from eaglenest.engines.capture_ring import RingView, RingWriter, ring_exists
+
 HOOK_FACTORY = "eaglenest.engines.sglang_hooks:capture_hook"
 ERROR_FILE = "error.txt"
 CHUNK_SUFFIX = ".chunk"
 QUEUE_DEPTH = 16
 """Forwards whose states may wait on the GPU for a writer thread (the hook blocks beyond that: back-pressure)."""
-WRITERS = 3
-"""Writer threads by default (``target.sglang.capture_writers``): one thread writing ~1 GB/s of chunk files into tmpfs
-is near its limit, so a burst (the prompts' prefill chunks) left a backlog that lasted to the end of generation;
-writes of separate files scale with threads. Each also takes the scheduler's GIL now and then."""
+WRITERS = 1
+"""Writer threads by default (``target.sglang.capture_writers``). With the ring a writer only starts DMA copies and
+writes a small file per forward, so one keeps up; each writer shares the scheduler's GIL and host. (Writing whole
+chunk files, one thread managed ~1 GB/s into tmpfs and fell behind the prompts' prefill: three did not.)"""
+RING_WAIT_S = 30.0
+"""How long a forward waits for room in the ring (a reader that fell behind) before its states go in its chunk file."""
 
 
 def hook_specs(sink: str | Path, physical_ids: list[int], dtype: str = "bfloat16",
-               writers: int = WRITERS, staging_bytes: int = 0) -> list[dict[str, Any]]:
+               writers: int = WRITERS, staging_bytes: int = 0, ring: bool = False) -> list[dict[str, Any]]:
     """SGLang ``forward_hooks`` entries recording the streams entering ``physical_ids`` and the final normed state.
 
     Physical id ``k`` is ``output_hidden_states[k]`` in transformers' numbering: the output of decoder layer ``k-1``,
     so ``k >= 1`` (the embeddings, ``k = 0``, have no layer whose output is them; use prefill capture for that).
-    ``staging_bytes``: pinned host memory each writer allocates when the engine starts (see :func:`staging_size`).
+    ``staging_bytes``: pinned host memory each writer allocates when the engine starts (see :func:`staging_size`);
+    ``ring``: the sink folder has a ring (``capture_ring.create_ring``) for the states.
     """
     if any(k < 1 for k in physical_ids):
         raise ValueError(f"capture during generation needs physical aux ids >= 1 (got {physical_ids}); "
                          f"use target.sglang.capture: prefill for layer 0 (the embeddings)")
     common = {"sink": str(sink), "n_aux": len(physical_ids), "dtype": dtype, "writers": int(writers),
-              "staging_bytes": int(staging_bytes)}
+              "staging_bytes": int(staging_bytes), "ring": bool(ring)}
     specs = [{"name": f"eaglenest-capture-aux{slot}", "target_modules": [f"model.layers.{k - 1}"],
               "hook_factory": HOOK_FACTORY, "config": {**common, "role": "aux", "slot": slot}}
              for slot, k in enumerate(physical_ids)]
@@ -92,13 +100,15 @@ ALIGN = 64
 
 def write_chunk(folder: Path, seq: int, rids: list[str], counts: list[int], ids: torch.Tensor,
                 positions: torch.Tensor, states: torch.Tensor, forward_at: float | None = None,
-                scheduler: dict[str, float] | None = None) -> None:
+                scheduler: dict[str, float] | None = None, ring: tuple[int, int] | None = None) -> None:
     """One forward's rows as a chunk file (CPU tensors), made visible atomically by a rename. ``forward_at``: when
     the forward recorded them (wall clock), so the reader can tell a writer's lag from its own; ``scheduler``: what
-    recording has cost the scheduler so far (seconds, cumulative; see :class:`_Recorder`)."""
+    recording has cost the scheduler so far (seconds, cumulative; see :class:`_Recorder`); ``ring``: the states are
+    already in the ring at ``[start, end]`` (only their shape and dtype are read from ``states`` then)."""
     header = json.dumps({"rids": rids, "counts": counts, "rows": int(states.shape[0]),
                          "width": int(states.shape[1]), "dtype": str(states.dtype).removeprefix("torch."),
-                         "forward_at": forward_at, "scheduler": scheduler}).encode()
+                         "forward_at": forward_at, "scheduler": scheduler,
+                         "ring": list(ring) if ring is not None else None}).encode()
     header += b" " * (-(8 + len(header)) % ALIGN)
     tmp = folder / f".{seq:012d}.tmp"
     with open(tmp, "wb") as f:
@@ -106,8 +116,9 @@ def write_chunk(folder: Path, seq: int, rids: list[str], counts: list[int], ids:
         f.write(header)
         f.write(ids.to(torch.int32).contiguous().numpy().tobytes())
         f.write(positions.to(torch.int32).contiguous().numpy().tobytes())
-        f.write(b"\0" * (-(8 * states.shape[0]) % ALIGN))
-        f.write(states.contiguous().view(torch.uint8).numpy())
+        if ring is None:
+            f.write(b"\0" * (-(8 * states.shape[0]) % ALIGN))
+            f.write(states.contiguous().view(torch.uint8).numpy())
     os.replace(tmp, folder / chunk_name(seq))
 
 
@@ -143,9 +154,22 @@ class _Recorder:
     on the forward thread inside the hooks, ``blocked_s`` of it waiting for a writer (a full queue), ``pinning_s``
     the writers spent allocating pinned memory (that call can hold up the launches of the forward thread)."""
 
-    def __init__(self, sink: str, n_aux: int, dtype: str, writers: int = WRITERS, staging_bytes: int = 0) -> None:
+    def __init__(self, sink: str, n_aux: int, dtype: str, writers: int = WRITERS, staging_bytes: int = 0,
+                 ring: bool = False) -> None:
         self.folder = Path(sink)
         self.folder.mkdir(parents=True, exist_ok=True)
+        self.ring: RingWriter | None = None
+        self.ring_setup_s = 0.0
+        if ring and ring_exists(self.folder):
+            t0 = time.perf_counter()
+            try:
+                view = RingView(self.folder, populate=True)
+                view.pin()
+                self.ring = RingWriter(view, timeout_s=RING_WAIT_S)
+            except Exception:  # noqa: BLE001 - chunk files carry the states instead; the engine must start
+                (self.folder / "ring-error.txt").write_text(traceback.format_exc())
+            self.ring_setup_s = time.perf_counter() - t0
+        self.ring_fallbacks = 0  # forwards whose states went in their chunk file: too large, or no room in time
         self.n_aux = n_aux
         self.dtype = getattr(torch, dtype)
         self.pending: dict[int, torch.Tensor] = {}
@@ -190,9 +214,14 @@ class _Recorder:
         self.hooks_s += time.perf_counter() - t0
 
     def costs(self) -> dict[str, float]:
-        """What recording has cost the scheduler so far (seconds)."""
-        return {"hooks_s": round(self.hooks_s, 4), "blocked_s": round(self.blocked_s, 4),
-                "pinning_s": round(sum(self.pinning_s), 4)}
+        """What recording has cost the scheduler so far (seconds; ``ring_pinned``: 1 when the ring is pinned)."""
+        out = {"hooks_s": round(self.hooks_s, 4), "blocked_s": round(self.blocked_s, 4),
+               "pinning_s": round(sum(self.pinning_s), 4)}
+        if self.ring is not None:
+            out["ring_setup_s"] = round(self.ring_setup_s, 3)
+            out["ring_pinned"] = float(self.ring.view.pinned)
+            out["ring_fallbacks"] = float(self.ring_fallbacks)
+        return out
 
     def _final(self, output: Any) -> None:
         pending, self.pending = self.pending, {}
@@ -211,7 +240,15 @@ class _Recorder:
         event = torch.cuda.Event() if states.is_cuda else None
         if event is not None:
             event.record()
-        item = (self.seq, layout, ids, positions, states, event, time.time(), self.costs())
+        region = None
+        if self.ring is not None:  # in forward order, here: the reader hands space back in that order
+            t0 = time.perf_counter()
+            region = self.ring.allocate(states.numel() * states.element_size())
+            waited = time.perf_counter() - t0
+            if waited > 0.001:
+                self.blocked_s += waited
+            self.ring_fallbacks += region is None
+        item = (self.seq, layout, ids, positions, states, event, time.time(), self.costs(), region)
         try:
             self.queue.put_nowait(item)
         except queue.Full:  # back-pressure: the forward thread waits for a writer
@@ -240,22 +277,27 @@ class _Recorder:
             item = self.queue.get()
             if item is None:
                 return
-            seq, (rids, counts), ids, positions, states, event, forward_at, costs = item
+            seq, (rids, counts), ids, positions, states, event, forward_at, costs, region = item
             try:
+                nbytes = states.numel() * states.element_size()
+                in_ring = (self.ring.view.region(region[0], nbytes).view(states.dtype).view(states.shape)
+                           if region is not None and self.ring is not None else None)
                 if event is None:
                     host_ids, host_pos, host = ids, positions, states
+                    if in_ring is not None:
+                        in_ring.copy_(states)
                 else:
                     event.synchronize()
                     if copy_stream is None:
                         copy_stream = torch.cuda.Stream(device=states.device)
-                    nbytes = states.numel() * states.element_size()
-                    need = nbytes + 8 * ids.numel()
+                    staged = 0 if in_ring is not None else nbytes  # with a ring region, only ids and positions
+                    need = staged + 8 * ids.numel()
                     if staging is None or staging.numel() < need:
                         staging = None  # back to torch's pinned cache before the larger one is allocated
                         staging = self._pinned(writer, _pow2(max(need, 64 << 20)))
-                    host = staging[:nbytes].view(states.dtype).view(states.shape)
-                    host_ids = staging[nbytes:nbytes + 4 * ids.numel()].view(torch.int32)
-                    host_pos = staging[nbytes + 4 * ids.numel():need].view(torch.int32)
+                    host = in_ring if in_ring is not None else staging[:nbytes].view(states.dtype).view(states.shape)
+                    host_ids = staging[staged:staged + 4 * ids.numel()].view(torch.int32)
+                    host_pos = staging[staged + 4 * ids.numel():need].view(torch.int32)
                     # every copy on this thread's own stream: a plain .cpu() of the ids would queue behind the forward
                     # running on the compute stream, so the writer would manage one chunk per forward, never a backlog
                     with torch.cuda.stream(copy_stream):
@@ -263,7 +305,8 @@ class _Recorder:
                         host_ids.copy_(ids, non_blocking=True)
                         host_pos.copy_(positions, non_blocking=True)
                         copy_stream.synchronize()
-                write_chunk(self.folder, seq, rids, counts, host_ids, host_pos, host, forward_at, costs)
+                write_chunk(self.folder, seq, rids, counts, host_ids, host_pos, host, forward_at, costs,
+                            ring=region if in_ring is not None else None)
             except Exception:  # noqa: BLE001
                 self.fail("writer")
             del states, ids, positions
@@ -279,7 +322,7 @@ def _recorder(cfg: dict[str, Any]) -> _Recorder:
         if rec is None:
             rec = _RECORDERS[cfg["sink"]] = _Recorder(cfg["sink"], int(cfg["n_aux"]), cfg.get("dtype", "bfloat16"),
                                                       int(cfg.get("writers", WRITERS)),
-                                                      int(cfg.get("staging_bytes", 0)))
+                                                      int(cfg.get("staging_bytes", 0)), bool(cfg.get("ring", False)))
         return rec
 
 

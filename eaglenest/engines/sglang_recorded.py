@@ -45,13 +45,19 @@ class GenerationRecorder:
     """Request ids and expected row counts of one engine's generations, and the sink that receives their rows."""
 
     def __init__(self, folder: str | None, aux_layer_ids: Sequence[int], *, hidden_size: int,
-                 dtype: str = "bfloat16", reserve_max_bytes: int = RESERVE_MAX_BYTES, writers: int = WRITERS) -> None:
+                 dtype: str = "bfloat16", reserve_max_bytes: int = RESERVE_MAX_BYTES, writers: int = WRITERS,
+                 ring_bytes: int = 0) -> None:
         self.folder = capture_folder(folder)
-        width = hidden_size * (len(aux_layer_ids) + 1)
-        self.hooks = hook_specs(self.folder, list(aux_layer_ids), dtype, writers,
-                                staging_size(STAGING_ROWS, width, getattr(torch, dtype).itemsize))
+        # the sink (and its ring, when ``ring_bytes``) exists before the hooks: the scheduler maps the ring at start
         self.sink = CaptureSink(self.folder, hidden_size=hidden_size, n_aux=len(aux_layer_ids),
-                                dtype=getattr(torch, dtype), reserve_max_bytes=reserve_max_bytes)
+                                dtype=getattr(torch, dtype), reserve_max_bytes=reserve_max_bytes,
+                                ring_bytes=ring_bytes)
+        # each writer's pinned staging, for a prefill chunk's states (or only its ids and positions, with a ring)
+        width = hidden_size * (len(aux_layer_ids) + 1) if ring_bytes <= 0 else 0
+        self.hooks = hook_specs(self.folder, list(aux_layer_ids), dtype, writers,
+                                staging_size(STAGING_ROWS, width, getattr(torch, dtype).itemsize), ring=ring_bytes > 0)
+        ring = f"a ring of {ring_bytes / 2**30:.2f} GiB" if ring_bytes > 0 else "no ring (states in chunk files)"
+        print(f"[eaglenest capture] recording into {self.folder}, {ring}, {writers} writer thread(s)", flush=True)
         self.counts: Counter[str] = Counter()
         """samples served from generation recordings ("generation") and by a one-token prefill ("prefill")"""
         self.fallback_reasons: list[str] = []

@@ -20,20 +20,28 @@ from eaglenest.engines.capture_sink import CaptureSinkError
 from eaglenest.engines.sglang_hooks import ERROR_FILE, hook_specs
 from eaglenest.engines.sglang_recorded import GenerationRecorder
 
+ROW_BYTES = 4 * H * 4  # three aux streams and the final state, float32
+SMALL_RING = 24 * ROW_BYTES
+"""A ring that the toy's larger forwards (up to 16 rows) nearly fill: wrapping and waiting for the reader happen."""
 
-def setup(tmp_path, writers: int = 3) -> tuple[Model, Scheduler, GenerationRecorder]:
+
+def setup(tmp_path, writers: int = 3, ring_bytes: int = 0) -> tuple[Model, Scheduler, GenerationRecorder]:
     model = Model()
-    rec = GenerationRecorder(str(tmp_path), AUX, hidden_size=H, dtype="float32", writers=writers)
+    rec = GenerationRecorder(str(tmp_path), AUX, hidden_size=H, dtype="float32", writers=writers,
+                             ring_bytes=ring_bytes)
     attach(model, rec.hooks)
     rec.sink.start()
     return model, Scheduler(model), rec
 
 
-@pytest.mark.parametrize("reserve,writers", [(False, 3), (True, 3), (True, 1)],
-                         ids=["placed-at-capture", "placed-on-arrival", "placed-on-arrival-one-writer"])
+@pytest.mark.parametrize("reserve,writers,ring_bytes",
+                         [(False, 3, 0), (True, 3, 0), (True, 1, 0), (False, 1, SMALL_RING), (True, 1, SMALL_RING),
+                          (True, 3, SMALL_RING), (True, 1, 1 << 20)],
+                         ids=["placed-at-capture", "placed-on-arrival", "placed-on-arrival-one-writer",
+                              "ring-placed-at-capture", "ring-placed-on-arrival", "ring-three-writers", "ring-roomy"])
 def test_states_recorded_while_generating_equal_a_teacher_forced_forward(tmp_path, reserve: bool,
-                                                                         writers: int) -> None:
-    model, sched, rec = setup(tmp_path, writers)
+                                                                         writers: int, ring_bytes: int) -> None:
+    model, sched, rec = setup(tmp_path, writers, ring_bytes)
     from eaglenest.engines.sglang_hooks import _RECORDERS
 
     assert len(_RECORDERS[str(rec.folder)].threads) == writers
@@ -66,6 +74,13 @@ def test_states_recorded_while_generating_equal_a_teacher_forced_forward(tmp_pat
         # stored as they are: no reshuffling copy before the shard bytes
         assert cap.aux_hidden_states.is_contiguous() and cap.last_hidden_state.is_contiguous()
     assert rec.sink.rows(rids[0]) == 0  # the batch is consumed
+    recorder = _RECORDERS[str(rec.folder)]
+    if ring_bytes:  # every forward's states went through the ring, which the small one wrapped around
+        assert recorder.ring is not None and recorder.ring_fallbacks == 0
+        assert recorder.ring.produced > ring_bytes or ring_bytes > SMALL_RING
+        assert not list(rec.folder.glob("*.chunk"))
+    else:
+        assert recorder.ring is None
     rec.close()
 
 
@@ -146,8 +161,11 @@ def test_generation_capture_launch_kwargs_and_guards() -> None:
     from eaglenest.engines.sglang_args import check_generation_capture, engine_kwargs, generation_capture_kwargs
 
     hooks = hook_specs("/tmp/x", [2, 4, 5])
-    assert {h["config"]["writers"] for h in hooks} == {SGLangEngineConfig().capture_writers} == {3}
-    assert {h["config"]["writers"] for h in hook_specs("/tmp/x", [2, 4, 5], writers=1)} == {1}
+    assert {h["config"]["writers"] for h in hooks} == {SGLangEngineConfig().capture_writers} == {1}
+    assert {h["config"]["writers"] for h in hook_specs("/tmp/x", [2, 4, 5], writers=3)} == {3}
+    assert {h["config"]["ring"] for h in hooks} == {False}  # the engine asks for the ring (4 GiB by default)
+    assert SGLangEngineConfig().capture_ring_gib == 4
+    assert {h["config"]["ring"] for h in hook_specs("/tmp/x", [2, 4, 5], ring=True)} == {True}
     with pytest.raises(ValueError, match="capture_writers"):
         SGLangEngineConfig(capture_writers=0)
     kw = generation_capture_kwargs(engine_kwargs("m", SGLangEngineConfig()), hooks)
@@ -181,14 +199,17 @@ def test_run_generate_names_requests_and_keeps_completion_counts() -> None:
     assert "rid" not in seen  # without rids, sglang names requests itself, as before
 
 
-@pytest.mark.parametrize("reserve", [False, True], ids=["placed-at-capture", "placed-on-arrival"])
-def test_two_batches_in_flight_keep_each_others_rows(tmp_path, reserve: bool) -> None:
+@pytest.mark.parametrize("reserve,ring_bytes", [(False, 0), (True, 0), (False, SMALL_RING), (True, SMALL_RING)],
+                         ids=["placed-at-capture", "placed-on-arrival", "ring-placed-at-capture",
+                              "ring-placed-on-arrival"])
+def test_two_batches_in_flight_keep_each_others_rows(tmp_path, reserve: bool, ring_bytes: int) -> None:
     """regen.batches_in_flight = 2: two threads (one per batch, as Ray Data runs an actor call) each generate a batch
     of two turns, then capture; a capture drops only its own thread's requests (earlier turns included), so the other
-    batch still assembles, and nothing is left once both are done."""
+    batch still assembles, and nothing is left once both are done. With a small ring, rows kept for later must leave
+    it before their space is reused."""
     import threading
 
-    model, sched, rec = setup(tmp_path)
+    model, sched, rec = setup(tmp_path, ring_bytes=ring_bytes)
     batches = {"a": [[3, 4, 5, 6, 7], [8, 9, 10]], "b": [[11, 12, 13, 14], [15, 16, 17, 18, 19, 20]]}
     go = {k: threading.Event() for k in ("a-gen", "b-gen", "a-cap", "b-cap")}
     done = {k: threading.Event() for k in go}
@@ -357,7 +378,7 @@ def test_the_reader_reports_what_it_read_since_it_was_last_asked(tmp_path) -> No
     sink.take_stats()
     line = sink.take_stats().line()
     assert line.startswith("reader: no chunk since the last batch") and "1.25 s in the hooks" in line
-    assert "0.50 s of it waiting for a writer" in line and "pinning memory 0.12 s" in line
+    assert "0.50 s of it waiting for a writer or the ring" in line and "pinning memory 0.12 s" in line
     sink.close()
 
 
