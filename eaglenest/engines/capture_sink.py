@@ -79,6 +79,9 @@ class ReaderStats:
             c = self.scheduler
             line += (f"; scheduler so far: {c.get('hooks_s', 0.0):.2f} s in the hooks, {c.get('blocked_s', 0.0):.2f} s "
                      f"of it waiting for a writer or the ring, writers pinning memory {c.get('pinning_s', 0.0):.2f} s")
+            if c.get("decode_steps"):
+                line += (f"; decode steps on the scheduler's thread: {c['decode_launch_ms']:.1f} ms launching the "
+                         f"layers, {c['decode_between_ms']:.1f} ms between steps (mean of {int(c['decode_steps'])})")
             if "ring_pinned" in c:
                 line += (f"; ring {'pinned' if c['ring_pinned'] else 'NOT pinned (synchronous copies)'}, set up in "
                          f"{c.get('ring_setup_s', 0.0):.2f} s, {int(c.get('ring_fallbacks', 0))} forwards through "

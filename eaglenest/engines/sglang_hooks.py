@@ -170,6 +170,9 @@ class _Recorder:
                 (self.folder / "ring-error.txt").write_text(traceback.format_exc())
             self.ring_setup_s = time.perf_counter() - t0
         self.ring_fallbacks = 0  # forwards whose states went in their chunk file: too large, or no room in time
+        self._forward_from = 0.0
+        self._last_decode_end: float | None = None
+        self.decode_timing = (0, 0.0, 0.0)  # decode steps timed, seconds launching them, seconds between them
         self.n_aux = n_aux
         self.dtype = getattr(torch, dtype)
         self.pending: dict[int, torch.Tensor] = {}
@@ -196,6 +199,8 @@ class _Recorder:
         if self.failed:
             return
         t0 = time.perf_counter()
+        if slot == 0:
+            self._forward_from = t0
         try:
             hidden, residual = output if isinstance(output, tuple) else (output, None)
             self.pending[slot] = hidden + residual if residual is not None else hidden.clone()
@@ -213,10 +218,31 @@ class _Recorder:
             self.fail("final hook")
         self.hooks_s += time.perf_counter() - t0
 
+    def _time_decode_step(self, fb: Any) -> None:
+        """The scheduler thread's time per decode step, from the hooks' clock: launching the layers from the first aux
+        layer to the final norm, and from one step's final norm to the next one's first aux layer (the scheduler's
+        bookkeeping, and waits for the GPU). A CPU-bound scheduler shows here as steps whose two parts add up to the
+        step time; contention for its CPU or GIL lengthens both."""
+        now = time.perf_counter()
+        if not fb.forward_mode.is_decode():
+            self._last_decode_end = None
+            return
+        n, launch, between = self.decode_timing
+        if self._last_decode_end is not None:
+            between += self._forward_from - self._last_decode_end
+            n += 1
+            launch += now - self._forward_from
+        self.decode_timing = (n, launch, between)
+        self._last_decode_end = now
+
     def costs(self) -> dict[str, float]:
         """What recording has cost the scheduler so far (seconds; ``ring_pinned``: 1 when the ring is pinned)."""
         out = {"hooks_s": round(self.hooks_s, 4), "blocked_s": round(self.blocked_s, 4),
                "pinning_s": round(sum(self.pinning_s), 4)}
+        n, launch, between = self.decode_timing
+        if n:
+            out.update({"decode_steps": float(n), "decode_launch_ms": round(1e3 * launch / n, 2),
+                        "decode_between_ms": round(1e3 * between / n, 2)})
         if self.ring is not None:
             out["ring_setup_s"] = round(self.ring_setup_s, 3)
             out["ring_pinned"] = float(self.ring.view.pinned)
@@ -234,6 +260,7 @@ class _Recorder:
         layout = row_layout(fb, rows)
         if layout is None:
             return
+        self._time_decode_step(fb)
         states = torch.cat([pending[s] for s in range(self.n_aux)] + [normed], dim=-1).to(self.dtype)
         ids = fb.input_ids[:rows].to(torch.int32, copy=True)  # SGLang reuses its buffers: the writer needs its own
         positions = fb.positions[:rows].to(torch.int32, copy=True)
