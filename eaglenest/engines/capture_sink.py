@@ -438,9 +438,12 @@ class CaptureSink:
         must equal the sequence's, and every position training reads must be present. One sort of all recorded rows
         serves the whole batch.
         """
-        with self._lock:
-            reserved = self._from_slabs([(k, *w) for k, w in enumerate(wanted) if w[0] in self._slots])
-            if reserved:
+        with self._lock:  # where each reserved request's rows are; the views and checks are made outside the lock
+            picked = [(k, rid, ids, mask, self._overflow.get(rid), self._slots[rid])
+                      for k, (rid, ids, mask) in enumerate(wanted) if rid in self._slots]
+        reserved = self._from_slabs(picked)
+        if reserved:
+            with self._lock:
                 self.served["on_arrival"] += sum(cap is not None for cap, _ in reserved.values())
         if reserved:
             rest = [k for k in range(len(wanted)) if k not in reserved]
@@ -523,24 +526,25 @@ class CaptureSink:
                 self.served["at_capture"] += len(placed)
         return out
 
-    def _from_slabs(self, items: Sequence[tuple[int, str, Sequence[int], Sequence[int]]]
-                    ) -> dict[int, tuple[Capture | None, str]]:
-        """Reserved requests' sequences, ``(key, rid, ids, loss_mask)`` each: views of their slab rows, checked as
-        :meth:`assemble_many` checks (under the lock). Positions nothing recorded are zeroed (reused memory holds an
-        earlier batch's rows).
+    def _from_slabs(self, items: Sequence[tuple[int, str, Sequence[int], Sequence[int], str | None,
+                                                tuple[Slab, int, int]]]) -> dict[int, tuple[Capture | None, str]]:
+        """Reserved requests' sequences, ``(key, rid, ids, loss_mask, overflow, slot)`` each: views of their slab rows,
+        checked as :meth:`assemble_many` checks. Positions nothing recorded are zeroed (reused memory holds an earlier
+        batch's rows).
 
-        A whole batch costs a handful of tensor calls per slab, not several per sequence: most torch calls release the
-        GIL, and at the end of a regen wave a dozen batch threads and SGLang's output loop want it at once, so every
-        release can wait out a switch interval (a few ms) before the call returns.
+        Outside the sink's lock: the caller's batch owns these slabs (their rows are all in, and the reader only
+        writes other batches' rows meanwhile), so at the end of a regen wave a dozen batches assemble side by side
+        instead of one after another. A whole batch costs a handful of tensor calls per slab, not several per
+        sequence: most torch calls release the GIL, and then a dozen batch threads and SGLang's output loop want it at
+        once, so every release can wait out a switch interval (a few ms) before the call returns.
         """
         out: dict[int, tuple[Capture | None, str]] = {}
         by_slab: dict[int, list[tuple[int, str, Sequence[int], Sequence[int], int, int]]] = defaultdict(list)
         slabs: dict[int, Slab] = {}
-        for key, rid, ids, mask in items:
-            if rid in self._overflow:
-                out[key] = (None, self._overflow[rid])
+        for key, rid, ids, mask, overflow, (slab, off, cap) in items:
+            if overflow is not None:
+                out[key] = (None, overflow)
                 continue
-            slab, off, cap = self._slots[rid]
             slabs[id(slab)] = slab
             by_slab[id(slab)].append((key, rid, ids, mask, off, cap))
         for sid, group in by_slab.items():
