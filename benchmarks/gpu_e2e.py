@@ -165,12 +165,14 @@ _PREFILL_LINE = re.compile(r"Prefill batch[^,]*, #new-seq: (\d+), #new-token: (\
 
 def scheduler_pace(text: str) -> dict[str, Any] | None:
     """SGLang's scheduler lines in a log: prefill forwards, and the decode rate while the running batch was full
-    (within 10% of its largest), which is where regen's recording engine and the offline engine compare directly."""
+    (within 10% of its largest; from the second decode line on, as the first one's interval holds the prompts'
+    prefill), which is where regen's recording engine and the offline engine compare directly."""
     decode = [(int(a), float(b), int(c)) for a, b, c in _DECODE_LINE.findall(text)]
     prefill = [(int(a), int(b)) for a, b in _PREFILL_LINE.findall(text)]
     if not decode and not prefill:
         return None
-    full = [d for d in decode if decode and d[0] >= 0.9 * max(x[0] for x in decode)]
+    steady = decode[1:]  # the first line's interval also holds the prompts' prefill forwards
+    full = [d for d in steady if d[0] >= 0.9 * max(x[0] for x in steady)] if steady else []
     return {"prefill_forwards": len(prefill), "prefill_tokens": sum(t for _, t in prefill),
             "decode_lines": len(decode), "decode_rates": [[n, round(r), q] for n, r, q in decode][:60],
             "full_batch_decode_tokens_per_s": round(sum(r for _, r, _ in full) / len(full), 1) if full else None,
@@ -299,6 +301,63 @@ def step_offline_ref() -> dict[str, Any]:
             "tokens_per_s": round(tokens / secs, 1), "engine_start_seconds": round(start_s, 1),
             "scheduler_pace": pace,
             "note": "engine start and a 64-prompt warm-up excluded; greedy, max_new_tokens as regen"}
+
+
+def step_offline_recording() -> dict[str, Any]:
+    """Optional (``E2E_RECORDING_AB=1``, ~80 s of device time): regen's recording engine (hooks, CUDA graphs and radix
+    cache off, the ring) on the same prompts in one ``Engine.generate`` call, in this process and outside Ray, its rows
+    dropped as they arrive. Next to the offline reference it splits regen's decode floor between the recording engine
+    itself and everything around it in the engine actor (Ray, the reader, the batches' threads)."""
+    if not gpu() or os.environ.get("E2E_RECORDING_AB") != "1":
+        return {"skipped": "set E2E_RECORDING_AB=1 (on the phase1 command) to run it"}
+    from transformers import AutoConfig
+
+    from eaglenest.config import load_config
+    from eaglenest.contracts.layers import default_aux_layer_ids
+    from eaglenest.engines.sglang import sglang_symbol
+    from eaglenest.engines.sglang_args import engine_kwargs, generation_capture_kwargs
+    from eaglenest.engines.sglang_recorded import GenerationRecorder
+
+    cfg = load_config(REGEN_CONFIG)
+    sg = cfg.target.sglang
+    hf = AutoConfig.from_pretrained(str(MODEL))
+    recorder = GenerationRecorder(sg.capture_dir, default_aux_layer_ids(hf.num_hidden_layers),
+                                  hidden_size=hf.hidden_size, writers=sg.capture_writers,
+                                  ring_bytes=int(sg.capture_ring_gib * 2**30))
+    recorder.sink.start()
+    prompts = _train_prompt_ids()
+    kw = generation_capture_kwargs(engine_kwargs(str(MODEL), sg, dtype="bfloat16"), recorder.hooks)
+    runner_log = WORK / "runner.log"
+    eng = sglang_symbol("sglang:Engine")(**kw)
+    try:
+        sp = {"temperature": 0.0, "max_new_tokens": MAX_NEW_TOKENS}
+        warm = recorder.new_rids(64)
+        recorder.sink.discard(warm)  # released up front: the reader drops their rows as they arrive
+        eng.generate(input_ids=prompts[:64], sampling_params=sp, rid=warm)
+        rids = recorder.new_rids(len(prompts))
+        recorder.sink.discard(rids)
+        time.sleep(0.5)
+        log_from = runner_log.stat().st_size if runner_log.is_file() else None
+        t0 = time.perf_counter()
+        outs = eng.generate(input_ids=prompts, sampling_params=sp, rid=rids)
+        secs = time.perf_counter() - t0
+        time.sleep(1.0)
+        pace = None
+        if log_from is not None:
+            with open(runner_log, "rb") as f:
+                f.seek(log_from)
+                pace = scheduler_pace(f.read().decode(errors="replace"))
+    finally:
+        eng.shutdown()
+        line = recorder.sink.take_stats().line()
+        recorder.close()
+    tokens = sum(int(o["meta_info"]["completion_tokens"]) for o in outs)
+    offline = load("offline_ref")
+    return {"prompts": len(prompts), "output_tokens": tokens, "generate_seconds": round(secs, 2),
+            "tokens_per_s": round(tokens / secs, 1),
+            "vs_offline": round(tokens / secs / offline["tokens_per_s"], 3) if offline.get("tokens_per_s") else None,
+            "scheduler_pace": pace, "capture": line,
+            "note": "the recording engine alone: one call, no Ray, rows dropped on arrival; engine start excluded"}
 
 
 def _bench_rows(out: Path) -> dict[str, Any]:
@@ -604,6 +663,7 @@ def step_ray_stop() -> dict[str, Any]:
 
 STEPS: dict[str, Callable[[], dict[str, Any]]] = {
     "standin": step_standin, "configs": step_configs, "offline_ref": step_offline_ref,
+    "offline_recording": step_offline_recording,
     "ray_start": step_ray_start, "regen": step_regen, "train": step_train, "preflight": step_preflight,
     "bench": step_bench, "serve": step_serve, "eagle_forced": step_eagle_forced, "jobs": step_jobs,
     "ray_stop": step_ray_stop,
@@ -665,6 +725,12 @@ def summarize() -> dict[str, Any]:
                          f"({theirs['full_batch_running_reqs']}) = "
                          f"{ours['full_batch_decode_tokens_per_s'] / theirs['full_batch_decode_tokens_per_s']:.3f}x; "
                          f"prefill forwards {ours['prefill_forwards']} vs {theirs['prefill_forwards']}")
+        rec_ab = load("offline_recording")
+        if rec_ab.get("tokens_per_s"):
+            mine = (rec_ab.get("scheduler_pace") or {}).get("full_batch_decode_tokens_per_s")
+            lines.append(f"the recording engine alone (one call, no Ray): {rec_ab['tokens_per_s']} tok/s = "
+                         f"{rec_ab['vs_offline']}x of the offline engine; decode pace with the running batch full "
+                         f"{mine} tok/s; {rec_ab.get('capture')}")
         if regen.get("first_attempt_failed"):
             lines.append(f"regen's first attempt FAILED (the figures above are the fallback's, states placed after "
                          f"generation): {regen['first_attempt_failed']}")

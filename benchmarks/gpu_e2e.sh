@@ -150,7 +150,9 @@ fi
 # shellcheck disable=SC1091
 [ -f "$E2E_WORK/overrides.env" ] && { cat "$E2E_WORK/overrides.env"; source "$E2E_WORK/overrides.env"; }
 # the EAGLE collapse right after preflight: the step an earlier run lost to the device budget, at the end of the list
-for s in configs offline_ref ray_start regen train preflight eagle_forced bench serve jobs; do step "$s"; done
+for s in configs offline_ref offline_recording ray_start regen train preflight eagle_forced bench serve jobs; do
+  step "$s"
+done
 python3 benchmarks/gpu_e2e.py summary
 step ray_stop
 echo "== runner done in $(( $(date +%s) - START )) s"

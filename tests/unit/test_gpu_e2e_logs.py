@@ -1,0 +1,49 @@
+"""What gpu_e2e reads out of real logs: SGLang's scheduler lines (the two engines' paces side by side) and Ray Data's
+own progress lines, from lines in the exact shape the seventh GPU run printed them (actor prefix included)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+_spec = importlib.util.spec_from_file_location("gpu_e2e", ROOT / "benchmarks" / "gpu_e2e.py")
+gpu_e2e = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(gpu_e2e)
+
+ACTOR = "\x1b[36m(MapWorker(MapBatches(EngineActor)) pid=3288)\x1b[0m "
+LOG = "\n".join([
+    ACTOR + "[2026-12-01 23:01:40] Prefill batch, #new-seq: 79, #new-token: 8192, #cached-token: 0, token usage: "
+            "0.01, #running-req: 0, #queue-req: 3115, #pending-token: 0, cuda graph: False, input throughput "
+            "(token/s): 1203.77",
+    ACTOR + "[2026-12-01 23:01:44] Decode batch, #running-req: 3194, #token: 161695, token usage: 0.22, cuda graph: "
+            "False, gen throughput (token/s): 5032.11, #queue-req: 0",
+    ACTOR + "[2026-12-01 23:01:45] Decode batch, #running-req: 3191, #token: 193528, token usage: 0.26, cuda graph: "
+            "False, gen throughput (token/s): 33937.20, #queue-req: 0",
+    ACTOR + "[2026-12-01 23:01:49] Decode batch, #running-req: 2891, #token: 0, token usage: 0.00, cuda graph: "
+            "False, gen throughput (token/s): 36120.02, #queue-req: 0",
+    ACTOR + "[2026-12-01 23:01:52] Decode batch, #running-req: 1200, #token: 0, token usage: 0.00, cuda graph: "
+            "False, gen throughput (token/s): 17000.00, #queue-req: 0",
+    "2026-12-01 23:00:18,539\tINFO logging_progress.py:233 --   Tasks: 1 [backpressured:tasks(ResourceBudget)]; "
+    "Actors: 0; Queued blocks: 0 (0.0B); Resources: 0.2 CPU, 0.0B object store",
+    "2026-12-01 23:00:18,440\tINFO streaming_executor.py:215 -- Starting execution of Dataset dataset_0",
+    "regen progress: 3200/3200 samples (3200 written, 0 quarantined), 486221 generated tokens, 8348.9 tok/s, ETA 0s",
+    ACTOR + "[eaglenest capture] 256 requests waited 0.41 s for their last rows; reader: no chunk since the last batch",
+])
+
+
+def test_scheduler_lines_give_the_decode_pace_with_the_running_batch_full() -> None:
+    pace = gpu_e2e.scheduler_pace(LOG)
+    assert pace["prefill_forwards"] == 1 and pace["prefill_tokens"] == 8192 and pace["decode_lines"] == 4
+    assert pace["decode_rates"][0] == [3194, 5032, 0]
+    # after the first line (its interval holds the prefill), within 10% of the largest running batch: 3191 and 2891
+    # requests, not the tail's 1200
+    assert pace["full_batch_running_reqs"] == 3191
+    assert pace["full_batch_decode_tokens_per_s"] == round((33937.20 + 36120.02) / 2, 1)
+    assert gpu_e2e.scheduler_pace("no scheduler lines here") is None
+
+
+def test_ray_data_progress_counts_ray_datas_lines_not_every_line_of_the_pool() -> None:
+    lines = gpu_e2e.ray_data_progress(LOG)
+    assert len(lines) == 3  # two of Ray Data's, one of regen's; none of the actor's SGLang or capture lines
+    assert all("Decode batch" not in ln and "[eaglenest capture]" not in ln for ln in lines)
