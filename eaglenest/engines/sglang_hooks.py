@@ -151,8 +151,10 @@ class _Recorder:
     """Collects one forward's aux streams and final state, and writes them out on a background thread.
 
     It keeps what recording costs the scheduler (cumulative seconds, written into every chunk's header): ``hooks_s``
-    on the forward thread inside the hooks, ``blocked_s`` of it waiting for a writer (a full queue), ``pinning_s``
-    the writers spent allocating pinned memory (that call can hold up the launches of the forward thread)."""
+    on the forward thread inside the hooks, ``blocked_s`` of it waiting for a writer (a full queue) or for room in
+    the ring, ``pinning_s`` the writers spent allocating pinned memory (that call can hold up the launches of the
+    forward thread); with a ring, whether it is pinned and how many forwards fell back to chunk files; and the
+    forward thread's decode steps (:meth:`_time_decode_step`)."""
 
     def __init__(self, sink: str, n_aux: int, dtype: str, writers: int = WRITERS, staging_bytes: int = 0,
                  ring: bool = False) -> None:
