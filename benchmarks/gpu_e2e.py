@@ -263,6 +263,25 @@ def _train_prompt_ids() -> list[list[int]]:
     return ids
 
 
+def _timed_generate(eng: Any, prompts: list[list[int]], sp: dict[str, Any], *, settle_s: float = 0.5,
+                    **kw: Any) -> tuple[list[dict], float, dict[str, Any] | None]:
+    """One timed ``Engine.generate`` over ``prompts``: its outputs, seconds, and the scheduler's pace from the lines its
+    process wrote to the runner's log meanwhile (``settle_s`` before and after, so they are the call's alone)."""
+    runner_log = WORK / "runner.log"  # the scheduler process writes its log lines to the runner's output
+    time.sleep(settle_s)
+    log_from = runner_log.stat().st_size if runner_log.is_file() else None
+    t0 = time.perf_counter()
+    outs = eng.generate(input_ids=prompts, sampling_params=sp, **kw)
+    secs = time.perf_counter() - t0
+    time.sleep(settle_s)
+    pace = None
+    if log_from is not None:
+        with open(runner_log, "rb") as f:
+            f.seek(log_from)
+            pace = scheduler_pace(f.read().decode(errors="replace"))
+    return outs, secs, pace
+
+
 def step_offline_ref() -> dict[str, Any]:
     """SGLang's own offline Engine.generate on the regen prompts, all in one call (engine start excluded)."""
     if not gpu():
@@ -276,24 +295,13 @@ def step_offline_ref() -> dict[str, Any]:
     kw = engine_kwargs(str(MODEL), cfg.target.sglang, dtype="bfloat16")
     kw["disable_radix_cache"] = True  # each prompt once; nothing to reuse, as in regen
     Engine = sglang_symbol("sglang:Engine")
-    runner_log = WORK / "runner.log"  # the scheduler process writes its log lines to the runner's output
     t0 = time.perf_counter()
     eng = Engine(**kw)
     start_s = time.perf_counter() - t0
     try:
         sp = {"temperature": 0.0, "max_new_tokens": MAX_NEW_TOKENS}
         eng.generate(input_ids=prompts[:64], sampling_params=sp)  # warm-up (kernels, graphs)
-        time.sleep(0.5)
-        log_from = runner_log.stat().st_size if runner_log.is_file() else None
-        t0 = time.perf_counter()
-        outs = eng.generate(input_ids=prompts, sampling_params=sp)
-        secs = time.perf_counter() - t0
-        time.sleep(0.5)
-        pace = None
-        if log_from is not None:
-            with open(runner_log, "rb") as f:
-                f.seek(log_from)
-                pace = scheduler_pace(f.read().decode(errors="replace"))
+        outs, secs, pace = _timed_generate(eng, prompts, sp)
     finally:
         eng.shutdown()
     tokens = sum(int(o["meta_info"]["completion_tokens"]) for o in outs)
@@ -327,7 +335,6 @@ def step_offline_recording() -> dict[str, Any]:
     recorder.sink.start()
     prompts = _train_prompt_ids()
     kw = generation_capture_kwargs(engine_kwargs(str(MODEL), sg, dtype="bfloat16"), recorder.hooks)
-    runner_log = WORK / "runner.log"
     eng = sglang_symbol("sglang:Engine")(**kw)
     try:
         sp = {"temperature": 0.0, "max_new_tokens": MAX_NEW_TOKENS}
@@ -336,17 +343,7 @@ def step_offline_recording() -> dict[str, Any]:
         eng.generate(input_ids=prompts[:64], sampling_params=sp, rid=warm)
         rids = recorder.new_rids(len(prompts))
         recorder.sink.discard(rids)
-        time.sleep(0.5)
-        log_from = runner_log.stat().st_size if runner_log.is_file() else None
-        t0 = time.perf_counter()
-        outs = eng.generate(input_ids=prompts, sampling_params=sp, rid=rids)
-        secs = time.perf_counter() - t0
-        time.sleep(1.0)
-        pace = None
-        if log_from is not None:
-            with open(runner_log, "rb") as f:
-                f.seek(log_from)
-                pace = scheduler_pace(f.read().decode(errors="replace"))
+        outs, secs, pace = _timed_generate(eng, prompts, sp, rid=rids, settle_s=1.0)
     finally:
         eng.shutdown()
         line = recorder.sink.take_stats().line()

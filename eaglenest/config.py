@@ -79,7 +79,8 @@ class SGLangEngineConfig(Section):
         "GIL and host; without the ring, writing whole chunk files, one fell behind a prompt burst's prefill)")
     capture_ring_gib: float = Field(
         4, ge=0, description="capture: generation: shared memory between SGLang's scheduler and the actor that "
-        "recorded states reach by DMA (pinned in the scheduler; states of the forwards in flight to the reader); 0: "
+        "recorded states reach by DMA (pinned in the scheduler; states of the forwards in flight to the reader: 4 GiB "
+        "holds ~38 decode forwards of 3,200 requests at H 4096); 0: "
         "each forward's states go through a chunk file instead")
     concurrent_generate: bool = Field(
         True, description="regen: the batches an engine actor has in flight (regen.batches_in_flight) go to SGLang "

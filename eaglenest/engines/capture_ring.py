@@ -28,9 +28,6 @@ import torch
 RING_FILE = "ring.bin"
 CONTROL_FILE = "ring.ctl"
 ALIGN = 64
-RING_BYTES = 4 << 30
-"""Default ring size (``target.sglang.capture_ring_gib``): ~38 decode forwards of 3,200 requests at H 4096, or 15
-prefill chunks of 8,192 tokens, in flight between the scheduler and the reader."""
 
 
 def create_ring(folder: str | Path, nbytes: int) -> None:
