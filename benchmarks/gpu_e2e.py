@@ -559,8 +559,7 @@ def step_serve() -> dict[str, Any]:
         with contextlib.suppress(OSError):
             with urllib.request.urlopen(f"http://127.0.0.1:{METRICS_PORT}/metrics", timeout=10) as r:
                 body = r.read().decode()
-            rec["metrics_eaglenest_series"] = sorted({ln.split("{")[0].split(" ")[0] for ln in body.splitlines()
-                                                      if ln.startswith("eaglenest_serve")})[:40]
+            rec["metrics_eaglenest_series"] = eaglenest_series(body)
         rec["job_logs_tail"] = job_logs("e2e-serve")[-1500:]
     finally:
         stop = sh(["ray", "job", "stop", "--address", DASHBOARD, "e2e-serve"], timeout=300)
@@ -568,6 +567,13 @@ def step_serve() -> dict[str, Any]:
         time.sleep(3)
         rec["final_status"] = job_status("e2e-serve")
     return rec
+
+
+def eaglenest_series(body: str) -> list[str]:
+    """The eaglenest serve series in a Prometheus text body from Ray's metrics agent: Ray exports an application's
+    metrics under a ``ray_`` prefix (``ray_eaglenest_serve_requests_total``), as ``monitoring/`` queries them."""
+    return sorted({ln.split("{")[0].split(" ")[0] for ln in body.splitlines()
+                   if ln.startswith("ray_eaglenest_serve")})[:40]
 
 
 def trainer_heldout_prompts(n: int) -> list[dict[str, Any]]:

@@ -25,7 +25,8 @@
 # E2E_REGEN_MEM_FRACTION (SGLang's memory share for regen and its offline reference; default 0.75: KV room for all
 # 3,200 prompts at once), E2E_ACCEPT_PROMPTS (per prompt set for the served accept length; default 64),
 # E2E_BENCH_PROMPTS (held-out prompts in the bench; default 40), E2E_CAPTURE_WRITERS (the hooks' writer threads in
-# SGLang's scheduler; default 3), E2E_CONCURRENT_GENERATE=0 (regen's batches one
+# SGLang's scheduler; default 1), E2E_CAPTURE_RING_GIB (shared memory for the recorded states; default 4, 0 = chunk
+# files), E2E_RECORDING_AB=1 (adds the recording engine alone, outside Ray; ~80 s), E2E_CONCURRENT_GENERATE=0 (regen's batches one
 # synchronous Engine.generate at a time; may also be written to $E2E_WORK/overrides.env before call 2);
 # E2E_REGEN_ACTORS=2 E2E_TRAIN_WORKERS=2 E2E_NUM_GPUS=2 on a 2-GPU machine (regen data parallel, DDP training).
 # A regen job that fails is submitted once more (e2e-regen-fallback) with states placed after generation, so the rest

@@ -6,7 +6,7 @@ seventh GPU run, on the host whose CPU also runs the scheduler's per-step bookke
 the offline engine's pace while the context was short). With the ring, a forward's states go GPU -> ring by DMA (the
 scheduler registers the ring as pinned memory), and the chunk file keeps only its header, ids and positions and says
 where in the ring the states are; the reader copies them into place from pages that stay mapped, and hands the space
-back.
+back. Measured on the H200 (eighth GPU run): the recording engine then decoded at 0.99x of the offline engine's pace.
 
 Protocol (one producer, one consumer, in forward order): the scheduler's forward thread allocates each forward's
 region in sequence, so ``end`` (bytes ever allocated, counting the waste skipped at the ring's end) grows with the

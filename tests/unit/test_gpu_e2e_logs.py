@@ -47,3 +47,18 @@ def test_ray_data_progress_counts_ray_datas_lines_not_every_line_of_the_pool() -
     lines = gpu_e2e.ray_data_progress(LOG)
     assert len(lines) == 3  # two of Ray Data's, one of regen's; none of the actor's SGLang or capture lines
     assert all("Decode batch" not in ln and "[eaglenest capture]" not in ln for ln in lines)
+
+
+def test_serve_series_are_read_under_rays_prefix() -> None:
+    # Ray's metrics agent prefixes application metrics with ray_ (the eighth GPU run's filter missed them all)
+    body = "\n".join([
+        "# HELP ray_eaglenest_serve_requests_total Requests by route and status.",
+        "# TYPE ray_eaglenest_serve_requests_total counter",
+        'ray_eaglenest_serve_requests_total{Component="core_worker",route="/v1/chat/completions",status="200"} 3.0',
+        'ray_eaglenest_serve_accept_length_bucket{le="2.0",model="eaglenest"} 1.0',
+        'ray_eaglenest_serve_replica_healthy{model="eaglenest"} 1.0',
+        'ray_serve_num_http_requests_total{route="/"} 5.0',
+    ])
+    assert gpu_e2e.eaglenest_series(body) == ["ray_eaglenest_serve_accept_length_bucket",
+                                              "ray_eaglenest_serve_replica_healthy",
+                                              "ray_eaglenest_serve_requests_total"]
