@@ -569,6 +569,33 @@ def step_serve() -> dict[str, Any]:
     return rec
 
 
+STEADY_MIN_SHARE = 0.25
+"""A steady window shorter than this share of the whole run (a run whose batches are all in flight at once: one
+wave) says nothing; the summary then names the whole run as the figure instead of printing the window's rate."""
+
+
+def regen_summary(regen: dict[str, Any]) -> str:
+    """The summary's regen line: the whole run against the offline engine, and the steady window only where the run
+    has one (with every prompt in flight at once it is a fraction of a second of tail, not a steady state)."""
+    run = regen.get("last_run") or {}
+    steady, whole = run.get("steady") or {}, run.get("whole_run") or {}
+    if steady.get("seconds", 0) >= STEADY_MIN_SHARE * whole.get("seconds", float("inf")):
+        steady_text = (f"steady {regen.get('steady_tokens_per_s')} tok/s = {regen.get('steady_vs_offline')}x over "
+                       f"{steady.get('seconds')} s")
+    else:
+        steady_text = (f"no steady window (one wave: the window after the first batch ended is {steady.get('seconds')}"
+                       f" s of {whole.get('seconds')} s), so the whole run is the figure")
+    if regen.get("generate_only_vs_offline") is not None:
+        steady_text += f"; generation only, one batch in flight: {regen['generate_only_vs_offline']}x"
+    return (f"regen: {regen.get('samples')} samples, {regen.get('tokens')} tokens; vs offline Engine.generate "
+            f"{regen.get('offline_engine_generate_tokens_per_s')} tok/s: whole run (first batch start to last batch "
+            f"end, engine start excluded) {regen.get('whole_run_tokens_per_s')} tok/s = "
+            f"{regen.get('whole_run_vs_offline')}x; {steady_text}; {REGEN_IN_FLIGHT} batches of {REGEN_BATCH} in "
+            f"flight; Ray Data progress lines in job logs: {regen.get('ray_data_progress_lines_in_job_logs')}; capture "
+            f"placement {run.get('capture_placement')}; the whole run's window split (seconds to the last generation's "
+            f"return, seconds after it): {regen.get('whole_run_split')}")
+
+
 def eaglenest_series(body: str) -> list[str]:
     """The eaglenest serve series in a Prometheus text body from Ray's metrics agent: Ray exports an application's
     metrics under a ``ray_`` prefix (``ray_eaglenest_serve_requests_total``), as ``monitoring/`` queries them."""
@@ -710,16 +737,7 @@ def summarize() -> dict[str, Any]:
                      f"{st['preservation']['top1_agreement']:.4f}; dump: {st['dump_read']['records']} records "
                      f"({st['dump_read']['damage'] or 'intact'})")
     if regen:
-        lines.append(f"regen: {regen.get('samples')} samples, {regen.get('tokens')} tokens; vs offline "
-                     f"Engine.generate {regen.get('offline_engine_generate_tokens_per_s')} tok/s: whole run (first "
-                     f"batch start to last batch end) {regen.get('whole_run_tokens_per_s')} tok/s = "
-                     f"{regen.get('whole_run_vs_offline')}x, steady {regen.get('steady_tokens_per_s')} tok/s = "
-                     f"{regen.get('steady_vs_offline')}x (generation only, with one batch in flight: "
-                     f"{regen.get('generate_only_vs_offline')}x); {REGEN_IN_FLIGHT} batches of {REGEN_BATCH} in "
-                     f"flight; Ray Data progress lines in job logs: "
-                     f"{regen.get('ray_data_progress_lines_in_job_logs')}; capture placement "
-                     f"{(regen.get('last_run') or {}).get('capture_placement')}; the whole run's window split "
-                     f"(seconds to the last generation's return, seconds after it): {regen.get('whole_run_split')}")
+        lines.append(regen_summary(regen))
         ours, theirs = regen.get("scheduler_pace") or {}, load("offline_ref").get("scheduler_pace") or {}
         if ours.get("full_batch_decode_tokens_per_s") and theirs.get("full_batch_decode_tokens_per_s"):
             lines.append(f"decode pace with the running batch full, SGLang's own lines: regen's recording engine "

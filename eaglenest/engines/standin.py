@@ -247,7 +247,7 @@ def pretrain(model: Any, stream: torch.Tensor, spec: StandinSpec, device: str,
         done = step + 1
         over_time = spec.max_seconds is not None and time.perf_counter() - t0 > spec.max_seconds
         if step % 50 == 0 or step == spec.train_steps - 1 or over_time:
-            losses.append(round(float(loss), 4))
+            losses.append(round(loss.detach().item(), 4))
             el = time.perf_counter() - t0
             log(f"standin pretrain step {step + 1}/{spec.train_steps}: loss {losses[-1]:.3f}, "
                 f"{(step + 1) * spec.batch_size * spec.seq_len / max(el, 1e-9):,.0f} tok/s")

@@ -62,3 +62,25 @@ def test_serve_series_are_read_under_rays_prefix() -> None:
     assert gpu_e2e.eaglenest_series(body) == ["ray_eaglenest_serve_accept_length_bucket",
                                               "ray_eaglenest_serve_replica_healthy",
                                               "ray_eaglenest_serve_requests_total"]
+
+
+def _regen_record(steady_s: float) -> dict:
+    # the shape of the eighth GPU run's regen step record (results/steps/regen.json), trimmed
+    return {"samples": 3200, "tokens": 586384, "offline_engine_generate_tokens_per_s": 29020.4,
+            "whole_run_tokens_per_s": 27022.4, "whole_run_vs_offline": 0.931, "steady_tokens_per_s": 17358.1,
+            "steady_vs_offline": 0.598, "generate_only_vs_offline": None, "ray_data_progress_lines_in_job_logs": 60,
+            "whole_run_split": {"generation_s": 16.1, "after_generation_s": 0.8},
+            "last_run": {"steady": {"seconds": steady_s, "tokens": 9436, "tokens_per_second": 17358.1},
+                         "whole_run": {"seconds": 16.901, "tokens": 456697, "tokens_per_second": 27022.4},
+                         "capture_placement": {"on_arrival": 3200}}}
+
+
+def test_a_one_wave_run_names_the_whole_run_not_a_fraction_of_a_second_of_tail() -> None:
+    line = gpu_e2e.regen_summary(_regen_record(0.544))
+    assert "whole run (first batch start to last batch end, engine start excluded) 27022.4 tok/s = 0.931x" in line
+    assert "no steady window" in line and "0.598" not in line and "one batch in flight" not in line
+
+
+def test_a_long_run_reports_its_steady_window() -> None:
+    line = gpu_e2e.regen_summary(_regen_record(12.0))
+    assert "steady 17358.1 tok/s = 0.598x over 12.0 s" in line and "no steady window" not in line
