@@ -118,10 +118,7 @@ def run(mode: str, args: argparse.Namespace, base: Path) -> dict:
         child.join(timeout=600)
         result.update(json.loads(out.read_text()))
         result["recorder"] = rec.costs()
-        for _ in rec.threads:
-            rec.queue.put(None)
-        for t in rec.threads:
-            t.join(timeout=60)
+        rec.close()
     shutil.rmtree(folder, ignore_errors=True)
     return result
 

@@ -579,7 +579,9 @@ def regen_summary(regen: dict[str, Any]) -> str:
     has one (with every prompt in flight at once it is a fraction of a second of tail, not a steady state)."""
     run = regen.get("last_run") or {}
     steady, whole = run.get("steady") or {}, run.get("whole_run") or {}
-    if steady.get("seconds", 0) >= STEADY_MIN_SHARE * whole.get("seconds", float("inf")):
+    if not steady or not whole:
+        steady_text = "no batch timeline in the manifest"
+    elif steady.get("seconds", 0) >= STEADY_MIN_SHARE * whole.get("seconds", 0):
         steady_text = (f"steady {regen.get('steady_tokens_per_s')} tok/s = {regen.get('steady_vs_offline')}x over "
                        f"{steady.get('seconds')} s")
     else:

@@ -286,6 +286,14 @@ class _Recorder:
             self.blocked_s += time.perf_counter() - t0
         self.seq += 1
 
+    def close(self, timeout_s: float = 60.0) -> None:
+        """Let the writers finish the forwards queued so far, then stop them (in SGLang the scheduler process ends
+        with its daemon writers; a benchmark driving a recorder itself stops it here)."""
+        for _ in self.threads:
+            self.queue.put(None)
+        for t in self.threads:
+            t.join(timeout=timeout_s)
+
     def _pinned(self, writer: int, nbytes: int) -> torch.Tensor:
         t0 = time.perf_counter()
         buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)

@@ -585,3 +585,18 @@ def test_a_batch_with_early_answers_is_written_to_shards_without_losing_a_byte(t
         assert back[f"s{i}"]["aux_hidden_states"] == bytes(tensor_to_buffer(cap.aux_hidden_states, "float32", 3))
         assert back[f"s{i}"]["last_hidden_state"] == bytes(tensor_to_buffer(cap.last_hidden_state, "float32"))
     rec.close()
+
+
+def test_a_recorder_driven_outside_sglang_stops_its_writers_after_the_queued_forwards(tmp_path) -> None:
+    """``_Recorder.close``: what a benchmark calls (SGLang's scheduler process simply ends with its daemon writers)."""
+    from eaglenest.engines.sglang_hooks import _RECORDERS
+
+    model, sched, rec = setup(tmp_path, writers=2)
+    prompts = [[1, 2, 3, 4], [5, 6, 7]]
+    rids = rec.new_rids(2)
+    rec.expect(rids, prompts, sched.generate(prompts, [3, 3], rids))
+    recorder = _RECORDERS[str(rec.folder)]
+    recorder.close()
+    assert not any(t.is_alive() for t in recorder.threads) and recorder.queue.empty()
+    assert not recorder.failed and recorder.seq > 0
+    rec.close()

@@ -84,3 +84,10 @@ def test_a_one_wave_run_names_the_whole_run_not_a_fraction_of_a_second_of_tail()
 def test_a_long_run_reports_its_steady_window() -> None:
     line = gpu_e2e.regen_summary(_regen_record(12.0))
     assert "steady 17358.1 tok/s = 0.598x over 12.0 s" in line and "no steady window" not in line
+
+
+def test_a_regen_without_a_timeline_claims_no_wave() -> None:
+    rec = _regen_record(0.544)
+    rec["last_run"] = {}
+    line = gpu_e2e.regen_summary(rec)
+    assert "no batch timeline in the manifest" in line and "one wave" not in line
