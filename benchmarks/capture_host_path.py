@@ -37,8 +37,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from eaglenest.contracts.shards import tensor_to_buffer, tensor_to_bytes  # noqa: E402
-from eaglenest.engines.capture_sink import CaptureSink  # noqa: E402
-from eaglenest.engines.sglang_hooks import write_chunk  # noqa: E402
+from eaglenest.engines.sglang.capture_sink import CaptureSink  # noqa: E402
+from eaglenest.engines.sglang.hooks import write_chunk  # noqa: E402
 from eaglenest.regen.regenerate import Regenerated, Sample  # noqa: E402
 from eaglenest.regen.stage import RESULT_SCHEMA, results_table  # noqa: E402
 

@@ -27,8 +27,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from eaglenest.engines.capture_sink import CaptureSink  # noqa: E402
-from eaglenest.engines.sglang_hooks import write_chunk  # noqa: E402
+from eaglenest.engines.sglang.capture_sink import CaptureSink  # noqa: E402
+from eaglenest.engines.sglang.hooks import write_chunk  # noqa: E402
 
 
 def run_variant(copy_under_lock: bool, args: argparse.Namespace) -> dict[str, float]:

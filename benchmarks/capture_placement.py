@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from capture_host_path import add_batch_args, chunk_folder, write_batch  # noqa: E402
 
-from eaglenest.engines.capture_sink import CaptureSink  # noqa: E402
+from eaglenest.engines.sglang.capture_sink import CaptureSink  # noqa: E402
 
 
 def run(variant: str, folder: Path, seqs: list[list[int]], a: argparse.Namespace) -> dict:

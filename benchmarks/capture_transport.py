@@ -36,8 +36,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from eaglenest.engines.capture_sink import CaptureSink  # noqa: E402
-from eaglenest.engines.sglang_hooks import _Recorder  # noqa: E402
+from eaglenest.engines.sglang.capture_sink import CaptureSink  # noqa: E402
+from eaglenest.engines.sglang.hooks import _Recorder  # noqa: E402
 
 N_AUX = 3
 

@@ -1,7 +1,7 @@
 """Capture during generation on a GPU: is it right, and how close does regen get to SGLang's own generation?
 
 ``target.sglang.capture: generation`` records the aux and final states inside SGLang's scheduler while it generates
-(``eaglenest.engines.sglang_hooks``) instead of running a second, teacher-forced prefill. One run, on an
+(``eaglenest.engines.sglang.hooks``) instead of running a second, teacher-forced prefill. One run, on an
 8B-shaped random bf16 Llama (throughput and state layout do not depend on the weights), answers three questions:
 
 1. ``engine``: SGLang's own offline ``Engine.generate`` over all prompts in one call (CUDA graphs and radix cache
@@ -49,7 +49,7 @@ def offline_generate(model: Path, prompts: list[list[int]], max_new: int, *, eag
     """SGLang's own ``Engine.generate`` over every prompt in one call (after a 64-prompt warm-up)."""
     import torch
 
-    from eaglenest.engines.sglang import SGLangEngine
+    from eaglenest.engines.sglang.engine import SGLangEngine
 
     raw_sp = {"temperature": 0.0, "max_new_tokens": max_new}
     eng = SGLangEngine(target_cfg(model, "prefill", disable_cuda_graph=eager))
@@ -101,7 +101,7 @@ def engine_phase(model: Path, records: list[dict], max_new: int, n_check: int) -
     import torch
 
     from eaglenest.engines.base import CaptureHint, SamplingParams
-    from eaglenest.engines.sglang import SGLangEngine
+    from eaglenest.engines.sglang.engine import SGLangEngine
 
     out: dict = {}
     eng = SGLangEngine(target_cfg(model, "generation"), regen=True)

@@ -69,7 +69,7 @@ def target_cfg(model: Path):
 
 def engine_phase(model: Path, records: list[dict], max_new: int) -> dict:
     from eaglenest.engines.base import SamplingParams, render_chat_ids
-    from eaglenest.engines.sglang import SGLangEngine
+    from eaglenest.engines.sglang.engine import SGLangEngine
 
     eng = SGLangEngine(target_cfg(model))
     prompts = [render_chat_ids(eng.tokenizer, [{"role": "user", "content": r["conversations"][0]["value"]}],

@@ -68,7 +68,7 @@ def run(a: argparse.Namespace, model: Path, rec: dict) -> None:
 
     from eaglenest.config import SGLangEngineConfig, TargetConfig
     from eaglenest.engines.base import CaptureHint, SamplingParams, render_chat_ids
-    from eaglenest.engines.sglang import SGLangEngine
+    from eaglenest.engines.sglang.engine import SGLangEngine
     from eaglenest.engines.tiny import corpus_chats
 
     t = time.perf_counter()

@@ -118,11 +118,11 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(1)
     from eaglenest.config import SpecConfig, TargetConfig
+    from eaglenest.drafters.eagle3.model import load_drafter
     from eaglenest.engines.base import SamplingParams
     from eaglenest.engines.hf import HFEngine
     from eaglenest.engines.tiny import corpus_chats
     from eaglenest.speculative.evaluate import evaluate_acceptance, load_prompts
-    from eaglenest.speculative.model import load_drafter
 
     out = Path(a.out)
     if not a.backpressure_only:

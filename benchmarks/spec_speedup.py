@@ -128,7 +128,7 @@ def main(argv=None) -> int:
     target_steps = a.target_steps or (300 if on_gpu else 150)
     train_chats = a.train_chats or (1200 if on_gpu else 500)
     drafter_steps = a.drafter_steps or (1500 if on_gpu else 250)
-    from eaglenest.engines.tiny import default_cache_dir
+    from eaglenest.config import default_cache_dir
 
     cache = Path(a.cache) if a.cache else default_cache_dir()
     out = Path(a.out) if a.out else REPO / "out" / "bench" / f"spec_speedup_{a.device}_{a.cpu_kernels}"
@@ -138,13 +138,13 @@ def main(argv=None) -> int:
     from eaglenest.config import TargetConfig
     from eaglenest.drafter.export import export_drafter
     from eaglenest.drafter.spec_fit import FitConfig, chat_prompt_answer, fit_drafter
+    from eaglenest.drafters.eagle3.model import load_drafter
     from eaglenest.engines.base import SamplingParams
     from eaglenest.engines.hf import HFEngine
     from eaglenest.engines.tiny import corpus_chats
     from eaglenest.kernels import PackedLinear
     from eaglenest.speculative.bench import plot_bench, report_markdown, run_bench
     from eaglenest.speculative.evaluate import load_prompts, prompt_ids
-    from eaglenest.speculative.model import load_drafter
 
     shape = {"layers": a.layers, "hidden": a.hidden, "heads": a.heads, "kv": a.kv_heads, "inter": a.intermediate,
              "steps": target_steps, "device": a.device, "v": 1}

@@ -52,9 +52,9 @@ from torch._dynamo.utils import counters
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from eaglenest.drafter.batch import Batch  # noqa: E402
-from eaglenest.drafter.ttt import TeacherHead, TTTObjective, resolve_attention, resolve_loss  # noqa: E402
-from eaglenest.drafter.vocab import VocabMapping  # noqa: E402
-from eaglenest.speculative.model import DrafterModelConfig, Eagle3Drafter  # noqa: E402
+from eaglenest.drafters.eagle3.model import DrafterModelConfig, Eagle3Drafter  # noqa: E402
+from eaglenest.drafters.eagle3.ttt import TeacherHead, TTTObjective, resolve_attention, resolve_loss  # noqa: E402
+from eaglenest.drafters.vocab import VocabMapping  # noqa: E402
 
 PRESETS = {
     # Kimi-K2.5 drafter (SpecForge kimi-k25-eagle3 config): H 7168, 64 x 128 heads, 64 KV heads, I 18432

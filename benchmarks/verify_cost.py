@@ -25,7 +25,7 @@ import torch
 
 
 def newest_bench_target() -> Path:
-    from eaglenest.engines.tiny import default_cache_dir  # where spec_speedup.py caches it ($EAGLENEST_CACHE)
+    from eaglenest.config import default_cache_dir  # where spec_speedup.py caches it ($EAGLENEST_CACHE)
 
     found = sorted(default_cache_dir().glob("bench-target-*"), key=lambda p: p.stat().st_mtime)
     if not found:

@@ -8,9 +8,8 @@ from eaglenest.config import ConfigError, EaglenestConfig, TargetConfig, TinyTar
 from eaglenest.contracts.layers import (
     LayerIdError,
     default_aux_layer_ids,
-    sglang_captured_layers,
-    to_sglang_ids,
-    to_vllm_ids,
+    engine_captured_layers,
+    engine_layer_ids,
     validate_aux_layer_ids,
 )
 
@@ -25,8 +24,7 @@ __all__ = [
     "__version__",
     "default_aux_layer_ids",
     "load_config",
-    "sglang_captured_layers",
-    "to_sglang_ids",
-    "to_vllm_ids",
+    "engine_captured_layers",
+    "engine_layer_ids",
     "validate_aux_layer_ids",
 ]

@@ -6,11 +6,18 @@ One file may hold every section (``configs/demo.yaml``). Unknown keys and invali
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+
+def default_cache_dir() -> Path:
+    """Where eaglenest caches what it builds (the tiny target, the CPU kernel): ``$EAGLENEST_CACHE`` or
+    ``~/.cache/eaglenest``."""
+    return Path(os.environ.get("EAGLENEST_CACHE", Path.home() / ".cache" / "eaglenest"))
 
 
 class Section(BaseModel):

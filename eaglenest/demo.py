@@ -83,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
 
 # ------------------------------------------------------------------------------------------------------ stages
 def _target_stage(cfg: Any) -> dict[str, Any]:
-    from eaglenest.contracts.target import resolve_target_path
+    from eaglenest.engines.location import resolve_target_path
 
     path = resolve_target_path(cfg.target)
     print(f"target: {path}")
@@ -120,9 +120,9 @@ def _eval_stage(cfg: Any, drafter_dir: str, folder: Path) -> dict[str, Any]:
     """Accept length of the trained drafter vs the same drafter freshly initialised, on held-out prompts."""
     import torch
 
+    from eaglenest.drafters.eagle3.model import load_drafter
     from eaglenest.engines import load_engine
     from eaglenest.speculative.evaluate import evaluate_acceptance, plot_acceptance
-    from eaglenest.speculative.model import load_drafter
 
     engine = load_engine(cfg.target)
     prompts = _heldout_prompts(cfg)

@@ -21,7 +21,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from eaglenest.contracts.preflight import run_preflight
+    from eaglenest.drafters.preflight import run_preflight
 
     target = args.target
     if target == "tiny":

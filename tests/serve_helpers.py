@@ -17,7 +17,7 @@ def make_drafter(out: Path, target: Path, *, aux_layer_ids: tuple[int, int, int]
     import torch
 
     from eaglenest.drafter.export import export_drafter
-    from eaglenest.speculative.model import DrafterModelConfig, Eagle3Drafter
+    from eaglenest.drafters.eagle3.model import DrafterModelConfig, Eagle3Drafter
 
     t = tiny_target_facts(target)
     h = hidden or int(t["hidden_size"])

@@ -14,12 +14,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from eaglenest.contracts.layers import uses_first_id_rule
+from eaglenest.targets import TargetArch, arch_for
 
 if TYPE_CHECKING:
     import torch
 
-    from eaglenest.config import TargetConfig
 
 CONFIG = "config.json"
 GENERATION_CONFIG = "generation_config.json"
@@ -28,23 +27,6 @@ WEIGHT_INDEX = "model.safetensors.index.json"
 
 class TargetSpecError(ValueError):
     """A target config that cannot be read or lacks a fact every stage needs."""
-
-
-def resolve_target_path(cfg: TargetConfig) -> str:
-    """``tiny`` is the embedded tiny target (built and cached on first use); anything else is a folder or hub id."""
-    if cfg.model == "tiny":
-        from eaglenest.engines.tiny import ensure_tiny_target
-
-        return str(ensure_tiny_target(cfg.tiny, cfg.cache_dir))
-    return cfg.model
-
-
-def local_target_folder(cfg: Any) -> Path | None:
-    """The target's local folder (``tiny`` is built/cached on first use), or None for a hub id.
-
-    ``cfg``: a TargetConfig, or the root config (its ``target`` section)."""
-    p = Path(resolve_target_path(getattr(cfg, "target", cfg))).expanduser()
-    return p if (p / CONFIG).is_file() else None
 
 
 def _eos_list(value: Any) -> list[int]:
@@ -155,9 +137,14 @@ class TargetSpec:
 
     # ------------------------------------------------------------------------------------------------- facts
     @property
+    def arch(self) -> TargetArch:
+        """The architecture record (``eaglenest.targets``): layer-id rules, capture hooks, widths."""
+        return arch_for(self.architecture)
+
+    @property
     def first_id_rule(self) -> bool:
-        """SGLang 0.5.14's DeepSeek/Kimi layer numbering applies (``eaglenest.contracts.layers``)."""
-        return uses_first_id_rule(self.architecture)
+        """SGLang 0.5.14's DeepSeek/Kimi layer numbering applies (``eaglenest.targets.deepseek_v3``)."""
+        return self.arch.sglang_rule == "first_id"
 
     @property
     def folder(self) -> Path:

@@ -21,8 +21,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from eaglenest.drafter.vocab import VOCAB_FILE, VocabMapping
-from eaglenest.speculative.model import DrafterModelConfig, Eagle3Drafter
+from eaglenest.drafters.eagle3.model import DrafterModelConfig, Eagle3Drafter
+from eaglenest.drafters.vocab import VOCAB_FILE, VocabMapping
 
 WEIGHTS = "drafter.safetensors"
 CONFIG = "drafter_config.json"

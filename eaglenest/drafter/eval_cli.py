@@ -38,11 +38,11 @@ def run(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
     from eaglenest.config import SpecConfig, TargetConfig
+    from eaglenest.drafters.eagle3.model import load_drafter
     from eaglenest.engines.base import SamplingParams
     from eaglenest.engines.hf import HFEngine
     from eaglenest.speculative.draft import FEED_MODES
     from eaglenest.speculative.evaluate import PromptFileError, evaluate_acceptance, load_prompts, plot_acceptance
-    from eaglenest.speculative.model import load_drafter
 
     modes = [m.strip() for m in args.mode.split(",") if m.strip()]
     bad = [m for m in modes if m not in FEED_MODES]

@@ -1,23 +1,25 @@
 """Export a trained drafter (in memory or a training checkpoint) to the serving format.
 
 The format itself (file names, config.json keys, sidecar, required tensors, layer-id conventions, validation) is
-``eaglenest.contracts.drafter_format``'s; this module only gathers the tensors: a model's state dict, or a
+``eaglenest.drafters.eagle3.format``'s; this module only gathers the tensors: a model's state dict, or a
 checkpoint's weights plus the frozen embedding copied from the target the checkpoint records.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
-from eaglenest.contracts.drafter_format import ExportError, Format, write_export
 from eaglenest.contracts.target import TargetSpec
-from eaglenest.speculative.model import Eagle3Drafter
+from eaglenest.drafters.eagle3.config import DrafterModelConfig
+from eaglenest.drafters.eagle3.format import ExportError, Format, write_export
+from eaglenest.drafters.eagle3.model import Eagle3Drafter
 
 __all__ = ["ExportError", "export_checkpoint", "export_drafter", "export_tensors"]
 
 export_tensors = write_export
-"""Validate and write an export folder from a tensor dict (``eaglenest.contracts.drafter_format.write_export``)."""
+"""Validate and write an export folder from a tensor dict (``eaglenest.drafters.eagle3.format.write_export``)."""
 
 
 def export_drafter(
@@ -55,6 +57,7 @@ def export_checkpoint(
             "run `eaglenest train` first or pass the checkpoint folder)"
         )
     ckpt = load_training_checkpoint(src)
+    cfg = _with_target_architecture(ckpt.config)
     tensors = dict(ckpt.weights)
     if include_embedding:
         try:
@@ -66,7 +69,19 @@ def export_checkpoint(
             ) from e
         tensors["embed_tokens.weight"] = embed
     return write_export(
-        tensors, ckpt.config, output_dir, fmt=fmt, dtype=dtype,
+        tensors, cfg, output_dir, fmt=fmt, dtype=dtype,
         extra_sidecar={"trained_steps": ckpt.step, "vocab_fingerprint": ckpt.mapping.fingerprint(),
                        "source_checkpoint": str(src)},
     )
+
+
+def _with_target_architecture(cfg: DrafterModelConfig) -> DrafterModelConfig:
+    """Checkpoints written before the target's architecture was recorded get it from the target's config.json (the
+    engines' layer-id rules depend on it); a target that cannot be read leaves it empty (Llama-style numbering)."""
+    if cfg.target_architecture or not cfg.target:
+        return cfg
+    try:
+        arch = TargetSpec.read(cfg.target).architecture
+    except (OSError, ValueError):
+        return cfg
+    return dataclasses.replace(cfg, target_architecture=arch if arch != "?" else "")

@@ -163,7 +163,7 @@ def count_regenerated_tokens(cfg: EaglenestConfig, plan: OnlinePlan, vocab_size:
     """
     import torch
 
-    from eaglenest.drafter.vocab import count_tokens
+    from eaglenest.drafters.vocab import count_tokens
 
     ids = frozenset(vocab_sample(plan.train_ids, cfg.train.online_vocab_samples, cfg.train.seed))
     counts = torch.zeros(vocab_size, dtype=torch.long)

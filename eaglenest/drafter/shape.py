@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from eaglenest.contracts.drafter_config import DrafterModelConfig
 from eaglenest.contracts.target import TargetSpec
+from eaglenest.drafters.eagle3.config import DrafterModelConfig
 
 
 def drafter_model_config(facts: TargetSpec, aux_layer_ids: Sequence[int], draft_vocab_size: int, *,
@@ -38,6 +38,7 @@ def drafter_model_config(facts: TargetSpec, aux_layer_ids: Sequence[int], draft_
         rms_norm_eps=facts.rms_norm_eps,
         max_position_embeddings=max(max_position_embeddings or 0, facts.max_position_embeddings),
         target=facts.path,
+        target_architecture=facts.architecture if facts.architecture != "?" else "",
         bos_token_id=facts.bos_token_id,
         eos_token_id=facts.eos_token_id,
     )

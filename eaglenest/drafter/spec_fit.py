@@ -1,7 +1,7 @@
 """Fit an EAGLE-3 drafter in-process, without Ray: tests, benchmarks and GPU boxes that have torch but no Ray.
 
-Same model (:class:`~eaglenest.speculative.model.Eagle3Drafter`), model config (:mod:`eaglenest.drafter.shape`),
-draft vocab (:mod:`eaglenest.drafter.vocab`), collation (:func:`eaglenest.drafter.batch.pad_batch`) and step
+Same model (:class:`~eaglenest.drafters.eagle3.model.Eagle3Drafter`), model config (:mod:`eaglenest.drafter.shape`),
+draft vocab (:mod:`eaglenest.drafters.vocab`), collation (:func:`eaglenest.drafter.batch.pad_batch`) and step
 (:mod:`eaglenest.drafter.steps`) as ``eaglenest train``; only the plumbing differs: samples are captured from an
 in-memory target engine and held in memory instead of streaming parquet shards through Ray Data into DDP workers,
 and this thin driver has no checkpoints, held-out evaluation or non-finite-loss guard.
@@ -29,9 +29,9 @@ from eaglenest.drafter.steps import (
     ttt_forward,
     warmup_cosine,
 )
-from eaglenest.drafter.ttt import TeacherHead, TTTObjective, step_metrics
-from eaglenest.drafter.vocab import VocabMapping, build_vocab_mapping, count_tokens
-from eaglenest.speculative.model import DrafterModelConfig, Eagle3Drafter
+from eaglenest.drafters.eagle3.model import DrafterModelConfig, Eagle3Drafter
+from eaglenest.drafters.eagle3.ttt import TeacherHead, TTTObjective, step_metrics
+from eaglenest.drafters.vocab import VocabMapping, build_vocab_mapping, count_tokens
 
 Sample = tuple[list[int], list[int]]
 """(input_ids, loss_mask): the mask marks tokens the drafter learns to predict (the answer)."""

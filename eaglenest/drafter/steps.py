@@ -14,9 +14,9 @@ from typing import Any
 import torch
 
 from eaglenest.drafter.batch import Batch
-from eaglenest.drafter.ttt import TeacherHead, TTTOutput
-from eaglenest.drafter.vocab import VocabMapping
-from eaglenest.speculative.model import DrafterModelConfig, Eagle3Drafter
+from eaglenest.drafters.eagle3.model import DrafterModelConfig, Eagle3Drafter
+from eaglenest.drafters.eagle3.ttt import TeacherHead, TTTOutput
+from eaglenest.drafters.vocab import VocabMapping
 
 
 def init_drafter(model_cfg: DrafterModelConfig, embed: torch.Tensor, lm_head: torch.Tensor,

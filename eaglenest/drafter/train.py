@@ -71,7 +71,7 @@ class _Inputs:
 
 def _vocab(out: Path, vocab_size: int, draft_vocab_size: int, count: Any):
     """The run's draft vocab: read back when it exists (a changed size is refused), else built from ``count()``."""
-    from eaglenest.drafter.vocab import VOCAB_FILE, VocabMapping, build_vocab_mapping
+    from eaglenest.drafters.vocab import VOCAB_FILE, VocabMapping, build_vocab_mapping
 
     path = out / VOCAB_FILE
     want = min(draft_vocab_size, vocab_size)
@@ -95,7 +95,7 @@ def _vocab(out: Path, vocab_size: int, draft_vocab_size: int, count: Any):
 def prepare_vocab(out: Path, files: list[Path], vocab_size: int, draft_vocab_size: int, fraction: float, seed: int):
     """Build the draft vocab from the training split once; later starts read it back (and refuse a changed size)."""
     from eaglenest.drafter.data import is_eval_sample
-    from eaglenest.drafter.vocab import count_tokens_in_shards
+    from eaglenest.drafters.vocab import count_tokens_in_shards
 
     return _vocab(out, vocab_size, draft_vocab_size, lambda: count_tokens_in_shards(
         files, vocab_size, ids_filter=lambda i: not is_eval_sample(i, fraction, seed)))
@@ -200,11 +200,12 @@ def train_drafter(cfg: EaglenestConfig, data_dir: str | Path | None, output_dir:
     regenerates and captures while training and writes no hidden state (``limit`` caps every source, as
     ``eaglenest regen --limit``).
     """
-    from eaglenest.contracts.drafter_config import DrafterModelConfig
-    from eaglenest.contracts.target import TargetSpec, resolve_target_path
+    from eaglenest.contracts.target import TargetSpec
     from eaglenest.drafter.checkpoint import find_latest_checkpoint
     from eaglenest.drafter.export import export_checkpoint
     from eaglenest.drafter.plot import plot_training_curves
+    from eaglenest.drafters.eagle3.config import DrafterModelConfig
+    from eaglenest.engines.location import resolve_target_path
 
     t0 = time.time()
     tc = cfg.train
@@ -476,7 +477,7 @@ class _Window:
         """The train record of the window (every worker must call it: it all-reduces), then start a new window."""
         import torch
 
-        from eaglenest.drafter.ttt import step_metrics
+        from eaglenest.drafters.eagle3.ttt import step_metrics
 
         w = _all_reduce(self.sums.clone(), self.world)
         toks = _all_reduce(torch.tensor([float(self.tokens)], dtype=torch.float64, device=self.device), self.world)
@@ -499,11 +500,11 @@ class _Worker:
         import ray.train.torch
         import torch
 
-        from eaglenest.contracts.drafter_config import DrafterModelConfig
         from eaglenest.contracts.target import TargetSpec
         from eaglenest.drafter.steps import compute_dtype_for, init_drafter, make_optimizer
-        from eaglenest.drafter.ttt import TeacherHead, TTTObjective
-        from eaglenest.drafter.vocab import VocabMapping
+        from eaglenest.drafters.eagle3.config import DrafterModelConfig
+        from eaglenest.drafters.eagle3.ttt import TeacherHead, TTTObjective
+        from eaglenest.drafters.vocab import VocabMapping
 
         self.cfg = EaglenestConfig.model_validate(config["cfg"])
         tc = self.tc = self.cfg.train
@@ -661,7 +662,7 @@ class _Worker:
         import torch
 
         from eaglenest.drafter.steps import window_sums
-        from eaglenest.drafter.ttt import step_metrics
+        from eaglenest.drafters.eagle3.ttt import step_metrics
 
         if eval_batches is None:
             return None

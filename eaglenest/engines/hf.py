@@ -9,9 +9,10 @@ import torch
 
 from eaglenest.config import TargetConfig
 from eaglenest.contracts.layers import default_aux_layer_ids, validate_aux_layer_ids
-from eaglenest.contracts.target import TargetSpec, resolve_target_path
+from eaglenest.contracts.target import TargetSpec
 from eaglenest.engines.base import Capture, CaptureHint, Generation, SamplingParams, TargetEngine, TargetInfo
 from eaglenest.engines.hf_compat import cache_kwargs, new_dynamic_cache, output_cache
+from eaglenest.engines.location import resolve_target_path
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

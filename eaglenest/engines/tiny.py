@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from eaglenest.config import TinyTargetSpec
+from eaglenest.config import TinyTargetSpec, default_cache_dir
 
 BUILDER_VERSION = "3"
 
@@ -108,10 +108,6 @@ def spec_key(spec: TinyTargetSpec) -> str:
     """Cache key: the spec and the builder version; changing either builds a new folder."""
     blob = json.dumps({"v": BUILDER_VERSION, **spec.model_dump()}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
-
-
-def default_cache_dir() -> Path:
-    return Path(os.environ.get("EAGLENEST_CACHE", Path.home() / ".cache" / "eaglenest"))
 
 
 def ensure_tiny_target(spec: TinyTargetSpec | None = None, cache_dir: str | Path | None = None) -> Path:

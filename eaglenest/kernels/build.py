@@ -30,7 +30,7 @@ _reason: list[str] = []
 
 
 def cache_dir() -> Path:
-    from eaglenest.engines.tiny import default_cache_dir
+    from eaglenest.config import default_cache_dir
 
     return default_cache_dir() / "kernels"
 

@@ -37,7 +37,8 @@ WRITE_CPUS = 0.25
 def target_identity(cfg: EaglenestConfig) -> dict[str, Any]:
     """What the shards will be checked against, from the model's config (no weights are loaded in the driver)."""
     from eaglenest.contracts.layers import default_aux_layer_ids, validate_aux_layer_ids
-    from eaglenest.contracts.target import TargetSpec, resolve_target_path
+    from eaglenest.contracts.target import TargetSpec
+    from eaglenest.engines.location import resolve_target_path
 
     path = resolve_target_path(cfg.target)
     spec = TargetSpec.read(path, hub=True)

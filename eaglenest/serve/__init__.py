@@ -5,15 +5,15 @@ Public API (Ray Serve and torch are imported only when the app itself is used):
 - ``start_serve(cfg, drafter_dir=None, *, host, port, name, route_prefix) -> base_url`` / ``stop_serve(name=None)``
 - ``build_app({"config": path, "drafter": path})``: the ``serve deploy`` entry point (``eaglenest.serve.app:build_app``)
 - ``run_preflight(target, drafter, algorithm=None, engine="hf") -> PreflightReport``; ``PreflightError``: the one
-  preflight, ``eaglenest.contracts.preflight``, re-exported (serving runs it before any engine starts)
+  preflight, ``eaglenest.drafters.preflight``, re-exported (serving runs it before any engine starts)
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from eaglenest.contracts.preflight import Check, PreflightError, PreflightReport, preflight_or_raise, run_preflight
 from eaglenest.contracts.target import TargetSpec
+from eaglenest.drafters.preflight import Check, PreflightError, PreflightReport, preflight_or_raise, run_preflight
 from eaglenest.serve.cli import start_serve, stop_serve
 
 

@@ -14,8 +14,8 @@ Backends:
 
 - ``hf`` (CPU default): the reference decoder of ``eaglenest.speculative`` on the transformers target, or its plain
   baseline decoder when no drafter is configured. Tokens stream as the decoder commits them.
-- ``sglang`` (GPU): a thin adapter onto ``eaglenest.engines.sglang.SGLangEngine`` (imported lazily). Every request
-  streams from SGLang on its own (``eaglenest.engines.sglang_stream``): it joins SGLang's running batch when it is
+- ``sglang`` (GPU): a thin adapter onto ``engines.sglang.engine.SGLangEngine`` (imported lazily). Every request
+  streams from SGLang on its own (``eaglenest.engines.sglang.stream``): it joins SGLang's running batch when it is
   admitted and its tokens are passed on as SGLang decodes them; a cancelled request is aborted in SGLang.
 """
 
@@ -390,7 +390,7 @@ def make_local_backend(cfg: EaglenestConfig, drafter: str | None, *,
         engine = load_engine(cfg.target)
         decoder: Decoder = _hf_decoder(engine, drafter, cfg)
     elif engine_kind == "sglang":
-        from eaglenest.engines.sglang import SGLangEngine
+        from eaglenest.engines.sglang.engine import SGLangEngine
 
         if drafter is not None:
             engine = SGLangEngine.speculative(cfg.target, drafter, cfg.serve.spec)
@@ -411,7 +411,7 @@ def _hf_decoder(engine: Any, drafter: str | None, cfg: EaglenestConfig) -> Decod
     if drafter is None:
         return HFSpecDecoder(BaselineDecoder.from_engine(engine), speculative=False, algorithm=None,
                              max_batch=cfg.serve.max_batch_size, draft_tokens_per_step=0)
-    from eaglenest.speculative.model import load_drafter
+    from eaglenest.drafters.eagle3.model import load_drafter
 
     model = load_drafter(drafter, device=engine.device, dtype=engine.dtype, target_embedding=engine.embed_weight())
     algorithm = spec.algorithm or "EAGLE3"

@@ -69,15 +69,17 @@ class ServerCore:
         self.metrics.start_refresh()
         self.preflight = None
         if drafter is not None:  # local targets are checked before anything loads, others from the loaded engine
-            from eaglenest.contracts.preflight import preflight_for_config
-            from eaglenest.contracts.target import local_target_folder
+            from eaglenest.drafters.preflight import preflight_for_config
+            from eaglenest.engines.location import local_target_folder
 
-            if local_target_folder(cfg) is not None:
-                self.preflight = preflight_for_config(cfg, drafter).raise_for_failures()
+            folder = local_target_folder(cfg)
+            if folder is not None:
+                self.preflight = preflight_for_config(cfg, drafter, folder=folder).raise_for_failures()
         self.backend: BackendBase = make_backend(cfg, drafter)
         if drafter is not None and self.preflight is None:
             try:
-                self.preflight = preflight_for_config(cfg, drafter, target_info=self.backend.info).raise_for_failures()
+                self.preflight = preflight_for_config(cfg, drafter, folder=None,
+                                                      target_info=self.backend.info).raise_for_failures()
             except Exception:
                 self.backend.close()
                 raise

@@ -140,10 +140,11 @@ def make_app(cfg: EaglenestConfig, drafter: str | None = None, *, check: bool = 
     """The bound Serve application; the preflight runs here first when the target is a local folder."""
     drafter = resolve_drafter(cfg, drafter)
     if check and drafter is not None:
-        from eaglenest.contracts.preflight import preflight_for_config
-        from eaglenest.contracts.target import local_target_folder
+        from eaglenest.drafters.preflight import preflight_for_config
+        from eaglenest.engines.location import local_target_folder
 
-        if local_target_folder(cfg) is not None:  # remote targets are checked by the replica once loaded
-            preflight_for_config(cfg, drafter).raise_for_failures()
+        folder = local_target_folder(cfg)
+        if folder is not None:  # remote targets are checked by the replica once loaded
+            preflight_for_config(cfg, drafter, folder=folder).raise_for_failures()
     api_key = resolve_api_key(cfg.serve.api_key)
     return EaglenestDeployment.options(**deployment_options(cfg)).bind(cfg.model_dump(), drafter, api_key)

@@ -45,7 +45,7 @@ def child_main(fd: int) -> int:
         send(("events", batch))
 
     try:
-        from eaglenest.contracts.target import resolve_target_path
+        from eaglenest.engines.location import resolve_target_path
 
         cfg = EaglenestConfig.model_validate(cfg_dict)
         backend = make_local_backend(cfg, drafter, after_step=flush)

@@ -219,7 +219,7 @@ def _bench_hf(target, drafter, prompts, variants, sampling, repeats, batch_size,
     from eaglenest.speculative import BaselineDecoder, SpecDecoder
 
     if isinstance(drafter, (str, Path)):
-        from eaglenest.speculative.model import load_drafter
+        from eaglenest.drafters.eagle3.model import load_drafter
 
         drafter = load_drafter(drafter, device=target.device, dtype=target.dtype)
     runners: dict[str, Runner] = {}

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from eaglenest.speculative.model import DrafterKVCache
+from eaglenest.drafters.eagle3.model import DrafterKVCache
 
 TensorFn = Callable[[torch.Tensor], torch.Tensor]
 

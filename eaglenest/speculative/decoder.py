@@ -58,13 +58,13 @@ import torch
 
 from eaglenest.config import SpecConfig
 from eaglenest.contracts.metrics import accept_length
+from eaglenest.drafters.eagle3.model import Eagle3Drafter
 from eaglenest.engines.base import SamplingParams
 from eaglenest.engines.hf_compat import cache_kwargs, new_dynamic_cache
 from eaglenest.kernels import pack_linears, uses_packed_linears
 from eaglenest.speculative.cache import additive_mask, block_mask, causal_block, commit_block, select_rows
 from eaglenest.speculative.draft import DraftModel, Eagle3DraftModel, FeedMode
 from eaglenest.speculative.logits import TokenLogprob, context_mask, penalize, penalize_tree, token_logprobs
-from eaglenest.speculative.model import Eagle3Drafter
 from eaglenest.speculative.sampling import Acceptance, accept_greedy, accept_sampling, target_probs
 from eaglenest.speculative.tree import DraftTree, build_tree, root_only
 

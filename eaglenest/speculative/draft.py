@@ -22,9 +22,9 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 
+from eaglenest.drafters.eagle3.model import Eagle3Drafter
 from eaglenest.engines.hf_compat import cache_kwargs, new_dynamic_cache
 from eaglenest.speculative.cache import additive_mask, commit_block, select_rows, truncate
-from eaglenest.speculative.model import Eagle3Drafter
 
 FeedMode = Literal["eagle3", "off_by_one", "eagle"]
 FEED_MODES: tuple[str, ...] = ("eagle3", "off_by_one", "eagle")

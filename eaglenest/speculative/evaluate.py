@@ -121,7 +121,7 @@ def evaluate_acceptance(
     spec = spec or SpecConfig()
     sampling = sampling or SamplingParams(temperature=0.0, max_new_tokens=64)
     if isinstance(drafter, (str, Path)):
-        from eaglenest.speculative.model import load_drafter
+        from eaglenest.drafters.eagle3.model import load_drafter
 
         drafter = load_drafter(drafter)
     if isinstance(target, tuple):

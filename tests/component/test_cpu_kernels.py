@@ -138,9 +138,9 @@ def test_spec_greedy_identity_with_every_linear_packed(kernel, tiny_target_path,
     """The tiny target's layers are below the packing threshold; packed anyway, speculation stays exact."""
     from eaglenest.config import TargetConfig
     from eaglenest.drafter.spec_fit import drafter_config_for
+    from eaglenest.drafters.eagle3.model import Eagle3Drafter
     from eaglenest.engines.hf import HFEngine
     from eaglenest.speculative.draft import TargetSelfDraft
-    from eaglenest.speculative.model import Eagle3Drafter
 
     engine = HFEngine.from_config(TargetConfig(model=str(tiny_target_path), device="cpu", dtype="float32"))
     _, n = pack_linears(engine.model, min_elements=0)

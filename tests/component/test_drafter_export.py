@@ -18,8 +18,8 @@ from eaglenest.drafter.export import (
     export_tensors,
 )
 from eaglenest.drafter.train import resolve_model_config
-from eaglenest.drafter.vocab import build_vocab_mapping
-from eaglenest.speculative.model import Eagle3Drafter, load_drafter
+from eaglenest.drafters.eagle3.model import Eagle3Drafter, load_drafter
+from eaglenest.drafters.vocab import build_vocab_mapping
 
 # the weight names SGLang's LlamaForCausalLMEagle3.load_weights maps (reference/sglang.md §D.2)
 SGLANG_NAMES = {

@@ -8,7 +8,7 @@ import shutil
 import pytest
 from serve_helpers import make_drafter, rewrite_tensors
 
-from eaglenest.contracts.preflight import PreflightError, preflight_or_raise, run_preflight
+from eaglenest.drafters.preflight import PreflightError, preflight_or_raise, run_preflight
 
 
 @pytest.fixture(scope="module")

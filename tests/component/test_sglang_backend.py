@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from eaglenest.config import SGLangEngineConfig, SpecConfig, TargetConfig
-from eaglenest.contracts.drafter_format import read_drafter
-from eaglenest.contracts.layers import default_aux_layer_ids, sglang_captured_layers, sglang_config_ids_for
-from eaglenest.contracts.preflight import SpeculativeConfigError, derive_algorithm
+from eaglenest.contracts.layers import default_aux_layer_ids, engine_captured_layers, engine_layer_ids
 from eaglenest.contracts.target import TargetSpec
+from eaglenest.drafters.eagle3.format import read_drafter
+from eaglenest.drafters.preflight import SpeculativeConfigError, derive_algorithm
 from eaglenest.engines.base import SamplingParams, decode_texts
-from eaglenest.engines.sglang_args import (
+from eaglenest.engines.sglang.args import (
     SGLANG_VERSION,
     SGLangOutputError,
     SGLangVersionError,
@@ -32,7 +32,7 @@ from eaglenest.engines.sglang_args import (
     run_generate,
     spec_meta,
 )
-from eaglenest.engines.sglang_spec import speculative_engine_kwargs, speculative_launch
+from eaglenest.engines.sglang.spec import speculative_engine_kwargs, speculative_launch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: sglang_shims
 from sglang_shims.fixtures import export_eagle3_drafter, write_eagle3_drafter, write_target  # noqa: E402
@@ -85,7 +85,7 @@ def test_sampling_params() -> None:
 
 
 def test_logprob_arguments_and_output_parsing() -> None:
-    from eaglenest.engines.sglang_args import logprob_kwargs, output_logprobs
+    from eaglenest.engines.sglang.args import logprob_kwargs, output_logprobs
 
     assert logprob_kwargs(SamplingParams()) == {}
     assert logprob_kwargs(SamplingParams(logprobs=3)) == {"return_logprob": True, "top_logprobs_num": 3,
@@ -208,15 +208,16 @@ def test_layer_ids_checked_with_the_engine_rule(tmp_path: Path, target: Path) ->
     ds = TargetSpec(num_layers=8, hidden_size=128, vocab_size=1024, architecture="DeepseekV3ForCausalLM",
                     context_length=2048)
     assert speculative_launch(read_drafter(wrong), ds, SpecConfig()).captured_layers == tuple(PHYS)
-    assert sglang_config_ids_for([2, 30, 58], 61, first_id_rule=False) == [1, 29, 57]
-    for rule in (False, True):
+    assert engine_layer_ids([2, 30, 58], engine="sglang", architecture="LlamaForCausalLM",
+                            num_layers=61) == [1, 29, 57]
+    for arch in ("LlamaForCausalLM", "DeepseekV3ForCausalLM"):
         for phys in ([2, 30, 58], [3, 30, 58], [1, 4, 6]):
-            if rule and phys[0] == 1:  # sglang 0.5.14 cannot tap physical layer 1 of a DeepSeek/Kimi target
+            if arch.startswith("Deepseek") and phys[0] == 1:  # sglang 0.5.14 cannot tap physical layer 1 there
                 with pytest.raises(ValueError, match="no eagle_aux_hidden_state_layer_ids"):
-                    sglang_config_ids_for(phys, 61, first_id_rule=rule)
+                    engine_layer_ids(phys, engine="sglang", architecture=arch, num_layers=61)
                 continue
-            ids = sglang_config_ids_for(phys, 61, first_id_rule=rule)
-            assert sglang_captured_layers(ids, 61, deepseek_family=rule) == phys
+            ids = engine_layer_ids(phys, engine="sglang", architecture=arch, num_layers=61)
+            assert engine_captured_layers(ids, engine="sglang", architecture=arch, num_layers=61) == phys
 
 
 def test_unknown_physical_ids_refused_unless_given(tmp_path: Path, target: Path) -> None:
@@ -256,10 +257,10 @@ def test_nothing_imports_sglang() -> None:
     # the packages, our backend modules, and the modules that name the sglang backend (imported lazily there);
     # every other file is covered by the static check below
     code = (
-        "import sys, eaglenest, eaglenest.engines, eaglenest.engines.sglang, eaglenest.engines.sglang_args, "
-        "eaglenest.engines.sglang_spec, eaglenest.engines.sglang_capture, eaglenest.engines.sglang_symbols, "
+        "import sys, eaglenest, eaglenest.engines, eaglenest.engines.sglang.engine, eaglenest.engines.sglang.args, "
+        "eaglenest.engines.sglang.spec, eaglenest.engines.sglang.capture, eaglenest.engines.sglang.symbols, "
         "eaglenest.regen, eaglenest.drafter, eaglenest.serve, eaglenest.serve.backends, "
-        "eaglenest.contracts.preflight\n"
+        "eaglenest.drafters.preflight\n"
         "bad = sorted(k for k in sys.modules if k == 'sglang' or k.startswith('sglang.'))\n"
         "assert not bad, bad\n"
     )
@@ -281,7 +282,7 @@ def test_sglang_only_reached_through_the_listed_internals() -> None:
                 if any(n == "sglang" or n.startswith("sglang.") for n in names):
                     offenders.append(f"{f.relative_to(ROOT)}:{node.lineno}")
     assert not offenders, offenders
-    from eaglenest.engines.sglang import sglang_symbol
+    from eaglenest.engines.sglang.engine import sglang_symbol
 
     with pytest.raises(KeyError, match="SGLANG_INTERNALS"):
         sglang_symbol("sglang.srt.managers.scheduler:Scheduler")
@@ -299,7 +300,7 @@ def test_target_facts_and_weights_match_the_hf_backend(tiny_target_path: Path, t
     import torch
     from transformers import AutoTokenizer
 
-    from eaglenest.engines.sglang import target_info
+    from eaglenest.engines.sglang.engine import target_info
 
     path = str(tiny_target_path)
     spec = TargetSpec.read(path)

@@ -15,10 +15,10 @@ from conftest import FIXTURES
 
 from eaglenest.config import SpecConfig
 from eaglenest.drafter.spec_fit import drafter_config_for
+from eaglenest.drafters.eagle3.model import Eagle3Drafter
 from eaglenest.engines.base import SamplingParams
 from eaglenest.speculative.decoder import BaselineDecoder, SpecDecoder
 from eaglenest.speculative.draft import RandomDraft, TargetSelfDraft
-from eaglenest.speculative.model import Eagle3Drafter
 
 CHAIN = SpecConfig(num_steps=3, topk=1, num_draft_tokens=4)
 TREE = SpecConfig(num_steps=4, topk=3, num_draft_tokens=8)

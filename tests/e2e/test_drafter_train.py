@@ -117,7 +117,7 @@ def test_kill_mid_training_then_rerun_resumes(ray_session, tiny_shards, tmp_path
     assert evals[-1]["sim_accept_length"] > evals[0]["sim_accept_length"]
 
     # the export is there and loads as an SGLang drafter for the target's layers
-    from eaglenest.speculative.model import load_drafter
+    from eaglenest.drafters.eagle3.model import load_drafter
 
     exported = json.loads((out / "export" / "config.json").read_text())
     assert exported["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]

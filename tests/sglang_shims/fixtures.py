@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from eaglenest.contracts.drafter_format import SIDECAR
+from eaglenest.drafters.eagle3.format import SIDECAR
 
 
 def write_target(folder: Path, *, num_layers: int = 8, hidden: int = 128, heads: int = 4, kv_heads: int = 2,
@@ -89,7 +89,7 @@ def export_eagle3_drafter(folder: Path, *, physical_ids: Sequence[int], target_l
                           context: int = 2048) -> Path:
     """A drafter written by eaglenest's own exporter (drafter.export), untrained weights."""
     from eaglenest.drafter.export import export_drafter
-    from eaglenest.speculative.model import DrafterModelConfig, Eagle3Drafter
+    from eaglenest.drafters.eagle3.model import DrafterModelConfig, Eagle3Drafter
 
     cfg = DrafterModelConfig(
         hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=hidden // heads,

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from eaglenest.contracts.drafter_format import (
+from eaglenest.drafters.eagle3.format import (
     SIDECAR,
     SIDECAR_ID_KEYS,
     DrafterFormatError,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eaglenest.speculative.model import DrafterModelConfig, Eagle3Drafter
+from eaglenest.drafters.eagle3.model import DrafterModelConfig, Eagle3Drafter
 
 
 def small_drafter(seed: int = 0, kv: int = 2) -> Eagle3Drafter:

@@ -9,7 +9,7 @@ import torch
 from eaglenest.contracts.shards import tensor_to_bytes
 from eaglenest.drafter.data import collate, eval_files, is_eval_sample, split_counts
 from eaglenest.drafter.train import prepare_vocab
-from eaglenest.drafter.vocab import VocabMapping, build_vocab_mapping, count_tokens
+from eaglenest.drafters.vocab import VocabMapping, build_vocab_mapping, count_tokens
 
 
 def test_counts_only_loss_masked_tokens() -> None:
@@ -51,7 +51,7 @@ def test_vocab_is_never_rebuilt(tmp_path, monkeypatch) -> None:
     def boom(*a, **k):
         raise AssertionError("counted the data again")
 
-    monkeypatch.setattr("eaglenest.drafter.vocab.count_tokens_in_shards", boom)
+    monkeypatch.setattr("eaglenest.drafters.vocab.count_tokens_in_shards", boom)
     again, built = prepare_vocab(tmp_path, [], 4, 2, 0.1, 0)
     assert not built and again.fingerprint() == m.fingerprint()
     with pytest.raises(ValueError, match="never rebuilt"):

@@ -24,9 +24,9 @@ from eaglenest.contracts.target import TargetSpec
 from eaglenest.drafter.batch import pad_batch
 from eaglenest.drafter.data import DataMismatchError, check_manifest, collate
 from eaglenest.drafter.steps import apply_update, autocast_for, init_drafter, make_optimizer, ttt_forward
-from eaglenest.drafter.ttt import TeacherHead, TTTObjective
-from eaglenest.drafter.vocab import build_vocab_mapping
-from eaglenest.speculative.model import DrafterModelConfig
+from eaglenest.drafters.eagle3.model import DrafterModelConfig
+from eaglenest.drafters.eagle3.ttt import TeacherHead, TTTObjective
+from eaglenest.drafters.vocab import build_vocab_mapping
 
 H, V, VD = 32, 64, 24
 

@@ -60,15 +60,17 @@ def test_taps_match_the_target_and_sglangs_rules(cfg, kimi_config_json):
     n = text["num_hidden_layers"]
     assert cfg.target.aux_layer_ids == layers.default_aux_layer_ids(n) == [2, 30, 58]
     assert layers.validate_aux_layer_ids(cfg.target.aux_layer_ids, n) == [2, 30, 58]
-    sglang_ids = layers.to_sglang_ids(cfg.target.aux_layer_ids)
+    kimi, llama = "KimiK25ForConditionalGeneration", "LlamaForCausalLM"
+    sglang_ids = layers.engine_layer_ids(cfg.target.aux_layer_ids, engine="sglang", architecture=kimi, num_layers=n)
     assert sglang_ids == [1, 29, 57]
     # Kimi-K2.5 is a DeepSeek-family target: SGLang >= 0.5.14 adds its +1 only when the first id is 1, and
     # 0.5.10 always adds it; [1, 29, 57] therefore captures the trained taps under both rules
-    assert layers.sglang_captured_layers(sglang_ids, n, deepseek_family=True) == [2, 30, 58]
-    assert layers.sglang_captured_layers(sglang_ids, n, deepseek_family=False) == [2, 30, 58]
+    assert layers.engine_captured_layers(sglang_ids, engine="sglang", architecture=kimi, num_layers=n) == [2, 30, 58]
+    assert layers.engine_captured_layers(sglang_ids, engine="sglang", architecture=llama, num_layers=n) == [2, 30, 58]
     # the tempting alternative, writing the physical ids into the drafter config, is off by one on llama-rule
     # engines: exactly the class of silent mismatch preflight exists for
-    assert layers.sglang_captured_layers([2, 30, 58], n, deepseek_family=False) == [3, 31, 59]
+    assert layers.engine_captured_layers([2, 30, 58], engine="sglang", architecture=llama,
+                                         num_layers=n) == [3, 31, 59]
 
 
 def test_taps_out_of_range_for_the_target_are_refused(kimi_config_json):

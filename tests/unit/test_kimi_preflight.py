@@ -15,11 +15,11 @@ import pytest
 import torch
 
 from eaglenest.config import load_config
-from eaglenest.contracts.drafter_config import DrafterModelConfig
-from eaglenest.contracts.drafter_format import SIDECAR, WEIGHTS, expected_shapes, hf_config
 from eaglenest.contracts.layers import default_aux_layer_ids
-from eaglenest.contracts.preflight import run_preflight
 from eaglenest.contracts.target import TargetSpec
+from eaglenest.drafters.eagle3.config import DrafterModelConfig
+from eaglenest.drafters.eagle3.format import SIDECAR, WEIGHTS, expected_shapes, hf_config
+from eaglenest.drafters.preflight import run_preflight
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -28,16 +28,12 @@ from sglang.srt.server_args import ServerArgs  # noqa: E402
 from sglang_shims.fixtures import export_eagle3_drafter, write_eagle3_drafter, write_target  # noqa: E402
 
 from eaglenest.config import SGLangEngineConfig, SpecConfig  # noqa: E402
-from eaglenest.contracts.layers import (  # noqa: E402
-    FIRST_ID_RULE_ARCHS,  # noqa: E402
-    default_aux_layer_ids,
-    sglang_captured_layers,
-    to_sglang_ids,
-)
-from eaglenest.contracts.preflight import SpeculativeConfigError  # noqa: E402
-from eaglenest.engines.sglang import SGLANG_INTERNALS, installed_sglang_version, require_sglang  # noqa: E402
-from eaglenest.engines.sglang_args import SGLANG_VERSION, capture_server_kwargs, engine_kwargs  # noqa: E402
-from eaglenest.engines.sglang_spec import speculative_engine_kwargs  # noqa: E402
+from eaglenest.contracts.layers import default_aux_layer_ids, engine_captured_layers, engine_layer_ids  # noqa: E402
+from eaglenest.drafters.preflight import SpeculativeConfigError  # noqa: E402
+from eaglenest.targets import DEEPSEEK_V3, KIMI_K25, arch_for  # noqa: E402
+from eaglenest.engines.sglang.args import SGLANG_VERSION, capture_server_kwargs, engine_kwargs  # noqa: E402
+from eaglenest.engines.sglang.engine import SGLANG_INTERNALS, installed_sglang_version, require_sglang  # noqa: E402
+from eaglenest.engines.sglang.spec import speculative_engine_kwargs  # noqa: E402
 
 CPU_ONLY = {"device": "cuda", "skip_tokenizer_init": True}  # §G: explicit device; config-only folders, no tokenizer
 
@@ -86,7 +82,8 @@ def test_exported_drafter_config_through_sglang_modelconfig(folders: tuple[Path,
     hf = draft_mc.hf_config
     assert hf.architectures == ["LlamaForCausalLMEagle3"]
     assert hf.num_hidden_layers == 1
-    assert hf.eagle_config["eagle_aux_hidden_state_layer_ids"] == to_sglang_ids(default_aux_layer_ids(8))
+    assert hf.eagle_config["eagle_aux_hidden_state_layer_ids"] == engine_layer_ids(
+        default_aux_layer_ids(8), engine="sglang", architecture="LlamaForCausalLM", num_layers=8)
     assert hf.max_position_embeddings >= target_mc.context_len
     assert not hasattr(hf, "num_nextn_predict_layers")
     assert getattr(hf, "draft_vocab_size", None) == 256
@@ -136,7 +133,7 @@ ID_CASES = [None, [1, 3, 4], [2, 4, 5], [0, 3, 5], [1, 29, 57], [2, 30, 58], [3,
     ("sglang.srt.models.deepseek_v2", "DeepseekV3ForCausalLM", "DeepseekV3ForCausalLM"),
 ])
 def test_layer_rule_matches_sglang_model_code(module: str, cls: str, arch: str, ids: list[int] | None) -> None:
-    """eaglenest.contracts.layers.sglang_captured_layers == what the installed sglang model's own hook sets."""
+    """eaglenest.contracts.layers.engine_captured_layers == what the installed sglang model's own hook sets."""
     import importlib
 
     model_cls = getattr(importlib.import_module(module), cls)
@@ -144,8 +141,14 @@ def test_layer_rule_matches_sglang_model_code(module: str, cls: str, arch: str, 
     fake = _fake_model(n)
     model_cls.set_eagle3_layers_to_capture(fake, ids)
     assert fake.capture_aux_hidden_states is True
-    ours = sglang_captured_layers(ids, n, deepseek_family=arch in FIRST_ID_RULE_ARCHS)
+    ours = engine_captured_layers(ids, engine="sglang", architecture=arch, num_layers=n)
     assert list(fake.model.layers_to_capture) == ours
+    if ids is not None and fake.model.layers_to_capture:  # and the export's ids for those layers round-trip
+        captured = list(fake.model.layers_to_capture)
+        again = _fake_model(n)
+        model_cls.set_eagle3_layers_to_capture(again, engine_layer_ids(captured, engine="sglang", architecture=arch,
+                                                                       num_layers=n))
+        assert list(again.model.layers_to_capture) == captured
 
 
 def test_first_id_rule_table_matches_sglang_sources() -> None:
@@ -159,9 +162,10 @@ def test_first_id_rule_table_matches_sglang_sources() -> None:
         fake = _fake_model(61)
         ds.DeepseekV2ForCausalLM.set_eagle3_layers_to_capture(fake, ids)
         assert list(fake.model.layers_to_capture) == ([i + 1 for i in ids] if shifted else ids)
-        assert list(fake.model.layers_to_capture) == sglang_captured_layers(ids, 61, deepseek_family=True)
+        assert list(fake.model.layers_to_capture) == engine_captured_layers(
+            ids, engine="sglang", architecture="DeepseekV3ForCausalLM", num_layers=61)
     for arch, module in [("GlmMoeDsaForCausalLM", "glm4_moe"), ("MistralLarge3ForCausalLM", "mistral_large_3")]:
-        assert arch in FIRST_ID_RULE_ARCHS
+        assert arch_for(arch).sglang_rule == "first_id"
         try:
             cls = getattr(importlib.import_module(f"sglang.srt.models.{module}"), arch)
         except ImportError:
@@ -220,7 +224,7 @@ def test_capture_tree_cache_stand_in_covers_sglangs_offline_driver() -> None:
     import ast
     import importlib.util
 
-    from eaglenest.engines.sglang_capture import _NoPrefixCache
+    from eaglenest.engines.sglang.capture import _NoPrefixCache
 
     spec = importlib.util.find_spec("sglang.bench_one_batch")
     assert spec is not None and spec.origin
@@ -234,7 +238,7 @@ def test_capture_tree_cache_stand_in_covers_sglangs_offline_driver() -> None:
 
 
 def test_streaming_surface_we_call() -> None:
-    """What ``eaglenest.engines.sglang_stream`` uses: read from sglang's source (its engine module needs uvloop and a
+    """What ``eaglenest.engines.sglang.stream`` uses: read from sglang's source (its engine module needs uvloop and a
     GPU-side import chain, so it is parsed rather than imported here; the GPU run exercises it)."""
     import ast
     import dataclasses
@@ -259,7 +263,7 @@ def test_streaming_surface_we_call() -> None:
 
 
 def test_loop_driver_surface() -> None:
-    """What ``eaglenest.engines.sglang_driver`` relies on, read from sglang's source: a batch through
+    """What ``eaglenest.engines.sglang.driver`` relies on, read from sglang's source: a batch through
     ``async_generate`` without ``stream`` returns the outputs (one awaited item); the tokenizer manager starts its
     receive loop on the *running* loop (the driver's thread runs ``Engine.loop``) and installs signal handlers only
     from the main thread (the driver's thread is not)."""
@@ -282,7 +286,7 @@ def test_loop_driver_surface() -> None:
 
 
 def test_generation_capture_launch_and_the_surface_its_hooks_read(folders: tuple[Path, Path]) -> None:
-    """Capture during generation (eaglenest.engines.sglang_hooks) reads ForwardBatch fields, relies on Llama's call
+    """Capture during generation (eaglenest.engines.sglang.hooks) reads ForwardBatch fields, relies on Llama's call
     convention and module names, on hooks firing only outside CUDA graphs, and on Engine.generate taking rids."""
     import ast
     import dataclasses
@@ -292,8 +296,8 @@ def test_generation_capture_launch_and_the_surface_its_hooks_read(folders: tuple
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
     from sglang.srt.models.llama import LlamaDecoderLayer, LlamaModel
 
-    from eaglenest.engines.sglang_args import generation_capture_kwargs
-    from eaglenest.engines.sglang_hooks import hook_specs
+    from eaglenest.engines.sglang.args import generation_capture_kwargs
+    from eaglenest.engines.sglang.hooks import hook_specs
 
     target, _ = folders
     kw = generation_capture_kwargs(engine_kwargs(str(target), SGLangEngineConfig()), hook_specs("/tmp/x", [2, 4, 5]))
@@ -325,7 +329,7 @@ def test_capture_hooks_through_sglangs_own_register_forward_hooks(tmp_path: Path
     from sglang.srt.model_executor.hook_manager import register_forward_hooks
 
     from eaglenest.engines.base import CaptureHint
-    from eaglenest.engines.sglang_recorded import GenerationRecorder
+    from eaglenest.engines.sglang.recorded import GenerationRecorder
 
     model = Model()
     rec = GenerationRecorder(str(tmp_path), AUX, hidden_size=H, dtype="float32")
@@ -343,3 +347,27 @@ def test_capture_hooks_through_sglangs_own_register_forward_hooks(tmp_path: Path
         got = torch.cat([cap.aux_hidden_states, cap.last_hidden_state], dim=-1)
         torch.testing.assert_close(got[:-1], model.model.reference(seq)[:-1], rtol=1e-6, atol=1e-6)
     rec.close()
+
+
+def test_deepseek_v2_layer_call_convention_the_hooks_read() -> None:
+    """DeepseekV3/Kimi capture during generation reads DeepseekV2DecoderLayer's own convention (eaglenest.targets):
+    the ForwardBatch at positional 2, a (hidden, residual, topk_indices) output whose hidden + residual is the stream
+    SGLang's own EAGLE3 capture takes, and the final norm called on (hidden, residual)."""
+    from sglang.srt.models.deepseek_v2 import DeepseekV2DecoderLayer, DeepseekV2Model
+    from sglang.srt.models.kimi_k25 import KimiK25ForConditionalGeneration
+
+    params = list(inspect.signature(DeepseekV2DecoderLayer.forward).parameters)
+    assert params[:5] == ["self", "positions", "hidden_states", "forward_batch", "residual"]
+    call = DEEPSEEK_V3.layer_call
+    assert params[call.forward_batch_arg + 1] == "forward_batch"
+    layer_src = " ".join(inspect.getsource(DeepseekV2DecoderLayer.forward).split())
+    assert "return hidden_states, residual, topk_indices" in layer_src
+    assert (call.output_hidden, call.output_residual, call.output_len) == (0, 1, 3)
+    src = " ".join(inspect.getsource(DeepseekV2Model.forward).split())
+    assert "hidden_states, residual, topk_indices = layer( positions, hidden_states, forward_batch, residual," in src
+    assert "hidden_states, _ = self.norm(hidden_states, residual)" in src
+    # Kimi-K2.5 keeps the DeepseekV3 model as language_model: the hooks' module paths name it
+    init_src = inspect.getsource(KimiK25ForConditionalGeneration.__init__)
+    assert "self.language_model = DeepseekV3ForCausalLM(" in " ".join(init_src.split())
+    assert KIMI_K25.layer_module(0) == "language_model.model.layers.0"
+    assert KIMI_K25.sglang_norm == "language_model.model.norm"

@@ -20,10 +20,10 @@ import pytest
 import torch
 
 from eaglenest.config import SpecConfig
+from eaglenest.drafters.eagle3.model import DrafterModelConfig, Eagle3Drafter
 from eaglenest.engines.base import SamplingParams
 from eaglenest.speculative.decoder import BaselineDecoder, SpecDecoder
 from eaglenest.speculative.draft import RandomDraft
-from eaglenest.speculative.model import DrafterModelConfig, Eagle3Drafter
 
 VOCAB = 8
 N_SAMPLES = 6000

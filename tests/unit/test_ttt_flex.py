@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from test_ttt_reference import make_batch, make_setup, reference_loss
 
-from eaglenest.drafter.ttt import (
+from eaglenest.drafters.eagle3.ttt import (
     ATTENTION_ENV,
     LOSS_ENV,
     TeacherHead,
@@ -24,7 +24,7 @@ from eaglenest.drafter.ttt import (
     soft_cross_entropy_fn,
     ttt_attention,
 )
-from eaglenest.drafter.ttt_flex import (
+from eaglenest.drafters.eagle3.ttt_flex import (
     SEQ_ALIGN,
     flex_available,
     flex_ttt_attention,

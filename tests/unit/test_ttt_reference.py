@@ -11,9 +11,9 @@ import math
 import pytest
 import torch
 
-from eaglenest.drafter.ttt import TeacherHead, TTTObjective, step_metrics
-from eaglenest.drafter.vocab import build_vocab_mapping
-from eaglenest.speculative.model import DrafterModelConfig, Eagle3Drafter
+from eaglenest.drafters.eagle3.model import DrafterModelConfig, Eagle3Drafter
+from eaglenest.drafters.eagle3.ttt import TeacherHead, TTTObjective, step_metrics
+from eaglenest.drafters.vocab import build_vocab_mapping
 
 H, HEADS, KV, D, V, VD = 32, 4, 2, 8, 64, 24
 

@@ -9,9 +9,9 @@ import torch
 from eaglenest.contracts.states import unread_state_positions
 from eaglenest.drafter.batch import pad_batch
 from eaglenest.drafter.steps import autocast_for, init_drafter, ttt_forward
-from eaglenest.drafter.ttt import TeacherHead, TTTObjective
-from eaglenest.drafter.vocab import build_vocab_mapping
-from eaglenest.speculative.model import DrafterModelConfig
+from eaglenest.drafters.eagle3.model import DrafterModelConfig
+from eaglenest.drafters.eagle3.ttt import TeacherHead, TTTObjective
+from eaglenest.drafters.vocab import build_vocab_mapping
 
 H, V, VD, K = 32, 64, 64, 3  # every token in the draft vocab: every masked-in position is trained
 

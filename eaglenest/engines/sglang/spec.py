@@ -3,7 +3,7 @@
 SGLang decides EAGLE-3 behaviour from the algorithm string alone and accepts ``EAGLE`` with an EAGLE-3 drafter without
 a warning (the drafter then gets the final hidden state instead of the 3 aux layers, and accept length sits at 1.0).
 Here the algorithm is derived from the drafter checkpoint, steps/topk/draft tokens are always all given, and the
-drafter x target x algorithm checks are ``eaglenest.contracts.preflight``'s, run with SGLang 0.5.14's layer
+drafter x target x algorithm checks are ``eaglenest.drafters.preflight``'s, run with SGLang 0.5.14's layer
 numbering (``engine="sglang"``). No sglang import.
 """
 
@@ -15,11 +15,11 @@ from pathlib import Path
 from typing import Any
 
 from eaglenest.config import SGLangEngineConfig, SpecConfig
-from eaglenest.contracts.drafter_format import DrafterExport, read_drafter
-from eaglenest.contracts.layers import sglang_captured_layers
-from eaglenest.contracts.preflight import preflight_or_raise
+from eaglenest.contracts.layers import engine_captured_layers
 from eaglenest.contracts.target import TargetSpec
-from eaglenest.engines.sglang_args import engine_kwargs
+from eaglenest.drafters.eagle3.format import DrafterExport, read_drafter
+from eaglenest.drafters.preflight import preflight_or_raise
+from eaglenest.engines.sglang.args import engine_kwargs
 
 
 @dataclass(frozen=True)
@@ -48,8 +48,8 @@ def speculative_launch(drafter: DrafterExport, target: TargetSpec, spec: SpecCon
     """The launch for ``drafter`` on ``target``, after every preflight check passed (else PreflightError)."""
     report = preflight_or_raise(target, drafter, algorithm=spec.algorithm, engine="sglang",
                                 expected_physical_ids=expected_physical_ids)
-    captured = sglang_captured_layers(drafter.config_layer_ids, target.num_layers,
-                                      deepseek_family=target.first_id_rule)
+    captured = engine_captured_layers(drafter.config_layer_ids, engine="sglang", architecture=target.architecture,
+                                      num_layers=target.num_layers)
     return SpeculativeLaunch(algorithm=str(report.algorithm), draft_model_path=str(Path(drafter.path).resolve()),
                              num_steps=spec.num_steps, topk=spec.topk, num_draft_tokens=spec.num_draft_tokens,
                              captured_layers=tuple(captured))

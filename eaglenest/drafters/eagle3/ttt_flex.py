@@ -1,4 +1,4 @@
-"""The TTT attention pattern as one FlexAttention call (fused, block-sparse; the CUDA fast path of drafter.ttt).
+"""The TTT attention pattern as one FlexAttention call (fused, block-sparse; the CUDA fast path of drafters.eagle3.ttt).
 
 Step ``k`` of the TTT unroll lets query row ``t`` see the step-0 keys at rows ``<= t`` plus the key of every step
 ``1..k`` at row ``t`` itself. Written as ordinary attention over one key sequence, the keys are packed as segments::
@@ -133,7 +133,7 @@ def flex_ttt_attention(
     kv_blocks: int | None = None,
     compiled: bool | None = None,
 ) -> torch.Tensor:
-    """Same contract as :func:`eaglenest.drafter.ttt.ttt_attention` (``q [B, h, T, d]``, keys/values ``[B, hk, T, d]``).
+    """Same contract as :func:`ttt.ttt_attention` (``q [B, h, T, d]``, keys/values ``[B, hk, T, d]``).
 
     ``kv_blocks``: key segments to pack (default ``len(k_diag) + 1``; pass the number of TTT steps so all steps
     share one compiled kernel). ``compiled``: run ``torch.compile(flex_attention)`` (default: on CUDA). Eager

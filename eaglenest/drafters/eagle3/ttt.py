@@ -22,9 +22,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from eaglenest.drafter.ttt_flex import flex_available, flex_ttt_attention
-from eaglenest.drafter.vocab import VocabMapping
-from eaglenest.speculative.model import Eagle3Drafter
+from eaglenest.drafters.eagle3.model import Eagle3Drafter
+from eaglenest.drafters.eagle3.ttt_flex import flex_available, flex_ttt_attention
+from eaglenest.drafters.vocab import VocabMapping
 
 
 @dataclass
@@ -111,7 +111,7 @@ def ttt_attention(
 
     ``q [B, h, T, d]``; ``k0/v0 [B, hk, T, d]``; ``k_diag/v_diag``: steps 1..k, each ``[B, hk, T, d]``.
     Step 0 (no diagonal keys) uses SDPA. Later steps: ``impl="flex"`` runs one compiled FlexAttention kernel
-    (drafter.ttt_flex; ``kv_blocks`` = the number of TTT steps lets all steps share it), ``"manual"`` materialises
+    (ttt_flex; ``kv_blocks`` = the number of TTT steps lets all steps share it), ``"manual"`` materialises
     ``[T, T + k]`` scores per head (no loop); default :func:`resolve_attention`.
     """
     b, h, t, d = q.shape

@@ -12,6 +12,7 @@ from typing import Any
 from eaglenest.config import SGLangEngineConfig
 from eaglenest.contracts.metrics import accept_length
 from eaglenest.engines.base import FinishReason, Generation, SamplingParams
+from eaglenest.targets import ARCHS, arch_for
 
 CAPTURE_MAX_SEQS = 256
 """Sequences per capture forward (the capture runner's max_running_requests: its request-slot pool)."""
@@ -38,7 +39,7 @@ def check_sglang_version(installed: str | None) -> None:
     if installed.split("+")[0] != SGLANG_VERSION:
         raise SGLangVersionError(
             f"sglang {installed} is installed but eaglenest's sglang engine is pinned to {SGLANG_VERSION} "
-            f"(its hidden-state capture uses sglang internals listed in eaglenest.engines.sglang.SGLANG_INTERNALS); "
+            f"(its hidden-state capture uses sglang internals listed in engines.sglang.symbols.SGLANG_INTERNALS); "
             f"install sglang=={SGLANG_VERSION}"
         )
 
@@ -86,16 +87,18 @@ _PROTECTED = ("model_path", "incremental_streaming_output", "speculative_algorit
               "disable_radix_cache", "chunked_prefill_size", "forward_hooks")
 
 
-GENERATION_CAPTURE_ARCHITECTURES = ("LlamaForCausalLM",)
-"""Targets whose SGLang model code the capture hooks are verified against (call convention, module names, residual
-stream: tests/unit/test_sglang_contract.py; states vs the prefill capture on the H200: BENCHMARKS.md)."""
+def generation_capture_architectures() -> list[str]:
+    """Targets whose SGLang model code the capture hooks are verified against (call convention, module names,
+    residual stream: tests/unit/test_sglang_contract.py; states vs the prefill capture on the H200: BENCHMARKS.md);
+    each architecture record says so (``eaglenest.targets``)."""
+    return [a for rec in ARCHS if rec.generation_capture for a in rec.architectures]
 
 
 def check_generation_capture(architecture: str, tp_size: int) -> None:
     """Refuse ``target.sglang.capture: generation`` where it is not verified, with the way out."""
-    if architecture not in GENERATION_CAPTURE_ARCHITECTURES:
+    if not arch_for(architecture).generation_capture:
         raise ValueError(
-            f"target.sglang.capture: generation is verified for {list(GENERATION_CAPTURE_ARCHITECTURES)} targets "
+            f"target.sglang.capture: generation is verified for {generation_capture_architectures()} targets "
             f"only (the hooks rely on that model code's layer call convention); this target is {architecture}: use "
             f"target.sglang.capture: prefill")
     if tp_size != 1:
@@ -105,7 +108,7 @@ def check_generation_capture(architecture: str, tp_size: int) -> None:
 
 
 def generation_capture_kwargs(kw: dict[str, Any], hooks: list[dict[str, Any]]) -> dict[str, Any]:
-    """Generation kwargs that record hidden states while generating (``eaglenest.engines.sglang_hooks``).
+    """Generation kwargs that record hidden states while generating (``eaglenest.engines.sglang.hooks``).
 
     Hooks do not run inside CUDA-graph replays, and a radix-cache hit would skip a prompt's rows, so both are off;
     speculative decoding would feed draft rows through the same layers, so it is refused.

@@ -1,7 +1,7 @@
 """DrafterModelConfig: an EAGLE-3 drafter's hyperparameters and the target it serves.
 
 One record, three places: training checkpoints (``drafter_config.json``), the export sidecar (its
-``drafter_config`` key, see ``eaglenest.contracts.drafter_format``) and the model (``eaglenest.speculative.model``).
+``drafter_config`` key, see ``eaglenest.drafters.eagle3.format``) and the model (``eaglenest.drafters.eagle3.model``).
 ``aux_layer_ids`` are always physical ids (``eaglenest.contracts.layers``).
 """
 
@@ -34,6 +34,11 @@ class DrafterModelConfig:
     max_position_embeddings: int = 2048
     target: str = ""
     """where the target came from (folder or hub id), recorded for preflight checks"""
+    target_architecture: str = ""
+    """the target's ``architectures[0]``: each engine's layer-id rule depends on it (``eaglenest.targets``); empty in
+    checkpoints written before it was recorded (read as a Llama-style target)"""
+    algorithm: str = "eagle3"
+    """the drafter algorithm (``eaglenest.drafters.registry``)"""
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     extra: dict[str, Any] = field(default_factory=dict)

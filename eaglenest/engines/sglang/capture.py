@@ -6,7 +6,7 @@ radix cache, chunked prefill and CUDA graphs off. The target is told which layer
 path's numbering), and a thin wrapper around the model's ``logits_processor`` keeps the two tensors it is handed:
 the aux states (residual stream entering each captured layer) and the final normed state. Nothing goes through JSON.
 
-Every sglang name used here is listed in ``eaglenest.engines.sglang.SGLANG_INTERNALS`` and fetched through
+Every sglang name used here is listed in ``eaglenest.engines.sglang.engine.SGLANG_INTERNALS`` and fetched through
 ``sglang_symbol``; this module is imported only when capture is first asked for.
 """
 
@@ -19,10 +19,10 @@ from typing import Any
 
 import torch
 
-from eaglenest.contracts.layers import sglang_config_ids_for
+from eaglenest.contracts.layers import engine_layer_ids
 from eaglenest.engines.base import Capture
-from eaglenest.engines.sglang_args import plan_capture_batches, reorder_aux
-from eaglenest.engines.sglang_symbols import sglang_symbol
+from eaglenest.engines.sglang.args import plan_capture_batches, reorder_aux
+from eaglenest.engines.sglang.symbols import sglang_symbol
 
 
 class _NoPrefixCache(SimpleNamespace):
@@ -47,10 +47,9 @@ class _NoPrefixCache(SimpleNamespace):
 class SGLangCaptureRunner:
     """One in-process ModelRunner (tp 1) that turns token-id sequences into aux + final normed hidden states."""
 
-    def __init__(self, server_kwargs: dict[str, Any], *, architecture: str, num_layers: int, first_id_rule: bool,
-                 max_tokens: int):
+    def __init__(self, server_kwargs: dict[str, Any], *, architecture: str, num_layers: int, max_tokens: int):
         self.num_layers = num_layers
-        self.first_id_rule = first_id_rule
+        self.architecture = architecture
         self.max_tokens = max_tokens
         ServerArgs = sglang_symbol("sglang.srt.server_args:ServerArgs")
         PortArgs = sglang_symbol("sglang.srt.server_args:PortArgs")
@@ -107,14 +106,15 @@ class SGLangCaptureRunner:
         wanted = sorted(int(i) for i in physical_ids)
         if self._current_layers == wanted:
             return wanted
-        config_ids = sglang_config_ids_for(wanted, self.num_layers, first_id_rule=self.first_id_rule)
+        config_ids = engine_layer_ids(wanted, engine="sglang", architecture=self.architecture,
+                                      num_layers=self.num_layers)
         self.model.set_eagle3_layers_to_capture(config_ids)
         got = sorted(self._captured_now())
         if got != wanted:
             raise RuntimeError(
                 f"sglang set layers_to_capture={got} for eagle ids {config_ids}, expected physical {wanted}: the "
                 f"installed sglang's layer numbering differs from 0.5.14's "
-                f"(see eaglenest.contracts.layers.sglang_captured_layers)"
+                f"(see eaglenest.targets, the architecture's sglang_rule)"
             )
         self._current_layers = wanted
         return wanted

@@ -5,14 +5,16 @@ normed state. The prefill capture path gets them from a second, teacher-forced p
 about as much GPU time as the generation itself. SGLang computes exactly these states while it generates (the
 prompt's in the prefill, each answer token's in the decode step that consumes it), so these hooks record them
 there: SGLang's public ``forward_hooks`` server argument loads :func:`capture_hook` by import path inside the
-scheduler process and attaches it to ``model.layers.{k-1}`` (whose output ``hidden + residual`` is the stream
-entering physical layer ``k``) and to ``model.norm`` (the final normed state). Rows are attributed through the
+scheduler process and attaches it to decoder layer ``k-1`` (whose output ``hidden + residual`` is the stream
+entering physical layer ``k``) and to the final norm (the final normed state); the module paths and what a layer
+returns come from the target's architecture record (``eaglenest.targets``: Llama's layers return
+``(hidden, residual)``, DeepseekV2's ``(hidden, residual, topk_indices)``). Rows are attributed through the
 forward batch's own ``rids``, ``positions`` and ``input_ids``, so nothing depends on scheduling order.
 
 Every forward's rows go GPU -> host on a writer thread: the states by DMA into a ring of shared memory
-(``eaglenest.engines.capture_ring``, registered as pinned memory here) where the sink has one, else into the chunk
+(``capture_ring``, registered as pinned memory here) where the sink has one, else into the chunk
 file; the chunk file (header, ids, positions) is written under a temporary name, then renamed, and the reader takes
-chunks in forward order whatever order they land in. ``eaglenest.engines.capture_sink`` reads them in the engine
+chunks in forward order whatever order they land in. ``eaglenest.engines.sglang.capture_sink`` reads them in the engine
 actor. Hooks do not fire
 inside CUDA-graph replays and a radix-cache hit would skip prompt rows, so the engine that carries these hooks runs
 with CUDA graphs and the radix cache off (``sglang_args.generation_capture_kwargs``).
@@ -33,14 +35,18 @@ import struct
 import threading
 import time
 import traceback
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from eaglenest.engines.capture_ring import RingView, RingWriter, ring_exists
+from eaglenest.engines.sglang.capture_ring import RingView, RingWriter, ring_exists
+from eaglenest.targets import LayerCall, arch_for
 
-HOOK_FACTORY = "eaglenest.engines.sglang_hooks:capture_hook"
+HOOK_FACTORY = "eaglenest.engines.sglang.hooks:capture_hook"
+LAYER_CALL_DEFAULT = LayerCall()
+"""Llama's: ``layer(positions, hidden, forward_batch, residual) -> (hidden, residual)``"""
 ERROR_FILE = "error.txt"
 CHUNK_SUFFIX = ".chunk"
 QUEUE_DEPTH = 16
@@ -54,24 +60,27 @@ RING_WAIT_S = 30.0
 
 
 def hook_specs(sink: str | Path, physical_ids: list[int], dtype: str = "bfloat16",
-               writers: int = WRITERS, staging_bytes: int = 0, ring: bool = False) -> list[dict[str, Any]]:
+               writers: int = WRITERS, staging_bytes: int = 0, ring: bool = False,
+               architecture: str = "LlamaForCausalLM") -> list[dict[str, Any]]:
     """SGLang ``forward_hooks`` entries recording the streams entering ``physical_ids`` and the final normed state.
 
     Physical id ``k`` is ``output_hidden_states[k]`` in transformers' numbering: the output of decoder layer ``k-1``,
     so ``k >= 1`` (the embeddings, ``k = 0``, have no layer whose output is them; use prefill capture for that).
     ``staging_bytes``: pinned host memory each writer allocates when the engine starts (see :func:`staging_size`);
-    ``ring``: the sink folder has a ring (``capture_ring.create_ring``) for the states.
+    ``ring``: the sink folder has a ring (``capture_ring.create_ring``) for the states. ``architecture``: the target's;
+    its record (``eaglenest.targets``) names SGLang's layer modules and their call convention.
     """
     if any(k < 1 for k in physical_ids):
         raise ValueError(f"capture during generation needs physical aux ids >= 1 (got {physical_ids}); "
                          f"use target.sglang.capture: prefill for layer 0 (the embeddings)")
+    arch = arch_for(architecture)
     common = {"sink": str(sink), "n_aux": len(physical_ids), "dtype": dtype, "writers": int(writers),
-              "staging_bytes": int(staging_bytes), "ring": bool(ring)}
-    specs = [{"name": f"eaglenest-capture-aux{slot}", "target_modules": [f"model.layers.{k - 1}"],
+              "staging_bytes": int(staging_bytes), "ring": bool(ring), "layer_call": asdict(arch.layer_call)}
+    specs = [{"name": f"eaglenest-capture-aux{slot}", "target_modules": [arch.layer_module(k - 1)],
               "hook_factory": HOOK_FACTORY, "config": {**common, "role": "aux", "slot": slot}}
              for slot, k in enumerate(physical_ids)]
-    specs.append({"name": "eaglenest-capture-final", "target_modules": ["model.norm"], "hook_factory": HOOK_FACTORY,
-                  "config": {**common, "role": "final"}})
+    specs.append({"name": "eaglenest-capture-final", "target_modules": [arch.sglang_norm],
+                  "hook_factory": HOOK_FACTORY, "config": {**common, "role": "final"}})
     return specs
 
 
@@ -197,14 +206,14 @@ class _Recorder:
         self.pending.clear()
         (self.folder / ERROR_FILE).write_text(f"{where}\n{traceback.format_exc()}")
 
-    def aux(self, slot: int, output: Any) -> None:
+    def aux(self, slot: int, output: Any, call: LayerCall = LAYER_CALL_DEFAULT) -> None:
         if self.failed:
             return
         t0 = time.perf_counter()
         if slot == 0:
             self._forward_from = t0
         try:
-            hidden, residual = output if isinstance(output, tuple) else (output, None)
+            hidden, residual = call.stream(output)
             self.pending[slot] = hidden + residual if residual is not None else hidden.clone()
         except Exception:  # noqa: BLE001 - a recording failure must not take the engine down
             self.fail("aux hook")
@@ -376,12 +385,14 @@ def capture_hook(config: dict[str, Any]) -> Any:
     rec = _recorder(config)
     if config["role"] == "aux":
         slot = int(config["slot"])
+        call = LayerCall(**config["layer_call"]) if config.get("layer_call") else LAYER_CALL_DEFAULT
+        fb_arg = call.forward_batch_arg
 
         def aux_hook(module: Any, args: tuple, output: Any) -> None:
-            # decoder layers are called as layer(positions, hidden_states, forward_batch, residual); every aux hook
-            # of one forward sees the same batch, so the last one to fire before the final norm decides
-            rec.forward_batch = args[2] if len(args) > 2 else None
-            rec.aux(slot, output)
+            # the layer's call convention (eaglenest.targets) says where its ForwardBatch is; every aux hook of one
+            # forward sees the same batch, so the last one to fire before the final norm decides
+            rec.forward_batch = args[fb_arg] if len(args) > fb_arg else None
+            rec.aux(slot, output, call)
 
         return aux_hook
 

@@ -25,9 +25,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from eaglenest.contracts.drafter_config import DrafterModelConfig
-from eaglenest.contracts.drafter_format import DTYPE_NAMES, WEIGHTS, read_export_config, validate_tensors, write_export
 from eaglenest.contracts.target import TargetSpec
+from eaglenest.drafters.eagle3.config import DrafterModelConfig
+from eaglenest.drafters.eagle3.format import DTYPE_NAMES, WEIGHTS, read_export_config, validate_tensors, write_export
 
 __all__ = ["DrafterKVCache", "DrafterModelConfig", "Eagle3Drafter", "flops_per_token", "load_drafter"]
 
@@ -337,7 +337,7 @@ class Eagle3Drafter(nn.Module):
 
     # -------------------------------------------------------------------------------------------------- save/load
     def save_pretrained(self, output_dir: str | Path, *, include_embedding: bool = True, **kwargs: Any) -> Path:
-        """Write an SGLang-loadable export folder (``eaglenest.contracts.drafter_format``; kwargs: fmt, dtype)."""
+        """Write an SGLang-loadable export folder (``eaglenest.drafters.eagle3.format``; kwargs: fmt, dtype)."""
         tensors = {k: v.detach().cpu() for k, v in self.state_dict().items()
                    if include_embedding or k != "embed_tokens.weight"}
         return write_export(tensors, self.config, output_dir, **kwargs)

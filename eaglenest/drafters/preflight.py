@@ -3,21 +3,28 @@
 The seed incident (an EAGLE-3 drafter launched with ``--speculative-algorithm EAGLE``: no aux capture, ``fc`` skipped,
 accept length 1.0, no error anywhere) is one of a family of silent mismatches between what a drafter was trained on
 and what the serving engine feeds it. Every such contract is one named check here; ``eaglenest preflight``, every
-serve replica and the SGLang launcher (``eaglenest.engines.sglang_spec``) run the same list before an engine starts.
+serve replica and the SGLang launcher (``eaglenest.engines.sglang.spec``) run the same list before an engine starts.
 Only JSON files and safetensors headers are read (plus the two small vocab-mapping tensors and a few sampled embedding
 rows), so a real target that cannot be loaded on this machine is still checked.
 """
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 from eaglenest.config import EaglenestConfig
-from eaglenest.contracts.drafter_format import (
+from eaglenest.contracts.layers import (
+    LayerIdError,
+    default_aux_layer_ids,
+    engine_captured_layers,
+    engine_layer_ids,
+    validate_aux_layer_ids,
+)
+from eaglenest.contracts.target import TargetSpec
+from eaglenest.drafters.eagle3.format import (
     REQUIRED_TENSORS,
     SIDECAR,
     DrafterExport,
@@ -25,14 +32,6 @@ from eaglenest.contracts.drafter_format import (
     read_drafter,
     vocab_mapping_problems,
 )
-from eaglenest.contracts.layers import (
-    LayerIdError,
-    default_aux_layer_ids,
-    sglang_captured_layers,
-    sglang_config_ids_for,
-    validate_aux_layer_ids,
-)
-from eaglenest.contracts.target import TargetSpec, local_target_folder
 
 Engine = Literal["hf", "sglang"]
 Algorithm = Literal["EAGLE3", "EAGLE"]
@@ -277,34 +276,36 @@ def _check_layers(report: PreflightReport, d: DrafterExport, t: TargetSpec, engi
                        f"target it was trained on")
         return
     # sglang: check what SGLang 0.5.14 will really capture from the config ids, by target architecture
-    family = t.first_id_rule
-    rule = "adds 1 only when the first id is 1" if family else "adds 1 to every id"
-    captured = sglang_captured_layers(config_ids, n, deepseek_family=family)
+    arch = t.arch
+    rule = "adds 1 only when the first id is 1" if arch.sglang_rule == "first_id" else "adds 1 to every id"
+    captured = engine_captured_layers(config_ids, engine="sglang", architecture=t.architecture, num_layers=n)
+
+    def ids_fix() -> str:
+        try:
+            ids = engine_layer_ids(physical or [], engine="sglang", architecture=t.architecture, num_layers=n)
+        except LayerIdError:
+            return "re-export the drafter for this target with eaglenest export"
+        return (f"re-export the drafter with eaglenest export (it writes the ids for this target's architecture), "
+                f"or write eagle_aux_hidden_state_layer_ids: {ids} in the drafter's config.json")
+
     try:
         validate_aux_layer_ids(captured, n)
     except LayerIdError as e:
-        fix = "re-export the drafter against this target with eaglenest.drafter.export"
-        if physical is not None:
-            with contextlib.suppress(LayerIdError):
-                fix = (f"write eagle_aux_hidden_state_layer_ids: "
-                       f"{sglang_config_ids_for(physical, n, first_id_rule=family)} in the drafter's config.json")
+        fix = ids_fix() if physical is not None else "re-export the drafter against this target with eaglenest export"
         report.add("aux_layer_ids", False, f"SGLang ({t.architecture}: {rule}) would capture layers {captured} from "
                                            f"eagle_aux_hidden_state_layer_ids {config_ids}: {e}", fix)
         return
     if physical is None:
         report.add("aux_layer_ids", False, f"SGLang would capture physical layers {captured}, but the layers the "
                                            f"drafter was trained on are unknown (no {SIDECAR})",
-                   "re-export the drafter with eaglenest.drafter.export (it records the physical ids), or give "
+                   "re-export the drafter with eaglenest export (it records the physical ids), or give "
                    "them (target.aux_layer_ids)")
         return
     if list(physical) != captured:
-        try:
-            want = f"write eagle_aux_hidden_state_layer_ids: {sglang_config_ids_for(physical, n, first_id_rule=family)}"
-        except LayerIdError:
-            want = "re-export the drafter for this target"
         report.add("aux_layer_ids", False,
                    f"SGLang 0.5.14 ({t.architecture}: {rule}) would capture physical layers {captured} from "
-                   f"eagle_aux_hidden_state_layer_ids {config_ids}, but the drafter was trained on {physical}", want)
+                   f"eagle_aux_hidden_state_layer_ids {config_ids}, but the drafter was trained on {physical}",
+                   ids_fix())
         return
     report.add("aux_layer_ids", True, f"SGLang captures physical layers {captured} from config ids {config_ids} "
                                       f"({rule}), as trained ({where})")
@@ -359,7 +360,7 @@ def _check_vocab(report: PreflightReport, d: DrafterExport, t: TargetSpec) -> No
 
 
 def _check_mapping(report: PreflightReport, d: DrafterExport, dv: int, v: int) -> None:
-    fix = "rebuild the vocab mapping (drafter.vocab) and re-export; d2t[i] = target_id(i) - i, t2d marks those ids"
+    fix = "rebuild the vocab mapping (drafters.vocab) and re-export; d2t[i] = target_id(i) - i, t2d marks those ids"
     d2t_shape, t2d_shape = d.shape("d2t"), d.shape("t2d")
     problems = []
     if d2t_shape != [dv]:
@@ -427,11 +428,14 @@ def preflight_or_raise(target: str | Path | TargetSpec, drafter: str | Path | Dr
                          expected_physical_ids=expected_physical_ids).raise_for_failures()
 
 
-def preflight_for_config(cfg: EaglenestConfig, drafter: str | Path, *, target_info: Any = None) -> PreflightReport:
-    """The checks for a serve config: target and engine from ``target:``, algorithm from ``serve.spec``."""
+def preflight_for_config(cfg: EaglenestConfig, drafter: str | Path, *, folder: Path | None,
+                         target_info: Any = None) -> PreflightReport:
+    """The checks for a serve config: target and engine from ``target:``, algorithm from ``serve.spec``.
+
+    ``folder``: the target's local folder (``eaglenest.engines.location.local_target_folder``), None for a hub id,
+    then ``target_info`` (a loaded engine's) stands in."""
     engine = cfg.target.engine
     ctx = cfg.target.sglang.context_length if engine == "sglang" else None
-    folder = local_target_folder(cfg.target)
     if folder is not None:
         target: Path | TargetSpec = folder
     elif target_info is not None:

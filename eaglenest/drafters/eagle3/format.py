@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from eaglenest.contracts.drafter_config import DrafterModelConfig
-from eaglenest.contracts.layers import to_sglang_ids, to_vllm_ids
+from eaglenest.contracts.layers import ENGINES, LayerIdError, engine_layer_ids, physical_from_config
+from eaglenest.drafters.eagle3.config import DrafterModelConfig
 
 if TYPE_CHECKING:
     import torch
@@ -59,22 +59,27 @@ class DrafterFormatError(ValueError):
 
 
 # ------------------------------------------------------------------------------------------------------ layer ids
-def config_layer_ids(physical: Sequence[int], fmt: Format) -> list[int]:
-    """The ids config.json carries for ``fmt`` (SGLang: physical - 1; vLLM: physical)."""
-    if fmt == "sglang":
-        return to_sglang_ids(physical)
-    if fmt == "vllm":
-        return to_vllm_ids(physical)
-    raise ExportError(f"unknown export format {fmt!r}; use 'sglang' or 'vllm'")
+def _check_format(fmt: str) -> None:
+    if fmt not in ENGINES:
+        raise ExportError(f"unknown export format {fmt!r}; use 'sglang' or 'vllm'")
 
 
-def physical_layer_ids(config_ids: Sequence[int], fmt: Format) -> list[int]:
-    """Inverse of :func:`config_layer_ids`."""
-    if fmt == "sglang":
-        return [int(i) + 1 for i in config_ids]
-    if fmt == "vllm":
-        return [int(i) for i in config_ids]
-    raise ExportError(f"unknown export format {fmt!r}; use 'sglang' or 'vllm'")
+def config_layer_ids(cfg: DrafterModelConfig, fmt: Format) -> list[int]:
+    """The ids config.json carries for ``fmt``: what makes that engine capture exactly the physical layers the
+    drafter trained on, by the target's architecture (``eaglenest.contracts.layers.engine_layer_ids``)."""
+    _check_format(fmt)
+    try:
+        return engine_layer_ids(cfg.aux_layer_ids, engine=fmt, architecture=cfg.target_architecture,
+                                num_layers=cfg.target_num_layers)
+    except LayerIdError as e:
+        raise ExportError(str(e)) from e
+
+
+def physical_layer_ids(config_ids: Sequence[int], fmt: Format, *, architecture: str = "",
+                       num_layers: int = 0) -> list[int]:
+    """Inverse of :func:`config_layer_ids`: the physical layers ``fmt`` captures from ``config_ids``."""
+    _check_format(fmt)
+    return physical_from_config(config_ids, engine=fmt, architecture=architecture, num_layers=num_layers)
 
 
 def recorded_physical_ids(sidecar: Mapping[str, Any] | None) -> tuple[list[int] | None, str]:
@@ -114,7 +119,7 @@ def hf_config(cfg: DrafterModelConfig, fmt: Format, dtype: str) -> dict[str, Any
         "mlp_bias": False,
         "torch_dtype": dtype,
         "eagle_config": {
-            "eagle_aux_hidden_state_layer_ids": config_layer_ids(cfg.aux_layer_ids, fmt),
+            "eagle_aux_hidden_state_layer_ids": config_layer_ids(cfg, fmt),
             "use_aux_hidden_state": True,
         },
     }
@@ -214,7 +219,7 @@ def write_export(
 
     if dtype not in DTYPE_NAMES:
         raise ExportError(f"unknown dtype {dtype!r}; use one of {sorted(DTYPE_NAMES)}")
-    config_layer_ids(cfg.aux_layer_ids, fmt)  # validates fmt
+    config_ids = config_layer_ids(cfg, fmt)  # validates fmt and the ids for this target
     validate_tensors(tensors, cfg)
     td = getattr(torch, dtype)
     out_tensors = {
@@ -223,8 +228,11 @@ def write_export(
     sidecar = {
         "format": fmt,
         SIDECAR_ID_KEYS[0]: list(cfg.aux_layer_ids),
-        "config_aux_layer_ids": config_layer_ids(cfg.aux_layer_ids, fmt),
-        "layer_id_convention": "physical - 1 (SGLang adds 1 back)" if fmt == "sglang" else "physical (vLLM)",
+        "config_aux_layer_ids": config_ids,
+        "layer_id_convention": (f"SGLang's rule for {cfg.target_architecture or 'Llama-style'} targets"
+                                if fmt == "sglang" else "physical (vLLM)"),
+        "target_architecture": cfg.target_architecture,
+        "algorithm": cfg.algorithm,
         "target": cfg.target,
         "target_num_layers": cfg.target_num_layers,
         "target_hidden_size": cfg.target_hidden_size,
@@ -271,7 +279,8 @@ def read_export_config(export_dir: str | Path) -> tuple[DrafterModelConfig, dict
     cfg = DrafterModelConfig.from_dict(side["drafter_config"])
     fmt = side.get("format")
     written = (hf.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-    if written is None or physical_layer_ids(written, fmt) != cfg.aux_layer_ids:
+    if written is None or physical_layer_ids(written, fmt, architecture=cfg.target_architecture,
+                                             num_layers=cfg.target_num_layers) != cfg.aux_layer_ids:
         raise ExportError(
             f"{d}: config.json eagle_aux_hidden_state_layer_ids {written} in {fmt} convention does not give the "
             f"physical ids {cfg.aux_layer_ids} recorded in {SIDECAR}; re-export the checkpoint"
@@ -331,8 +340,11 @@ class DrafterExport:
         ids, _ = self.recorded_physical_ids()
         written = self.config_layer_ids
         if ids is None and written is not None:
-            fmt = (self.sidecar or {}).get("format") or "sglang"
-            ids = physical_layer_ids(written, fmt if fmt in ("sglang", "vllm") else "sglang")
+            side = self.sidecar or {}
+            fmt = side.get("format") or "sglang"
+            ids = physical_layer_ids(written, fmt if fmt in ENGINES else "sglang",
+                                     architecture=str(side.get("target_architecture") or ""),
+                                     num_layers=int(side.get("target_num_layers") or 0))
         return ids
 
     def shape(self, name: str) -> list[int] | None:

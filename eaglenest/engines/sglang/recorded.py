@@ -1,7 +1,7 @@
 """Capture during generation, engine side: the hooks to launch with, request ids, and per-batch assembly.
 
 The SGLang engine launched with :attr:`GenerationRecorder.hooks` records every forward's aux and final states
-(``eaglenest.engines.sglang_hooks``); this object names each generation's requests, remembers how many rows each
+(``eaglenest.engines.sglang.hooks``); this object names each generation's requests, remembers how many rows each
 must produce (prompt + answer - 1: the last answer token is never fed back), and turns a batch's recordings into one
 :class:`Capture` per sequence. Sequences it cannot serve from recordings (no hint, a mismatch, rows missing that
 training reads) are captured by a one-token generation over the whole sequence, whose prefill records every
@@ -23,8 +23,8 @@ from pathlib import Path
 import torch
 
 from eaglenest.engines.base import Capture, CaptureHint, Generation
-from eaglenest.engines.capture_sink import RESERVE_MAX_BYTES, CaptureSink, CaptureSinkError
-from eaglenest.engines.sglang_hooks import STAGING_ROWS, WRITERS, hook_specs, staging_size
+from eaglenest.engines.sglang.capture_sink import RESERVE_MAX_BYTES, CaptureSink, CaptureSinkError
+from eaglenest.engines.sglang.hooks import STAGING_ROWS, WRITERS, hook_specs, staging_size
 
 SHM_MIN_FREE = 8 << 30
 """/dev/shm is used for the chunk files when it has this much free space (a container's default is 64 MiB)."""
@@ -46,7 +46,7 @@ class GenerationRecorder:
 
     def __init__(self, folder: str | None, aux_layer_ids: Sequence[int], *, hidden_size: int,
                  dtype: str = "bfloat16", reserve_max_bytes: int = RESERVE_MAX_BYTES, writers: int = WRITERS,
-                 ring_bytes: int = 0) -> None:
+                 ring_bytes: int = 0, architecture: str = "LlamaForCausalLM") -> None:
         self.folder = capture_folder(folder)
         # the sink (and its ring, when ``ring_bytes``) exists before the hooks: the scheduler maps the ring at start
         self.sink = CaptureSink(self.folder, hidden_size=hidden_size, n_aux=len(aux_layer_ids),
@@ -55,7 +55,8 @@ class GenerationRecorder:
         # each writer's pinned staging, for a prefill chunk's states (or only its ids and positions, with a ring)
         width = hidden_size * (len(aux_layer_ids) + 1) if ring_bytes <= 0 else 0
         self.hooks = hook_specs(self.folder, list(aux_layer_ids), dtype, writers,
-                                staging_size(STAGING_ROWS, width, getattr(torch, dtype).itemsize), ring=ring_bytes > 0)
+                                staging_size(STAGING_ROWS, width, getattr(torch, dtype).itemsize), ring=ring_bytes > 0,
+                                architecture=architecture)
         ring = f"a ring of {ring_bytes / 2**30:.2f} GiB" if ring_bytes > 0 else "no ring (states in chunk files)"
         print(f"[eaglenest capture] recording into {self.folder}, {ring}, {writers} writer thread(s)", flush=True)
         self.counts: Counter[str] = Counter()
