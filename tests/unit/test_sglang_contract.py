@@ -30,10 +30,10 @@ from sglang_shims.fixtures import export_eagle3_drafter, write_eagle3_drafter, w
 from eaglenest.config import SGLangEngineConfig, SpecConfig  # noqa: E402
 from eaglenest.contracts.layers import default_aux_layer_ids, engine_captured_layers, engine_layer_ids  # noqa: E402
 from eaglenest.drafters.preflight import SpeculativeConfigError  # noqa: E402
-from eaglenest.targets import DEEPSEEK_V3, KIMI_K25, arch_for  # noqa: E402
 from eaglenest.engines.sglang.args import SGLANG_VERSION, capture_server_kwargs, engine_kwargs  # noqa: E402
 from eaglenest.engines.sglang.engine import SGLANG_INTERNALS, installed_sglang_version, require_sglang  # noqa: E402
 from eaglenest.engines.sglang.spec import speculative_engine_kwargs  # noqa: E402
+from eaglenest.targets import DEEPSEEK_V3, KIMI_K25, arch_for  # noqa: E402
 
 CPU_ONLY = {"device": "cuda", "skip_tokenizer_init": True}  # §G: explicit device; config-only folders, no tokenizer
 
