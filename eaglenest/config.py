@@ -224,7 +224,8 @@ class TrainConfig(Section):
 class SpecConfig(Section):
     """Speculative decoding shape; SGLang needs all three set."""
 
-    algorithm: Literal["EAGLE3", "EAGLE"] | None = Field(None, description="default: derived from the drafter")
+    algorithm: str | None = Field(None, description="the engine's speculative algorithm; default: derived from the "
+                                  "drafter (eaglenest.drafters.registry), which preflight checks it against")
     num_steps: int = Field(3, ge=1)
     topk: int = Field(1, ge=1)
     num_draft_tokens: int = Field(4, ge=2)

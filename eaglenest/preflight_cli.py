@@ -6,12 +6,14 @@ import argparse
 import json
 import sys
 
+from eaglenest.drafters.registry import engine_algorithm_names
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", required=True,
                    help="target model folder (its config.json is read; 'tiny' = the embedded tiny target)")
     p.add_argument("--drafter", required=True, help="exported drafter folder (config.json + safetensors)")
-    p.add_argument("--algorithm", choices=["EAGLE3", "EAGLE"], default=None,
+    p.add_argument("--algorithm", choices=engine_algorithm_names(), default=None,
                    help="speculative algorithm to check; default: derived from the drafter checkpoint")
     p.add_argument("--engine", choices=["hf", "sglang"], default="hf",
                    help="serving engine whose layer-id convention applies (default hf)")

@@ -1,7 +1,10 @@
 """A CPU stand-in for SGLang's Llama and scheduler, for capture-during-generation tests (no GPU, no sglang).
 
 The model has SGLang's Llama call convention (``model.layers.{i}(positions, hidden, forward_batch, residual) ->
-(hidden, residual)``, ``model.norm(hidden, residual) -> (normed, residual)``) and module names; the scheduler
+(hidden, residual)``, ``model.norm(hidden, residual) -> (normed, residual)``) and module names, or, with
+``Model("deepseek")``, DeepseekV2's (``layer(positions, hidden, forward_batch, residual, zero_allocator, None, None)
+-> (hidden, residual, topk_indices)``), and with ``Model("kimi")`` the same under Kimi-K2.5's ``language_model``
+wrapper (tests/unit/test_sglang_contract.py checks these conventions against SGLang's source); the scheduler
 batches continuously (chunked prefill mixed with other requests' chunks, decode steps with requests joining and
 leaving) and hands each forward a batch with the ForwardBatch fields the hooks read.
 """
@@ -65,6 +68,16 @@ class Layer(nn.Module):
         return torch.tanh(residual @ self.w + positions[:, None] * 0.01), residual
 
 
+class DeepseekLayer(Layer):
+    """DeepseekV2DecoderLayer's convention: 7 positional arguments (the 5th a BumpAllocator), a 3-tuple out."""
+
+    def forward(self, positions, hidden, forward_batch, residual, zero_allocator, gemm_output_zero_allocator=None,
+                llama_4_scaling=None, prev_topk_indices=None, captured_last_layer_outputs=None):
+        assert zero_allocator is not None
+        h, r = super().forward(positions, hidden, forward_batch, residual)
+        return h, r, None
+
+
 class Norm(nn.Module):
     def forward(self, hidden, residual):
         x = hidden + residual
@@ -72,16 +85,20 @@ class Norm(nn.Module):
 
 
 class Inner(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, deepseek: bool = False) -> None:
         super().__init__()
+        self.deepseek = deepseek
         self.embed = nn.Embedding(V, H)
-        self.layers = nn.ModuleList(Layer(i) for i in range(LAYERS))
+        self.layers = nn.ModuleList((DeepseekLayer if deepseek else Layer)(i) for i in range(LAYERS))
         self.norm = Norm()
 
     def forward(self, fb: Batch):
         h, r = self.embed(fb.input_ids), None
         for layer in self.layers:
-            h, r = layer(fb.positions, h, fb, r)
+            if self.deepseek:
+                h, r, _ = layer(fb.positions, h, fb, r, object(), None, None)
+            else:
+                h, r = layer(fb.positions, h, fb, r)
         return self.norm(h, r)[0]
 
     def reference(self, ids: list[int]) -> torch.Tensor:
@@ -90,16 +107,29 @@ class Inner(nn.Module):
         h, r = self.embed(torch.tensor(ids)), None
         streams = [h]
         for layer in self.layers:
-            h, r = layer(pos, h, None, r)
+            h, r = Layer.forward(layer, pos, h, None, r)
             streams.append(h + r)
         return torch.cat([streams[k] for k in AUX] + [self.norm(h, r)[0]], dim=-1)
 
 
 class Model(nn.Module):
-    def __init__(self) -> None:
+    """``arch``: "llama" (``model.layers``), "deepseek" (same paths, DeepseekV2's layer call) or "kimi" (DeepseekV2's
+    layers under ``language_model.model``, as SGLang's KimiK25ForConditionalGeneration holds them)."""
+
+    def __init__(self, arch: str = "llama") -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.model = Inner()
+        inner = Inner(deepseek=arch in ("deepseek", "kimi"))
+        if arch == "kimi":
+            self.language_model = nn.Module()
+            self.language_model.model = inner
+        else:
+            self.model = inner
+
+    def __getattr__(self, name: str):
+        if name == "model" and "language_model" in self._modules:
+            return self._modules["language_model"].model  # an alias, not a module path (as in SGLang's Kimi class)
+        return super().__getattr__(name)
 
 
 def attach(model: nn.Module, specs: list[dict]) -> None:

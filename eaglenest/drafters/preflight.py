@@ -32,9 +32,9 @@ from eaglenest.drafters.eagle3.format import (
     read_drafter,
     vocab_mapping_problems,
 )
+from eaglenest.drafters.registry import ALGORITHMS, algorithm_for_architecture
 
 Engine = Literal["hf", "sglang"]
-Algorithm = Literal["EAGLE3", "EAGLE"]
 EMBED_SAMPLE_ROWS = 16
 
 
@@ -115,26 +115,29 @@ class PreflightReport:
 
 
 def derive_algorithm(drafter: DrafterExport, requested: str | None = None) -> str:
-    """The algorithm comes from the checkpoint: an ``*Eagle3`` drafter is served with EAGLE3, always.
+    """The engine algorithm comes from the checkpoint (``eaglenest.drafters.registry``): an EAGLE-3 drafter is served
+    with EAGLE3, always.
 
-    Raises SpeculativeConfigError for any other drafter, and for an EAGLE-3 drafter under another algorithm (which
-    SGLang would accept silently).
+    Raises SpeculativeConfigError for a drafter no registered algorithm exports, and for a drafter under an engine
+    algorithm that would silently misuse it (SGLang accepts EAGLE for an EAGLE-3 checkpoint).
     """
-    if not drafter.is_eagle3:
+    algo = algorithm_for_architecture(drafter.architecture)
+    if algo is None:
+        known = [a for alg in ALGORITHMS.values() for a in alg.export_architectures]
         raise SpeculativeConfigError(
-            f"drafter architectures {drafter.config.get('architectures') or []} are not an EAGLE-3 drafter",
-            "eaglenest serves EAGLE-3 drafters only (architectures: [LlamaForCausalLMEagle3]); re-export the drafter "
-            "with eaglenest.drafter.export")
-    if requested is None or requested == "EAGLE3":
-        return "EAGLE3"
-    if requested != "EAGLE":
+            f"drafter architectures {drafter.config.get('architectures') or []} are not a drafter eaglenest serves",
+            f"eaglenest serves drafters with architectures {known}; re-export the drafter with eaglenest export")
+    if requested is None or requested == algo.sglang_algorithm:
+        return algo.sglang_algorithm
+    wrong = dict(algo.wrong_engine_algorithms)
+    if requested not in wrong:
         raise SpeculativeConfigError(f"speculative algorithm {requested!r} is not supported here",
-                                     "use EAGLE3 (or leave it unset: it is derived from the drafter)")
+                                     f"use {algo.sglang_algorithm} (or leave it unset: it is derived from the drafter)")
     raise SpeculativeConfigError(
-        f"the drafter is an EAGLE-3 checkpoint ({drafter.architecture}) but the algorithm is {requested}: the engine "
-        f"would feed it the final hidden state instead of the 3 aux layers, skip its fc, replace its lm_head with the "
-        f"target's, and accept length would sit at 1.0 with no error",
-        "use --algorithm EAGLE3 / serve.spec.algorithm: EAGLE3 (or leave it unset: it is derived from the drafter)")
+        f"the drafter is an {algo.title} checkpoint ({drafter.architecture}) but the algorithm is {requested}: "
+        f"{wrong[requested]}",
+        f"use --algorithm {algo.sglang_algorithm} / serve.spec.algorithm: {algo.sglang_algorithm} (or leave it "
+        f"unset: it is derived from the drafter)")
 
 
 # ---------------------------------------------------------------------------------------------------------- checks
@@ -262,7 +265,8 @@ def _check_layers(report: PreflightReport, d: DrafterExport, t: TargetSpec, engi
     if engine == "hf":
         # the reference decoder taps transformers' hidden_states with the physical ids the drafter was trained on
         if physical is None and config_ids is not None:
-            physical, where = [i + 1 for i in config_ids], "config.json eagle_config read as SGLang ids (+1)"
+            physical = engine_captured_layers(config_ids, engine="sglang", architecture=t.architecture, num_layers=n)
+            where = "config.json eagle_config read as SGLang ids"
         if physical is None:
             report.add("aux_layer_ids", False, f"the drafter records no aux layer ids (no {SIDECAR}, no eagle_config)",
                        "re-export the drafter with eaglenest.drafter.export (it writes both)")

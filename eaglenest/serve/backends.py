@@ -412,9 +412,10 @@ def _hf_decoder(engine: Any, drafter: str | None, cfg: EaglenestConfig) -> Decod
         return HFSpecDecoder(BaselineDecoder.from_engine(engine), speculative=False, algorithm=None,
                              max_batch=cfg.serve.max_batch_size, draft_tokens_per_step=0)
     from eaglenest.drafters.eagle3.model import load_drafter
+    from eaglenest.drafters.registry import EAGLE3
 
     model = load_drafter(drafter, device=engine.device, dtype=engine.dtype, target_embedding=engine.embed_weight())
-    algorithm = spec.algorithm or "EAGLE3"
+    algorithm = spec.algorithm or EAGLE3.sglang_algorithm
     dec = SpecDecoder.from_engine(engine, model, spec)
     return HFSpecDecoder(dec, speculative=True, algorithm=algorithm, max_batch=cfg.serve.max_batch_size,
                          draft_tokens_per_step=spec.num_draft_tokens - 1)
