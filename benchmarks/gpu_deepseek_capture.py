@@ -1,0 +1,201 @@
+"""Capture during generation on a DeepseekV3 target (Kimi-K2.5's architecture), on a GPU with SGLang.
+
+The hooks follow the architecture record (``eaglenest.targets.deepseek_v3``): SGLang's ``DeepseekV2DecoderLayer`` takes
+7 positional arguments and returns ``(hidden, residual, topk_indices)``. This run checks that on the real engine:
+
+1. a random-weight bf16 DeepseekV3 with Kimi-K2.5's MLA dims (64 heads, q_lora_rank 1536, kv_lora_rank 512,
+   qk_nope 128, qk_rope 64, v_head 128), MoE layers with a shared expert, hidden 1024, 8 layers, is built with
+   transformers (plus the keys SGLang reads that transformers' config lacks);
+2. SGLang's own offline ``Engine.generate`` (CUDA graphs on) over the prompts: the reference pace;
+3. eaglenest's recording engine (hooks on, CUDA graphs and radix cache off, the ring of shared memory) over the same
+   prompts, its rows assembled into one Capture per sequence, at default taps [2, 4, 5] and non-default [3, 4, 6];
+4. the recorded states vs SGLang's prefill capture of the same sequences (``SGLangCaptureRunner``, whose layer ids go
+   through the same architecture-aware translation) at every position training reads, and a control one layer off.
+
+    source .gpu/bin/install.sh && python3 benchmarks/gpu_deepseek_capture.py --out $OUT/dscap
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+TOLERANCE = 3e-2  # bf16 kernels of a batched decode vs a prefill differ in rounding
+ARCH = "DeepseekV3ForCausalLM"
+
+
+def build_model(folder: Path, layers: int = 8, hidden: int = 1024, vocab: int = 4096) -> Path:
+    """A random DeepseekV3 with Kimi-K2.5's MLA dims and a small MoE, saved as SGLang loads it."""
+    import torch
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    cfg = DeepseekV3Config(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=2048, moe_intermediate_size=512,
+        num_hidden_layers=layers, num_attention_heads=64, num_key_value_heads=64, n_shared_experts=1,
+        n_routed_experts=8, num_experts_per_tok=2, first_k_dense_replace=1, n_group=1, topk_group=1,
+        routed_scaling_factor=2.5, norm_topk_prob=True, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
+        qk_rope_head_dim=64, v_head_dim=128, max_position_embeddings=4096, rope_theta=50000.0,
+        bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = DeepseekV3ForCausalLM(cfg).to(torch.bfloat16)
+    with torch.no_grad():  # keep the residual stream well scaled across layers (random init otherwise drifts)
+        for name, p in model.named_parameters():
+            if p.dim() == 2 and "embed" not in name:
+                p.normal_(0.0, 0.02)
+    model.save_pretrained(folder, safe_serialization=True)
+    raw = json.loads((folder / "config.json").read_text())
+    raw.update({"topk_method": "noaux_tc", "scoring_func": "sigmoid", "moe_layer_freq": 1,
+                "architectures": [ARCH], "torch_dtype": "bfloat16"})
+    (folder / "config.json").write_text(json.dumps(raw, indent=1))
+    return folder
+
+
+def prompts_of(n: int, vocab: int) -> list[list[int]]:
+    import torch
+
+    g = torch.Generator().manual_seed(7)
+    return [torch.randint(3, vocab, (int(torch.randint(48, 400, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
+def rel(a, b) -> float:
+    a, b = a.float(), b.float()
+    return float((a - b).norm() / b.norm().clamp_min(1e-6))
+
+
+def engine_cfg():
+    from eaglenest.config import SGLangEngineConfig
+
+    return SGLangEngineConfig(mem_fraction_static=0.45, context_length=2048, capture="generation",
+                              extra_args={"skip_tokenizer_init": True})
+
+
+def offline(model: Path, prompts: list[list[int]], max_new: int) -> dict:
+    from eaglenest.engines.sglang.args import engine_kwargs
+    from eaglenest.engines.sglang.symbols import sglang_symbol
+
+    eng = sglang_symbol("sglang:Engine")(**engine_kwargs(str(model), engine_cfg(), dtype="bfloat16"))
+    try:
+        sp = {"temperature": 0.0, "max_new_tokens": max_new, "ignore_eos": True}
+        eng.generate(input_ids=prompts[:16], sampling_params=sp)
+        t = time.perf_counter()
+        outs = eng.generate(input_ids=prompts, sampling_params=sp)
+        secs = time.perf_counter() - t
+    finally:
+        eng.shutdown()
+    n = sum(int(o["meta_info"]["completion_tokens"]) for o in outs)
+    return {"tokens": n, "seconds": round(secs, 2), "tokens_per_s": round(n / secs, 1),
+            "outputs": [list(o["output_ids"]) for o in outs]}
+
+
+def recording(model: Path, prompts: list[list[int]], max_new: int, aux: list[int], hidden: int) -> dict:
+    from eaglenest.engines.base import CaptureHint, Generation
+    from eaglenest.engines.sglang.args import engine_kwargs, generation_capture_kwargs
+    from eaglenest.engines.sglang.recorded import GenerationRecorder
+    from eaglenest.engines.sglang.symbols import sglang_symbol
+
+    cfg = engine_cfg()
+    rec = GenerationRecorder(None, aux, hidden_size=hidden, ring_bytes=int(2 * 2**30), architecture=ARCH)
+    rec.sink.start()
+    kw = generation_capture_kwargs(engine_kwargs(str(model), cfg, dtype="bfloat16"), rec.hooks)
+    eng = sglang_symbol("sglang:Engine")(**kw)
+    try:
+        sp = {"temperature": 0.0, "max_new_tokens": max_new, "ignore_eos": True}
+        warm = rec.new_rids(16)
+        rec.sink.discard(warm)
+        eng.generate(input_ids=prompts[:16], sampling_params=sp, rid=warm)
+        rids = rec.new_rids(len(prompts))
+        t = time.perf_counter()
+        outs = eng.generate(input_ids=prompts, sampling_params=sp, rid=rids)
+        secs = time.perf_counter() - t
+        gens = [Generation(token_ids=list(o["output_ids"]), text="", finish_reason="length", prompt_tokens=len(p),
+                           meta={"completion_tokens": int(o["meta_info"]["completion_tokens"])})
+                for o, p in zip(outs, prompts, strict=True)]
+        rec.expect(rids, prompts, gens)
+        seqs = [p + g.token_ids for p, g in zip(prompts, gens, strict=True)]
+        masks = [[0] * len(p) + [1] * len(g.token_ids) for p, g in zip(prompts, gens, strict=True)]
+
+        def no_prefill(s, r):
+            raise RuntimeError(f"{len(s)} sequences lacked recorded rows")
+
+        caps = rec.capture(seqs, [CaptureHint(g.meta["capture_ref"], m) for g, m in zip(gens, masks, strict=True)],
+                           prefill=no_prefill)
+    finally:
+        eng.shutdown()
+        line = rec.sink.take_stats().line()
+        rec.close()
+    n = sum(len(g.token_ids) for g in gens)
+    return {"tokens": n, "seconds": round(secs, 2), "tokens_per_s": round(n / secs, 1), "capture": line,
+            "seqs": seqs, "masks": masks, "caps": caps, "outputs": [g.token_ids for g in gens]}
+
+
+def versus_prefill(model: Path, runs: dict[str, dict], layers: int, n_check: int) -> dict:
+    from eaglenest.contracts.states import unread_state_positions
+    from eaglenest.engines.sglang.args import capture_server_kwargs
+    from eaglenest.engines.sglang.capture import SGLangCaptureRunner
+
+    runner = SGLangCaptureRunner(capture_server_kwargs(str(model), engine_cfg(), dtype="bfloat16",
+                                                       max_total_tokens=16384),
+                                 architecture=ARCH, num_layers=layers, max_tokens=4096)
+    out = {}
+    try:
+        for name, r in runs.items():
+            aux = r["aux"]
+            seqs, masks, caps = r["seqs"][:n_check], r["masks"][:n_check], r["caps"][:n_check]
+            pre = runner.capture(seqs, aux)
+            shifted = runner.capture(seqs, [k + 1 for k in aux])
+            worst = {"aux": 0.0, "last": 0.0, "control_aux": float("inf")}
+            for i, s in enumerate(seqs):
+                read = [x for x in range(len(s)) if x not in unread_state_positions(len(s), masks[i])]
+                worst["aux"] = max(worst["aux"], rel(caps[i].aux_hidden_states[read], pre[i].aux_hidden_states[read]))
+                worst["last"] = max(worst["last"], rel(caps[i].last_hidden_state[read],
+                                                       pre[i].last_hidden_state[read]))
+                worst["control_aux"] = min(worst["control_aux"], rel(caps[i].aux_hidden_states[read],
+                                                                     shifted[i].aux_hidden_states[read]))
+            worst = {k: round(v, 5) for k, v in worst.items()}
+            worst["ok"] = worst["aux"] <= TOLERANCE and worst["last"] <= TOLERANCE and worst["control_aux"] > TOLERANCE
+            out[name] = {"aux_layer_ids": aux, "sequences_checked": len(seqs), **worst}
+    finally:
+        runner.close()
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--prompts", type=int, default=256)
+    ap.add_argument("--max-new", type=int, default=64)
+    ap.add_argument("--check", type=int, default=16, help="sequences compared against the prefill capture")
+    a = ap.parse_args()
+    a.out.mkdir(parents=True, exist_ok=True)
+    layers, hidden, vocab = 8, 1024, 4096
+    model = build_model(Path("/tmp/eaglenest-ds-target"), layers, hidden, vocab)
+    prompts = prompts_of(a.prompts, vocab)
+    result: dict = {"target": {"architecture": ARCH, "layers": layers, "hidden": hidden, "mla": "Kimi-K2.5 dims",
+                               "routed_experts": 8, "experts_per_token": 2, "shared_experts": 1}}
+    ref = offline(model, prompts, a.max_new)
+    result["offline"] = {k: v for k, v in ref.items() if k != "outputs"}
+    runs = {}
+    for name, aux in (("default_taps", [2, 4, 5]), ("non_default_taps", [3, 4, 6])):
+        r = recording(model, prompts, a.max_new, aux, hidden)
+        r["aux"] = aux
+        runs[name] = r
+        same = sum(x == y for x, y in zip(r["outputs"], ref["outputs"], strict=True)) / len(prompts)
+        result[f"recording_{name}"] = {"tokens_per_s": r["tokens_per_s"], "seconds": r["seconds"],
+                                       "vs_offline": round(r["tokens_per_s"] / ref["tokens_per_s"], 3),
+                                       "identical_outputs_fraction": round(same, 3), "capture": r["capture"]}
+        print(json.dumps({name: result[f"recording_{name}"]}), flush=True)
+    result["states_vs_prefill"] = versus_prefill(model, runs, layers, a.check)
+    print(json.dumps(result, indent=1), flush=True)
+    (a.out / "deepseek_capture.json").write_text(json.dumps(result, indent=1) + "\n")
+    return 0 if all(v["ok"] for v in result["states_vs_prefill"].values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
