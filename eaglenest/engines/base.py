@@ -130,9 +130,14 @@ class TargetEngine(abc.ABC):
 
     info: TargetInfo
     tokenizer: Any
+    aux_layer_ids: list[int]
+    """the physical layers :meth:`capture` returns by default (validated against the target)"""
     thread_safe: bool = False
     """whether two threads may call it at once (regen.batches_in_flight > 1 overlaps their batches; otherwise the
     engine actor runs one batch at a time whatever Ray Data asks)"""
+    launch: Any = None
+    """the speculative launch this engine was started with (``engines.sglang.spec.SpeculativeLaunch``), or None:
+    serve reads the algorithm from it"""
 
     @abc.abstractmethod
     def generate_ids(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> list[Generation]:
@@ -162,6 +167,18 @@ class TargetEngine(abc.ABC):
         tools = tools or [None] * len(conversations)
         prompts = [self.render_prompt(conv, t) for conv, t in zip(conversations, tools, strict=True)]
         return self.generate_ids(prompts, sampling)
+
+    def start(self) -> None:  # noqa: B027 - optional hook
+        """Start now (an engine that starts lazily would otherwise start inside its first request)."""
+
+    def prewarm_capture(self, rows_per_batch: int, batches: int) -> int:
+        """Make the host memory ``batches`` batches record into ready before the first batch (bytes made ready; 0 for
+        an engine that does not record while generating)."""
+        return 0
+
+    def capture_placement(self) -> dict[str, int]:
+        """Sequences assembled so far from recorded rows, by how they were placed (empty: nothing recorded)."""
+        return {}
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release engine resources (GPU memory, subprocesses)."""

@@ -21,6 +21,7 @@ import pyarrow.compute as pc
 from ray.data import Datasink
 
 from eaglenest.contracts.shards import HIDDEN_COLUMNS
+from eaglenest.engines import TargetEngine
 from eaglenest.regen.formats import OK
 from eaglenest.regen.regenerate import Quarantined, Regenerated, Result, Sample
 
@@ -149,13 +150,11 @@ PREWARM_PROMPT_TOKENS = 256
 with longer prompts takes fresh memory for what does not fit)."""
 
 
-def _prewarm_capture(engine: Any, regen: dict[str, Any],
-                     sampling: dict[str, dict[str, Any]]) -> threading.Thread | None:
+def _prewarm_capture(engine: TargetEngine, regen: dict[str, Any],
+                     sampling: dict[str, dict[str, Any]]) -> threading.Thread:
     """Start readying the host memory that ``regen.batches_in_flight`` batches record into, on a thread, so it runs
-    while the engine starts (only an engine that records while generating has ``prewarm_capture``)."""
-    prewarm = getattr(engine, "prewarm_capture", None)
-    if prewarm is None:
-        return None
+    while the engine starts (a no-op for an engine that does not record while generating)."""
+    prewarm = engine.prewarm_capture
     max_new = max((s["max_new_tokens"] for s in sampling.values()), default=0)
     rows = int(regen["batch_size"]) * (PREWARM_PROMPT_TOKENS + max_new + 1)
     thread = threading.Thread(target=prewarm, args=(rows, int(regen["batches_in_flight"])),
@@ -181,13 +180,12 @@ class EngineActor:
             torch.set_num_threads(tcfg.cpu_threads or max(1, int(regen["num_cpus_per_actor"])))
         self.engine = load_engine(tcfg, regen=True)
         warm = _prewarm_capture(self.engine, regen, sampling)  # alongside the engine start
-        start = getattr(self.engine, "start", None)
-        if start is not None:  # an engine that starts lazily starts with the actor, not inside the first batch:
-            start()  # the batch timeline and generate seconds then measure generation alone (BENCHMARKS.md)
-        if warm is not None:
-            warm.join()
+        # an engine that starts lazily starts with the actor, not inside the first batch: the batch timeline and
+        # generate seconds then measure generation alone
+        self.engine.start()
+        warm.join()
         info = self.engine.info
-        layer_ids = list(getattr(self.engine, "aux_layer_ids", identity["aux_layer_ids"]))
+        layer_ids = list(self.engine.aux_layer_ids)
         got = {"num_layers": info.num_layers, "hidden_size": info.hidden_size, "aux_layer_ids": layer_ids}
         bad = {k: (identity[k], v) for k, v in got.items() if identity[k] != v}
         if bad:
@@ -250,9 +248,9 @@ class EngineActor:
                                                 _rows_per_epoch(batch, generate, skipped))
             self.tracker.generated.remote(st.generated_tokens, timing, (st.generate_seconds, st.capture_seconds,
                                                                         st.generate_from, st.generate_to))
-            placement = getattr(self.engine, "capture_placement", None)
-            if placement is not None:
-                self.tracker.capture_placement.remote(os.getpid(), placement())
+            placement = self.engine.capture_placement()
+            if placement:
+                self.tracker.capture_placement.remote(os.getpid(), placement)
         if self.ledger is not None:
             return keep_regenerated(table, self.ledger["ledger_dir"], self.ledger["columns"])
         return table

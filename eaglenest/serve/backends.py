@@ -287,11 +287,11 @@ class SGLangDecoder:
 
     speculative = True
 
-    def __init__(self, engine: Any, max_batch: int) -> None:
+    def __init__(self, engine: TargetEngine, max_batch: int) -> None:
         self.engine = engine
         self.max_batch = max_batch
-        launch = getattr(engine, "launch", None)
-        self.algorithm = getattr(launch, "algorithm", None)
+        launch = engine.launch
+        self.algorithm = launch.algorithm if launch is not None else None
         self.speculative = launch is not None
 
     def key(self, job: Job) -> Hashable:

@@ -194,7 +194,7 @@ def test_eagle_refused_for_an_eagle3_drafter(tmp_path: Path, target: Path) -> No
         speculative_engine_kwargs(str(target), SGLangEngineConfig(), drafter, SpecConfig(algorithm="EAGLE"))
     assert derive_algorithm(read_drafter(drafter), None) == "EAGLE3"
     plain = write_eagle3_drafter(tmp_path / "p", physical_ids=PHYS, architecture="LlamaForCausalLMEagle")
-    with pytest.raises(SpeculativeConfigError, match="EAGLE-3 drafters only"):
+    with pytest.raises(SpeculativeConfigError, match="not a drafter eaglenest serves"):
         derive_algorithm(read_drafter(plain))
 
 
