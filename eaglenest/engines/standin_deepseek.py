@@ -300,6 +300,15 @@ class _LayerRunner:
                 "pad_logits_all_zero": all(bool((w[:, vocab:] == 0).all()) for w in self.logits)}
 
 
-def with_routed_experts(spec: DeepseekStandinSpec, n: int | None) -> DeepseekStandinSpec:
-    """The spec with ``n`` routed experts in the wide model (None keeps it)."""
-    return spec if n is None else replace(spec, wide=replace(spec.wide, n_routed_experts=n))
+def with_experts(spec: DeepseekStandinSpec, routed: int | None = None, per_token: int | None = None
+                 ) -> DeepseekStandinSpec:
+    """The spec with ``routed`` routed experts in the wide model and ``per_token`` chosen per token (in both models:
+    the count must not change); the small model keeps at most ``routed`` experts. None keeps a value."""
+    wide = spec.wide
+    wide = replace(wide, n_routed_experts=routed or wide.n_routed_experts,
+                   num_experts_per_tok=per_token or wide.num_experts_per_tok)
+    k = wide.num_experts_per_tok
+    small_e = min(max(spec.n_routed_experts, k), wide.n_routed_experts)
+    if k > wide.n_routed_experts:
+        raise ValueError(f"{k} experts per token need at least {k} routed experts (got {wide.n_routed_experts})")
+    return replace(spec, wide=wide, num_experts_per_tok=k, n_routed_experts=small_e)
