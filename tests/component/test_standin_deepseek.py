@@ -228,3 +228,19 @@ def test_tiny_deepseek_build_on_cpu_end_to_end(tmp_path, capsys):
         a = base(ids).logits
         b = wide.eval()(ids).logits
     assert (a - b[..., :a.shape[-1]]).abs().max() < 1e-4
+
+
+def test_padded_vocab_loss_is_the_padded_models_cross_entropy():
+    """Pre-training's loss is exactly the cross entropy of the wide-vocabulary model whose pad rows are zero."""
+    import torch.nn.functional as F
+
+    from eaglenest.engines.standin_deepseek import padded_vocab_loss
+
+    small = _small_model()
+    batch = X[:, :12]
+    with torch.no_grad():
+        logits = small(batch).logits[:, :-1]
+        padded = torch.cat([logits, torch.zeros(*logits.shape[:2], 84)], -1)  # 300 real ids + 84 pad ids at logit 0
+        want = F.cross_entropy(padded.reshape(-1, 384), batch[:, 1:].reshape(-1))
+        assert padded_vocab_loss(84)(small, batch) == pytest.approx(float(want), rel=1e-5)
+        assert padded_vocab_loss(0)(small, batch) == pytest.approx(float(small(batch, labels=batch).loss), rel=1e-5)
