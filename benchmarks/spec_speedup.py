@@ -8,9 +8,9 @@ What it does, all inside this process (no Ray, no download; everything is cached
 1. Target: a 12-layer, hidden-768 Llama built like the embedded tiny target (same BPE tokenizer, chat template and
    shipped chat corpus, ``eaglenest.engines.tiny``), pre-trained on the corpus on ``--device``. The tiny builder
    pre-trains on the CPU in float64 (builds bit-identical on every CPU), which would take hours at this size, so this
-   script runs the same next-token training itself: ``--target-steps`` steps (default 150 on CPU, 300 on CUDA) of
-   16 x 64-token windows; the corpus is small and templated, so that is enough for fluent, prompt-dependent
-   answers (the script prints three). Its forward costs ~12x the drafter's one layer.
+   script trains it with the stand-ins' loop (``eaglenest.engines.pretrain``): ``--target-steps`` steps (default
+   150 on CPU, 300 on CUDA) of 16 x 64-token windows; the corpus is small and templated, so that is enough for
+   fluent, prompt-dependent answers (the script prints three). Its forward costs ~12x the drafter's one layer.
 2. Data: the target regenerates the answers of ``--train-chats`` corpus chats (greedy; target-native data).
 3. Drafter: eaglenest's EAGLE-3 drafter (``drafter.model``), draft vocab and TTT loss (``drafter.ttt``), fitted
    in-process by ``drafter.spec_fit`` and exported / re-loaded through ``drafter.export`` (the serving format).
@@ -28,7 +28,6 @@ import argparse
 import hashlib
 import json
 import os
-import random
 import sys
 import time
 from pathlib import Path
@@ -73,6 +72,7 @@ def build_target(out: Path, a: argparse.Namespace, device: torch.device, steps: 
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from eaglenest.engines.base import render_chat_ids
+    from eaglenest.engines.pretrain import PretrainPlan, pretrain_lm
     from eaglenest.engines.tiny import build_tokenizer, corpus_chats
 
     if (out / "model.safetensors").is_file():
@@ -88,27 +88,10 @@ def build_target(out: Path, a: argparse.Namespace, device: torch.device, steps: 
     model = LlamaForCausalLM(cfg).float().to(device)
     seqs = [render_chat_ids(tok, c["messages"], tools=c.get("tools"), add_generation_prompt=False)
             for c in corpus_chats()]
-    stream = [t for s in seqs for t in s]
-    rng = random.Random(0)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0, betas=(0.9, 0.98))
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-3, total_steps=steps, pct_start=0.1)
-    autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda"
-                else torch.autocast("cpu", enabled=False))
-    model.train()
-    t0 = time.perf_counter()
-    for step in range(steps):
-        starts = [rng.randrange(0, len(stream) - 65) for _ in range(16)]
-        batch = torch.tensor([stream[s:s + 64] for s in starts], device=device)
-        with autocast:
-            loss = model(input_ids=batch, labels=batch).loss
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        if step % 25 == 0 or step == steps - 1:
-            print(f"[target] step {step}/{steps} loss {loss.item():.3f} ({time.perf_counter() - t0:.0f} s)",
-                  flush=True)
+    stream = torch.tensor([t for s in seqs for t in s], dtype=torch.int32)
+    plan = PretrainPlan(train_steps=steps, batch_size=16, seq_len=64, learning_rate=1e-3,
+                        warmup_steps=max(1, steps // 10), weight_decay=0.0, betas=(0.9, 0.98), log_every=25)
+    pretrain_lm(model, stream, plan, device, log=lambda m: print(f"[target] {m}", flush=True), name="pretrain")
     model.eval()
     model.generation_config.do_sample = False
     model.cpu().save_pretrained(tmp, safe_serialization=True)
@@ -147,7 +130,7 @@ def main(argv=None) -> int:
     from eaglenest.speculative.evaluate import load_prompts, prompt_ids
 
     shape = {"layers": a.layers, "hidden": a.hidden, "heads": a.heads, "kv": a.kv_heads, "inter": a.intermediate,
-             "steps": target_steps, "device": a.device, "v": 1}
+             "steps": target_steps, "device": a.device, "v": 2}
     tdir = cache / f"bench-target-{_key(shape)}"
     t0 = time.perf_counter()
     build_target(tdir, a, device, target_steps)

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import math
 import os
 import random
 import time
@@ -38,6 +37,7 @@ import torch
 
 from eaglenest.contracts.sharegpt import sharegpt_record, speaker_role
 from eaglenest.engines.base import render_chat_ids, render_chat_text
+from eaglenest.engines.pretrain import LossFn, PretrainPlan, lm_loss, pretrain_lm
 from eaglenest.engines.widen import WideShape, count_parameters, widen_config, widen_state_dict
 
 CHAT_ROLES = ("user", "assistant")
@@ -128,23 +128,31 @@ def chat_of(record: dict) -> list[dict[str, str]]:
     return messages
 
 
-def build_standin(dump: str | Path, out_dir: str | Path, spec: StandinSpec | None = None, *,
-                  device: str = "cuda", num_train_prompts: int = 2048, num_heldout_prompts: int = 128,
-                  max_prompt_tokens: int = 192, train_after_cut: int = 0,
-                  log: Callable[[str], None] = print) -> dict[str, Any]:
-    """Build the stand-in into ``out_dir`` (``model/``: the wide target, ``base/``: the small one, ``prompts/``)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+@dataclass
+class Corpus:
+    """A dump read and tokenized for pre-training: records, chats, the held-out cut, the tokenizer, the stream."""
 
+    read: DumpRead
+    chats: list[list[dict[str, str]]]
+    split: int
+    """records before it are for pre-training and regen prompts; the held-out part starts here"""
+    tokenizer: Any
+    stream: torch.Tensor
+    """every pre-training chat rendered with the chat template, concatenated (int32 token ids)"""
+
+    def heldout_chats(self, n: int) -> list[list[dict[str, str]]]:
+        return [c for c in self.chats[self.split:] if c][:n]
+
+
+def prepare_corpus(dump: str | Path, *, vocab_size: int, tokenizer_chats: int, heldout_records: int,
+                   report: dict[str, Any], log: Callable[[str], None] = print) -> Corpus:
+    """Read the dump, cut the held-out tail, train the BPE on part of the rest, tokenize it (fills ``report``)."""
     from eaglenest.engines.tiny import build_tokenizer
 
-    spec = spec or StandinSpec()
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    report: dict[str, Any] = {"spec": asdict(spec), "dump": str(dump)}
     t0 = time.perf_counter()
     read = read_json_array(dump)
     chats = [chat_of(r) for r in read.records]
-    split = max(0, len(read.records) - spec.heldout_records)
+    split = max(0, len(read.records) - heldout_records)
     train_chats = [c for c in chats[:split] if c]
     report["dump_read"] = {"records": len(read.records), "damage": read.damage, "usable_train_chats":
                            len(train_chats), "seconds": round(time.perf_counter() - t0, 1)}
@@ -155,13 +163,38 @@ def build_standin(dump: str | Path, out_dir: str | Path, spec: StandinSpec | Non
 
     t = time.perf_counter()
     os.environ["TOKENIZERS_PARALLELISM"] = "true"  # this process only tokenizes here; use every core
-    tokenizer = build_tokenizer(spec.vocab_size, [{"messages": c} for c in train_chats[:spec.tokenizer_chats]])
+    tokenizer = build_tokenizer(vocab_size, [{"messages": c} for c in train_chats[:tokenizer_chats]])
     texts = [render_chat_text(tokenizer, c, add_generation_prompt=False) for c in train_chats]
     ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
     stream = torch.from_numpy(np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int32))
     report["tokenizer"] = {"vocab": len(tokenizer), "pretrain_tokens": int(stream.numel()),
                            "seconds": round(time.perf_counter() - t, 1)}
     log(f"standin: tokenizer {len(tokenizer)} tokens; corpus {stream.numel():,} tokens")
+    return Corpus(read, chats, split, tokenizer, stream)
+
+
+def write_generation_config(folder: Path, tokenizer: Any) -> None:
+    """Greedy by default, with the tokenizer's special ids."""
+    (folder / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
+         "pad_token_id": tokenizer.pad_token_id, "do_sample": False}, indent=2) + "\n")
+
+
+def build_standin(dump: str | Path, out_dir: str | Path, spec: StandinSpec | None = None, *,
+                  device: str = "cuda", num_train_prompts: int = 2048, num_heldout_prompts: int = 128,
+                  max_prompt_tokens: int = 192, train_after_cut: int = 0,
+                  log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Build the stand-in into ``out_dir`` (``model/``: the wide target, ``base/``: the small one, ``prompts/``)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    spec = spec or StandinSpec()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    report: dict[str, Any] = {"spec": asdict(spec), "dump": str(dump)}
+    t0 = time.perf_counter()
+    corpus = prepare_corpus(dump, vocab_size=spec.vocab_size, tokenizer_chats=spec.tokenizer_chats,
+                            heldout_records=spec.heldout_records, report=report, log=log)
+    read, chats, split, tokenizer, stream = corpus.read, corpus.chats, corpus.split, corpus.tokenizer, corpus.stream
 
     small_cfg = LlamaConfig(
         vocab_size=len(tokenizer), hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
@@ -195,9 +228,7 @@ def build_standin(dump: str | Path, out_dir: str | Path, spec: StandinSpec | Non
     del sd
     (wide_dir / "config.json").write_text(json.dumps(wcfg, indent=2, sort_keys=True) + "\n")
     tokenizer.save_pretrained(wide_dir)
-    (wide_dir / "generation_config.json").write_text(json.dumps(
-        {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
-         "pad_token_id": tokenizer.pad_token_id, "do_sample": False}, indent=2) + "\n")
+    write_generation_config(wide_dir, tokenizer)
     report["wide"] = {"parameters": count_parameters(wcfg), "base_parameters": count_parameters(small_cfg.to_dict()),
                       "seconds": round(time.perf_counter() - t, 1), "path": str(wide_dir)}
     log(f"standin: widened to {report['wide']['parameters'] / 1e9:.2f}B parameters "
@@ -212,57 +243,12 @@ def build_standin(dump: str | Path, out_dir: str | Path, spec: StandinSpec | Non
 
 
 def pretrain(model: Any, stream: torch.Tensor, spec: StandinSpec, device: str,
-             log: Callable[[str], None] = print) -> dict[str, Any]:
-    """Next-token training on random windows of the token stream: fixed steps, seeded, bf16 autocast on CUDA."""
-    g = torch.Generator().manual_seed(spec.seed)
-    cuda = str(device).startswith("cuda")
-    opt = torch.optim.AdamW(model.parameters(), lr=spec.learning_rate, betas=(0.9, 0.95), weight_decay=0.1,
-                            fused=cuda)
-
-    def lr_at(step: int) -> float:  # linear warm-up, cosine down to 10%
-        if step < spec.warmup_steps:
-            return (step + 1) / spec.warmup_steps
-        frac = (step - spec.warmup_steps) / max(1, spec.train_steps - spec.warmup_steps)
-        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac))
-
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
-    n = stream.numel() - spec.seq_len - 1
-    if n <= 0:
-        raise ValueError(f"the corpus ({stream.numel()} tokens) is shorter than one window of {spec.seq_len}")
-    offsets = torch.arange(spec.seq_len, dtype=torch.long)
-    model.train()
-    losses: list[float] = []
-    done = 0
-    t0 = time.perf_counter()
-    for step in range(spec.train_steps):
-        starts = torch.randint(0, n, (spec.batch_size,), generator=g)
-        batch = stream[starts[:, None] + offsets].long().to(device, non_blocking=True)
-        with torch.autocast(device_type="cuda" if cuda else "cpu", dtype=torch.bfloat16, enabled=cuda):
-            loss = model(input_ids=batch, labels=batch).loss
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        done = step + 1
-        over_time = spec.max_seconds is not None and time.perf_counter() - t0 > spec.max_seconds
-        if step % 50 == 0 or step == spec.train_steps - 1 or over_time:
-            losses.append(round(loss.detach().item(), 4))
-            el = time.perf_counter() - t0
-            log(f"standin pretrain step {step + 1}/{spec.train_steps}: loss {losses[-1]:.3f}, "
-                f"{(step + 1) * spec.batch_size * spec.seq_len / max(el, 1e-9):,.0f} tok/s")
-        if over_time:
-            log(f"standin pretrain: stopped after {step + 1} of {spec.train_steps} steps (max_seconds "
-                f"{spec.max_seconds}); these weights depend on the machine's speed")
-            break
-    if cuda:
-        torch.cuda.synchronize()
-    secs = time.perf_counter() - t0
-    tokens = done * spec.batch_size * spec.seq_len
-    return {"steps": done, "planned_steps": spec.train_steps, "stopped_early": done < spec.train_steps,
-            "tokens": tokens, "epochs": round(tokens / stream.numel(), 2),
-            "seconds": round(secs, 1), "tokens_per_s": round(tokens / secs), "loss_curve": losses,
-            "final_loss": losses[-1] if losses else None}
+             log: Callable[[str], None] = print, *, loss_fn: LossFn = lm_loss) -> dict[str, Any]:
+    """The shared pre-training loop (``engines.pretrain``) with the spec's steps, batch and schedule."""
+    plan = PretrainPlan(train_steps=spec.train_steps, batch_size=spec.batch_size, seq_len=spec.seq_len,
+                        learning_rate=spec.learning_rate, warmup_steps=spec.warmup_steps, seed=spec.seed,
+                        max_seconds=spec.max_seconds)
+    return pretrain_lm(model, stream, plan, device, loss_fn=loss_fn, log=log, name="standin pretrain")
 
 
 @torch.no_grad()
