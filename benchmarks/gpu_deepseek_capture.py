@@ -12,6 +12,10 @@ The hooks follow the architecture record (``eaglenest.targets.deepseek_v3``): SG
 4. the recorded states vs SGLang's prefill capture of the same sequences (``SGLangCaptureRunner``, whose layer ids go
    through the same architecture-aware translation) at every position training reads, and a control one layer off.
 
+With ``--target DIR`` the target is a folder instead (e.g. the DeepseekV3 stand-in that ``eaglenest standin-target
+--arch deepseek_v3`` writes), and ``--compare-hf N`` also decodes N prompts greedily with transformers on the same
+weights: how far SGLang's tokens agree with transformers' shows SGLang computes the folder's function.
+
     source .gpu/bin/install.sh && python3 benchmarks/gpu_deepseek_capture.py --out $OUT/dscap
 """
 
@@ -54,6 +58,28 @@ def build_model(folder: Path, layers: int = 8, hidden: int = 1024, vocab: int = 
                 "architectures": [ARCH], "torch_dtype": "bfloat16"})
     (folder / "config.json").write_text(json.dumps(raw, indent=1))
     return folder
+
+
+def hf_agreement(model: Path, prompts: list[list[int]], sglang_outputs: list[list[int]], max_new: int) -> dict:
+    """Greedy tokens from transformers on the same weights vs SGLang's: mean fraction of each answer that agrees
+    before the first difference (bf16 near-ties end agreement early on random or barely trained weights)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.bfloat16).cuda().eval()
+    fracs = []
+    with torch.no_grad():
+        for p, want in zip(prompts, sglang_outputs, strict=True):
+            ids = torch.tensor([p], device="cuda")
+            out = hf.generate(ids, max_new_tokens=max_new, do_sample=False, min_new_tokens=max_new)[0, len(p):]
+            got = out.tolist()
+            diff = [i for i, (x, y) in enumerate(zip(got, want, strict=False)) if x != y]
+            same = diff[0] if diff else min(len(got), len(want))
+            fracs.append(same / max(len(want), 1))
+    del hf
+    torch.cuda.empty_cache()
+    return {"prompts": len(prompts), "mean_agreeing_prefix_fraction": round(sum(fracs) / len(fracs), 3),
+            "fully_identical": sum(f == 1.0 for f in fracs)}
 
 
 def prompts_of(n: int, vocab: int) -> list[list[int]]:
@@ -172,17 +198,36 @@ def main() -> int:
     ap.add_argument("--prompts", type=int, default=256)
     ap.add_argument("--max-new", type=int, default=64)
     ap.add_argument("--check", type=int, default=16, help="sequences compared against the prefill capture")
+    ap.add_argument("--target", type=Path, default=None, help="a DeepseekV3 folder (default: build a random one)")
+    ap.add_argument("--compare-hf", type=int, default=0, help="prompts also decoded by transformers")
     a = ap.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
-    layers, hidden, vocab = 8, 1024, 4096
-    model = build_model(Path("/tmp/eaglenest-ds-target"), layers, hidden, vocab)
+    if a.target is None:
+        layers, hidden, vocab = 8, 1024, 4096
+        model = build_model(Path("/tmp/eaglenest-ds-target"), layers, hidden, vocab)
+    else:
+        model = a.target
+        raw = json.loads((model / "config.json").read_text())
+        layers, hidden, vocab = raw["num_hidden_layers"], raw["hidden_size"], raw["vocab_size"]
+        if (model / "tokenizer.json").is_file():  # prompts of real tokens: the padded rows are never produced
+            from transformers import AutoTokenizer
+
+            vocab = min(vocab, len(AutoTokenizer.from_pretrained(str(model))))
     prompts = prompts_of(a.prompts, vocab)
-    result: dict = {"target": {"architecture": ARCH, "layers": layers, "hidden": hidden, "mla": "Kimi-K2.5 dims",
-                               "routed_experts": 8, "experts_per_token": 2, "shared_experts": 1}}
+    raw = json.loads((model / "config.json").read_text())
+    result: dict = {"target": {"architecture": ARCH, "folder": str(model), "layers": layers, "hidden": hidden,
+                               **{k: raw.get(k) for k in ("q_lora_rank", "kv_lora_rank", "n_routed_experts",
+                                                          "num_experts_per_tok", "n_shared_experts")}}}
     ref = offline(model, prompts, a.max_new)
     result["offline"] = {k: v for k, v in ref.items() if k != "outputs"}
+    if a.compare_hf:
+        result["sglang_vs_transformers"] = hf_agreement(model, prompts[:a.compare_hf], ref["outputs"][:a.compare_hf],
+                                                        a.max_new)
+        print(json.dumps({"sglang_vs_transformers": result["sglang_vs_transformers"]}), flush=True)
+    default = [2, layers // 2, layers - 3]
+    other = [3, layers // 2, layers - 2]
     runs = {}
-    for name, aux in (("default_taps", [2, 4, 5]), ("non_default_taps", [3, 4, 6])):
+    for name, aux in (("default_taps", default), ("non_default_taps", other)):
         r = recording(model, prompts, a.max_new, aux, hidden)
         r["aux"] = aux
         runs[name] = r
