@@ -575,7 +575,9 @@ def test_an_engine_actor_prewarms_its_batches_in_flight_while_the_engine_starts(
                               {"chat": {"max_new_tokens": 16}, "code": {"max_new_tokens": 32}})
     thread.join(5)
     assert eng.calls == [(8 * (PREWARM_PROMPT_TOKENS + 32 + 1), 3)]
-    assert _prewarm_capture(object(), {"batch_size": 8, "batches_in_flight": 3}, {}) is None  # no recording engine
+    from eaglenest.engines.base import TargetEngine
+
+    assert TargetEngine.prewarm_capture(eng, 8, 3) == 0  # an engine that does not record has nothing to ready
 
 
 def test_a_batch_with_early_answers_is_written_to_shards_without_losing_a_byte(tmp_path, monkeypatch) -> None:
