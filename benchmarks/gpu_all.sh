@@ -14,12 +14,13 @@
 #
 # Steps (each isolated: a failing step never stops the next; each is cut at the remaining time budget):
 #   capture  benchmarks/gpu_capture.py   transformers backend capture on CUDA bf16 (~1B random Llama)
-#   sglang   benchmarks/gpu_sglang.py    SGLang backend checks 1-4 (capture parity, regen throughput, EAGLE3, speed)
+#   sglang   benchmarks/gpu_sglang.py    SGLang backend checks 1-5 (capture parity, regen throughput, EAGLE3, speed,
+#                                        capture during generation vs the prefill capture)
 #   stream   benchmarks/gpu_serve_stream.py  the serving adapter streaming from SGLang (TTFT, admission, cancel)
-# GPU_ALL_STEPS="capture sglang" picks steps; SGLANG_CHECKS=1,2,3,4 picks SGLang checks; GPU_ALL_BUDGET_S (570)
+# GPU_ALL_STEPS="capture sglang" picks steps; SGLANG_CHECKS=1,2,3,4,5 picks SGLang checks; GPU_ALL_BUDGET_S (570)
 # is the whole run's budget. The device allows 600 s per call and all of it takes ~8-11 min on a fresh machine, so
 # the safe plan is two calls (checks 3 and 4 must share a call: the forced-EAGLE run reuses check 3's drafter):
-#   call 1: GPU_ALL_STEPS="capture sglang" SGLANG_CHECKS=1,2 bash benchmarks/gpu_all.sh
+#   call 1: GPU_ALL_STEPS="capture sglang" SGLANG_CHECKS=1,2,5 bash benchmarks/gpu_all.sh
 #   call 2: GPU_ALL_STEPS=sglang SGLANG_CHECKS=3,4 bash benchmarks/gpu_all.sh
 set -uo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -75,7 +76,7 @@ for step in $STEPS; do
       tail -25 "$OUT/gpu_capture.log" | tee -a "$SUMMARY" >/dev/null ;;
     sglang)
       timeout -k 10 "$remaining" python3 benchmarks/gpu_sglang.py --out "$OUT/sglang" \
-        --checks "${SGLANG_CHECKS:-1,2,3,4}" --budget-s "$(( remaining - 15 ))" > "$OUT/sglang.log" 2>&1
+        --checks "${SGLANG_CHECKS:-1,2,3,4,5}" --budget-s "$(( remaining - 15 ))" > "$OUT/sglang.log" 2>&1
       rc=$?
       note "-- sglang backend: rc=$rc in $(( $(date +%s) - t0 ))s"
       sed -n '/== eaglenest SGLang GPU checks/,$p' "$OUT/sglang.log" | tee -a "$SUMMARY" ;;

@@ -14,6 +14,12 @@
    decoder (SpecDecoder) on the same prompts (target: within 10%); the same drafter under "EAGLE" refused
    by our preflight; and, forced through raw sglang.Engine outside eaglenest, its accept length (expected ~1.0).
 4. spec vs baseline output tokens/s on SGLang at batch 1 and 8 with that drafter.
+5. capture during generation (``target.sglang.capture: generation``, what regen runs): regen's recording engine on
+   the model of check 1, several threads' batches in flight at once as the engine actor submits them, states through
+   the ring of shared memory and placed on arrival; the recorded states vs SGLang's prefill capture of the same
+   sequences at every position training reads (bf16 tolerance), plus a control with the prefill capture one layer off
+   (must fail it). Passes only if every sequence was served from its recordings, placed as its rows arrived, and no
+   forward fell back to a chunk file.
 
 Each check group runs in a subprocess with its own timeout and writes its own JSON record, so one failure (or a
 CUDA crash) never loses the others. The merged record is OUT/sglang_results.json; a table is printed at the end.
@@ -42,6 +48,7 @@ GROUPS: dict[str, tuple[tuple[int, ...], int]] = {
     "capture": ((1,), 240),
     "spec": ((3, 4), 420),
     "eagle_forced": ((3,), 180),
+    "generation": ((5,), 240),
     "throughput": ((2,), 240),
 }
 """Run in this order (acceptance-critical first: a short time budget cuts the throughput group, not check 3)."""
@@ -115,7 +122,7 @@ def worker_capture(out: Path) -> dict[str, Any]:
 
     from eaglenest.contracts.layers import default_aux_layer_ids
     from eaglenest.engines.hf import HFEngine
-    from eaglenest.engines.sglang.engine import SGLangEngine
+    from eaglenest.engines.sglang.engine.engine import SGLangEngine
 
     path = big_target(out)
     sg = SGLangEngine(target_cfg(path, "sglang", mem_fraction_static=0.3, capture_mem_fraction_static=0.3))
@@ -186,8 +193,8 @@ def _prod(shape: Sequence[int]) -> int:
 # --------------------------------------------------------------------------------------------- check 2: throughput
 def worker_throughput(out: Path) -> dict[str, Any]:
     from eaglenest.engines.base import SamplingParams
-    from eaglenest.engines.sglang.args import per_request_sampling
-    from eaglenest.engines.sglang.engine import SGLangEngine
+    from eaglenest.engines.sglang.engine.args import per_request_sampling
+    from eaglenest.engines.sglang.engine.engine import SGLangEngine
 
     path = big_target(out)
     sg = SGLangEngine(target_cfg(path, "sglang", mem_fraction_static=0.6))
@@ -308,7 +315,7 @@ def worker_spec(out: Path) -> dict[str, Any]:
     from eaglenest.config import SpecConfig
     from eaglenest.drafters.preflight import SpeculativeConfigError
     from eaglenest.engines.base import SamplingParams
-    from eaglenest.engines.sglang.engine import SGLangEngine
+    from eaglenest.engines.sglang.engine.engine import SGLangEngine
 
     path = tiny_target(out)
     res: dict[str, Any] = {"target": "embedded tiny target (8 layers, hidden 128)"}
@@ -366,9 +373,9 @@ def forced_eagle_accept_length(model: str, engine_cfg: Any, drafter: str | Path,
     (what eaglenest's preflight refuses and SGLang takes silently); pooled accept length over ``prompts``."""
     from eaglenest.config import SpecConfig
     from eaglenest.engines.base import SamplingParams
-    from eaglenest.engines.sglang.args import per_request_sampling, spec_meta
-    from eaglenest.engines.sglang.engine import sglang_symbol
-    from eaglenest.engines.sglang.spec import speculative_engine_kwargs
+    from eaglenest.engines.sglang.engine.args import per_request_sampling, spec_meta
+    from eaglenest.engines.sglang.engine.engine import sglang_symbol
+    from eaglenest.engines.sglang.engine.spec import speculative_engine_kwargs
 
     kw, _ = speculative_engine_kwargs(model, engine_cfg, drafter, SpecConfig(), dtype="bfloat16")
     kw["speculative_algorithm"] = "EAGLE"
@@ -394,9 +401,107 @@ def worker_eagle_forced(out: Path) -> dict[str, Any]:
             "passed": bool(acc == acc and acc < 1.2)}
 
 
+# ------------------------------------------------------------------------------ check 5: capture during generation
+def states_vs_prefill(eng: Any, seqs: list[list[int]], masks: list[list[int]], caps: list) -> dict[str, float]:
+    """Recorded states vs SGLang's prefill capture of the same sequences (``SGLangCaptureRunner``) at every position
+    training reads: the worst relative errors (aux, final) and, as a control, the smallest aux error against a capture
+    one layer off (an off-by-one tap must fail the tolerance)."""
+    from eaglenest.contracts.states import unread_state_positions
+
+    pre = eng.capture_runner.capture(seqs, eng.aux_layer_ids)
+    shifted = eng.capture_runner.capture(seqs, [k + 1 for k in eng.aux_layer_ids])
+    worst = {"aux": 0.0, "last": 0.0, "control_aux": float("inf")}
+    for i, s in enumerate(seqs):
+        read = [x for x in range(len(s)) if x not in unread_state_positions(len(s), masks[i])]
+        worst["aux"] = max(worst["aux"], rel_err(caps[i].aux_hidden_states[read], pre[i].aux_hidden_states[read]))
+        worst["last"] = max(worst["last"], rel_err(caps[i].last_hidden_state[read], pre[i].last_hidden_state[read]))
+        worst["control_aux"] = min(worst["control_aux"], rel_err(caps[i].aux_hidden_states[read],
+                                                                 shifted[i].aux_hidden_states[read]))
+    return worst
+
+
+def worker_generation(out: Path, *, batches: int = 4, batch_size: int = 64, max_new: int = 96,
+                      n_check: int = 16) -> dict[str, Any]:
+    import threading
+
+    from eaglenest.engines.base import CaptureHint, SamplingParams, render_chat_ids
+    from eaglenest.engines.sglang.engine import SGLangEngine
+    from eaglenest.engines.tiny import corpus_chats
+
+    path = big_target(out)
+    eng = SGLangEngine(target_cfg(path, "sglang", capture="generation", mem_fraction_static=0.3,
+                                  capture_mem_fraction_static=0.3), regen=True)
+    eng.start()
+    users = [m["content"] for c in corpus_chats() for m in c["messages"] if m["role"] == "user" and m["content"]]
+    prompts = [render_chat_ids(eng.tokenizer, [{"role": "user", "content": f"{users[i % len(users)]} ({i})"}],
+                               add_generation_prompt=True) for i in range(batches * batch_size)]
+    sp = SamplingParams(temperature=0.0, max_new_tokens=max_new)
+    results: dict[int, tuple[list, list, list]] = {}
+    errors: list[str] = []
+    # each batch's capture reads (and resets) the reader's stats for its log line; keep what the scheduler's side
+    # said last (cumulative: time in the hooks, ring pinned, forwards that fell back to a chunk file)
+    sink, scheduler_said = eng.recorder.sink, {}
+    take_stats = sink.take_stats
+
+    def keep_stats() -> Any:
+        st = take_stats()
+        scheduler_said.update(st.scheduler or {})
+        return st
+
+    sink.take_stats = keep_stats
+
+    def one(k: int) -> None:
+        """A batch as one of the engine actor's threads runs it: generate, then its states from the recordings."""
+        try:
+            part = prompts[k * batch_size:(k + 1) * batch_size]
+            gens = eng.generate_ids(part, sp)
+            seqs = [p + g.token_ids for p, g in zip(part, gens, strict=True)]
+            masks = [[0] * len(p) + [1] * len(g.token_ids) for p, g in zip(part, gens, strict=True)]
+            caps = eng.capture(seqs, hints=[CaptureHint(g.meta["capture_ref"], m)
+                                            for g, m in zip(gens, masks, strict=True)])
+            results[k] = (seqs, masks, caps)
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(f"{type(e).__name__}: {e}")
+
+    threads = [threading.Thread(target=one, args=(k,)) for k in range(batches)]
+    t0 = time.perf_counter()
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    secs = time.perf_counter() - t0
+    if errors:
+        raise RuntimeError(f"batches in flight failed: {errors[:3]}")
+    sink.take_stats = take_stats
+    keep_stats()
+    sched = scheduler_said
+    seqs = [s for k in range(batches) for s in results[k][0]]
+    masks = [m for k in range(batches) for m in results[k][1]]
+    caps = [c for k in range(batches) for c in results[k][2]]
+    worst = states_vs_prefill(eng, seqs[:n_check], masks[:n_check], caps[:n_check])
+    tol = 3e-2  # a batched decode's bf16 kernels vs a prefill's differ in rounding
+    res = {
+        "model": f"random Llama {eng.info.num_layers} layers, hidden {eng.info.hidden_size}",
+        "aux_layer_ids": eng.aux_layer_ids, "batches_in_flight": batches, "batch_size": batch_size,
+        "max_new_tokens": max_new, "loop_driver": eng._driver is not None, "seconds": round(secs, 2),
+        "generated_tokens": sum(len(s) for s in seqs) - sum(len(p) for p in prompts),
+        "served_from": dict(eng.recorder.counts), "placed": dict(eng.recorder.sink.served),
+        "fallback_reasons": eng.recorder.fallback_reasons[-3:], "scheduler": sched,
+        "ring_pinned": sched.get("ring_pinned"), "ring_fallbacks": sched.get("ring_fallbacks"),
+        "sequences_checked": len(seqs[:n_check]), "rel_err_aux": worst["aux"], "rel_err_last": worst["last"],
+        "rel_err_one_layer_off_control": worst["control_aux"], "tolerance": tol,
+    }
+    res["passed"] = bool(res["loop_driver"] and worst["aux"] <= tol and worst["last"] <= tol
+                         and worst["control_aux"] > tol and res["served_from"].get("prefill", 0) == 0
+                         and res["served_from"].get("generation", 0) == len(seqs)
+                         and res["placed"].get("at_capture", 0) == 0 and res["ring_fallbacks"] == 0)
+    eng.close()
+    return res
+
+
 WORKERS: dict[str, Callable[[Path], dict[str, Any]]] = {
     "capture": worker_capture, "throughput": worker_throughput, "spec": worker_spec,
-    "eagle_forced": worker_eagle_forced,
+    "eagle_forced": worker_eagle_forced, "generation": worker_generation,
 }
 
 
@@ -485,6 +590,11 @@ def print_table(results: dict[str, Any]) -> None:
         ("4 spec vs baseline", g("spec", "status"), " ".join(
             f"{k}: {f(v['baseline_tokens_per_s'], 4)} -> {f(v['spec_tokens_per_s'], 4)} tok/s (x{f(v['speedup'])})"
             for k, v in (g("spec", "check4") or {}).items()), None),
+        ("5 generation capture", g("generation", "status"), f"recorded vs prefill: aux rel err "
+         f"{f(g('generation', 'rel_err_aux'))}, last {f(g('generation', 'rel_err_last'))}, one-layer-off control "
+         f"{f(g('generation', 'rel_err_one_layer_off_control'))} (tol {f(g('generation', 'tolerance'))}); served "
+         f"{g('generation', 'served_from')}, placed {g('generation', 'placed')}, ring fallbacks "
+         f"{f(g('generation', 'ring_fallbacks'))}", g("generation", "passed")),
     ]
     print("\n== eaglenest SGLang GPU checks on", results.get("device"), "sglang", results.get("sglang"))
     print(f"{'check':<20} {'status':<8} {'passed':<6} result")
@@ -506,7 +616,7 @@ def _device_name() -> str:
 
 
 def _sglang_version() -> str | None:
-    from eaglenest.engines.sglang.engine import installed_sglang_version
+    from eaglenest.engines.sglang.engine.engine import installed_sglang_version
 
     return installed_sglang_version()
 
@@ -514,7 +624,7 @@ def _sglang_version() -> str | None:
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="results folder (e.g. $OUT/sglang)")
-    ap.add_argument("--checks", default="1,2,3,4", help="comma-separated subset of 1,2,3,4")
+    ap.add_argument("--checks", default="1,2,3,4,5", help="comma-separated subset of 1,2,3,4,5")
     ap.add_argument("--timeout-scale", type=float, default=1.0, help="multiply every group's timeout")
     ap.add_argument("--budget-s", type=float, help="stop starting groups once this many seconds are spent")
     ap.add_argument("--worker", choices=sorted(WORKERS), help=argparse.SUPPRESS)
