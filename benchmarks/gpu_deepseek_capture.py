@@ -103,8 +103,8 @@ def engine_cfg():
 
 
 def offline(model: Path, prompts: list[list[int]], max_new: int) -> dict:
-    from eaglenest.engines.sglang.engine.args import engine_kwargs
-    from eaglenest.engines.sglang.engine.symbols import sglang_symbol
+    from eaglenest.engines.sglang.args import engine_kwargs
+    from eaglenest.engines.sglang.symbols import sglang_symbol
 
     eng = sglang_symbol("sglang:Engine")(**engine_kwargs(str(model), engine_cfg(), dtype="bfloat16"))
     try:
@@ -122,9 +122,9 @@ def offline(model: Path, prompts: list[list[int]], max_new: int) -> dict:
 
 def recording(model: Path, prompts: list[list[int]], max_new: int, aux: list[int], hidden: int) -> dict:
     from eaglenest.engines.base import CaptureHint, Generation
-    from eaglenest.engines.sglang.engine.args import engine_kwargs, generation_capture_kwargs
-    from eaglenest.engines.sglang.engine.recorded import GenerationRecorder
-    from eaglenest.engines.sglang.engine.symbols import sglang_symbol
+    from eaglenest.engines.sglang.args import engine_kwargs, generation_capture_kwargs
+    from eaglenest.engines.sglang.recorded import GenerationRecorder
+    from eaglenest.engines.sglang.symbols import sglang_symbol
 
     cfg = engine_cfg()
     rec = GenerationRecorder(None, aux, hidden_size=hidden, ring_bytes=int(2 * 2**30), architecture=ARCH)
@@ -163,8 +163,8 @@ def recording(model: Path, prompts: list[list[int]], max_new: int, aux: list[int
 
 def versus_prefill(model: Path, runs: dict[str, dict], layers: int, n_check: int) -> dict:
     from eaglenest.contracts.states import unread_state_positions
-    from eaglenest.engines.sglang.engine.args import capture_server_kwargs
-    from eaglenest.engines.sglang.engine.capture import SGLangCaptureRunner
+    from eaglenest.engines.sglang.args import capture_server_kwargs
+    from eaglenest.engines.sglang.capture import SGLangCaptureRunner
 
     runner = SGLangCaptureRunner(capture_server_kwargs(str(model), engine_cfg(), dtype="bfloat16",
                                                        max_total_tokens=16384),

@@ -287,8 +287,8 @@ def step_offline_ref() -> dict[str, Any]:
     if not gpu():
         return {"skipped": "needs SGLang (GPU)"}
     from eaglenest.config import load_config
-    from eaglenest.engines.sglang.engine.args import engine_kwargs
-    from eaglenest.engines.sglang.engine.engine import sglang_symbol
+    from eaglenest.engines.sglang.args import engine_kwargs
+    from eaglenest.engines.sglang.engine import sglang_symbol
 
     cfg = load_config(REGEN_CONFIG)  # the engine config regen runs with
     prompts = _train_prompt_ids()
@@ -322,9 +322,9 @@ def step_offline_recording() -> dict[str, Any]:
 
     from eaglenest.config import load_config
     from eaglenest.contracts.layers import default_aux_layer_ids
-    from eaglenest.engines.sglang.engine.args import engine_kwargs, generation_capture_kwargs
-    from eaglenest.engines.sglang.engine.engine import sglang_symbol
-    from eaglenest.engines.sglang.engine.recorded import GenerationRecorder
+    from eaglenest.engines.sglang.args import engine_kwargs, generation_capture_kwargs
+    from eaglenest.engines.sglang.engine import sglang_symbol
+    from eaglenest.engines.sglang.recorded import GenerationRecorder
 
     cfg = load_config(REGEN_CONFIG)
     sg = cfg.target.sglang

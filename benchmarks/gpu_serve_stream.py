@@ -76,7 +76,7 @@ def main(argv=None) -> int:
     from gpu_sglang import big_target, target_cfg
 
     from eaglenest.engines.base import SamplingParams
-    from eaglenest.engines.sglang.engine.engine import SGLangEngine
+    from eaglenest.engines.sglang.engine import SGLangEngine
     from eaglenest.serve.backends import Backend, SGLangDecoder
 
     path = big_target(a.out)

@@ -122,7 +122,7 @@ def worker_capture(out: Path) -> dict[str, Any]:
 
     from eaglenest.contracts.layers import default_aux_layer_ids
     from eaglenest.engines.hf import HFEngine
-    from eaglenest.engines.sglang.engine.engine import SGLangEngine
+    from eaglenest.engines.sglang.engine import SGLangEngine
 
     path = big_target(out)
     sg = SGLangEngine(target_cfg(path, "sglang", mem_fraction_static=0.3, capture_mem_fraction_static=0.3))
@@ -193,8 +193,8 @@ def _prod(shape: Sequence[int]) -> int:
 # --------------------------------------------------------------------------------------------- check 2: throughput
 def worker_throughput(out: Path) -> dict[str, Any]:
     from eaglenest.engines.base import SamplingParams
-    from eaglenest.engines.sglang.engine.args import per_request_sampling
-    from eaglenest.engines.sglang.engine.engine import SGLangEngine
+    from eaglenest.engines.sglang.args import per_request_sampling
+    from eaglenest.engines.sglang.engine import SGLangEngine
 
     path = big_target(out)
     sg = SGLangEngine(target_cfg(path, "sglang", mem_fraction_static=0.6))
@@ -315,7 +315,7 @@ def worker_spec(out: Path) -> dict[str, Any]:
     from eaglenest.config import SpecConfig
     from eaglenest.drafters.preflight import SpeculativeConfigError
     from eaglenest.engines.base import SamplingParams
-    from eaglenest.engines.sglang.engine.engine import SGLangEngine
+    from eaglenest.engines.sglang.engine import SGLangEngine
 
     path = tiny_target(out)
     res: dict[str, Any] = {"target": "embedded tiny target (8 layers, hidden 128)"}
@@ -373,9 +373,9 @@ def forced_eagle_accept_length(model: str, engine_cfg: Any, drafter: str | Path,
     (what eaglenest's preflight refuses and SGLang takes silently); pooled accept length over ``prompts``."""
     from eaglenest.config import SpecConfig
     from eaglenest.engines.base import SamplingParams
-    from eaglenest.engines.sglang.engine.args import per_request_sampling, spec_meta
-    from eaglenest.engines.sglang.engine.engine import sglang_symbol
-    from eaglenest.engines.sglang.engine.spec import speculative_engine_kwargs
+    from eaglenest.engines.sglang.args import per_request_sampling, spec_meta
+    from eaglenest.engines.sglang.engine import sglang_symbol
+    from eaglenest.engines.sglang.spec import speculative_engine_kwargs
 
     kw, _ = speculative_engine_kwargs(model, engine_cfg, drafter, SpecConfig(), dtype="bfloat16")
     kw["speculative_algorithm"] = "EAGLE"
@@ -616,7 +616,7 @@ def _device_name() -> str:
 
 
 def _sglang_version() -> str | None:
-    from eaglenest.engines.sglang.engine.engine import installed_sglang_version
+    from eaglenest.engines.sglang.engine import installed_sglang_version
 
     return installed_sglang_version()
 

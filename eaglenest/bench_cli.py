@@ -143,8 +143,8 @@ def parse_batch_sizes(text: str) -> list[int]:
 
 
 def _run_sglang(tc, drafter, records, sweep, common):
-    """SGLang integration point: one checked ``SGLangEngine`` per variant (eaglenest.engines.sglang.engine.engine)."""
-    from eaglenest.engines.sglang.engine.engine import SGLangEngine
+    """SGLang integration point: one checked ``SGLangEngine`` per variant (eaglenest.engines.sglang.engine)."""
+    from eaglenest.engines.sglang.engine import SGLangEngine
     from eaglenest.speculative.bench import run_bench_batches
     from eaglenest.speculative.evaluate import prompt_ids
 

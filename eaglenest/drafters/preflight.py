@@ -3,7 +3,7 @@
 The seed incident (an EAGLE-3 drafter launched with ``--speculative-algorithm EAGLE``: no aux capture, ``fc`` skipped,
 accept length 1.0, no error anywhere) is one of a family of silent mismatches between what a drafter was trained on
 and what the serving engine feeds it. Every such contract is one named check here; ``eaglenest preflight``, every
-serve replica and the SGLang launcher (``eaglenest.engines.sglang.engine.spec``) run the same list before an engine starts.
+serve replica and the SGLang launcher (``eaglenest.engines.sglang.spec``) run the same list before an engine starts.
 Only JSON files and safetensors headers are read (plus the two small vocab-mapping tensors and a few sampled embedding
 rows), so a real target that cannot be loaded on this machine is still checked.
 """

@@ -25,7 +25,7 @@ def load_engine(cfg: TargetConfig, *, regen: bool = False) -> TargetEngine:
 
         return HFEngine.from_config(cfg)
     if cfg.engine == "sglang":
-        from eaglenest.engines.sglang.engine.engine import SGLangEngine
+        from eaglenest.engines.sglang.engine import SGLangEngine
 
         return SGLangEngine.from_config(cfg, regen=regen)
     raise ValueError(f"unknown engine {cfg.engine!r}; allowed: hf, sglang")

@@ -15,7 +15,7 @@ Backends:
 - ``hf`` (CPU default): the reference decoder of ``eaglenest.speculative`` on the transformers target, or its plain
   baseline decoder when no drafter is configured. Tokens stream as the decoder commits them.
 - ``sglang`` (GPU): a thin adapter onto ``engines.sglang.engine.SGLangEngine`` (imported lazily). Every request
-  streams from SGLang on its own (``eaglenest.engines.sglang.engine.stream``): it joins SGLang's running batch when it is
+  streams from SGLang on its own (``eaglenest.engines.sglang.stream``): it joins SGLang's running batch when it is
   admitted and its tokens are passed on as SGLang decodes them; a cancelled request is aborted in SGLang.
 """
 
@@ -390,7 +390,7 @@ def make_local_backend(cfg: EaglenestConfig, drafter: str | None, *,
         engine = load_engine(cfg.target)
         decoder: Decoder = _hf_decoder(engine, drafter, cfg)
     elif engine_kind == "sglang":
-        from eaglenest.engines.sglang.engine.engine import SGLangEngine
+        from eaglenest.engines.sglang.engine import SGLangEngine
 
         if drafter is not None:
             engine = SGLangEngine.speculative(cfg.target, drafter, cfg.serve.spec)

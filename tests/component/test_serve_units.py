@@ -224,7 +224,7 @@ class _StreamingSGLang:
 
 
 def _sglang_decoder(outputs):
-    from eaglenest.engines.sglang.engine.stream import SGLangStreams
+    from eaglenest.engines.sglang.stream import SGLangStreams
     from eaglenest.serve.backends import SGLangDecoder
 
     fake = _StreamingSGLang(outputs)
@@ -336,7 +336,7 @@ def test_engine_starts_with_the_backend_and_a_failed_start_marks_it_dead():
 
 
 def test_streamed_request_turns_cumulative_chunks_into_deltas():
-    from eaglenest.engines.sglang.engine.args import SGLangOutputError, StreamedRequest
+    from eaglenest.engines.sglang.args import SGLangOutputError, StreamedRequest
 
     sr = StreamedRequest(prompt_len=3, decode=lambda t: "".join(chr(96 + x) for x in t), stop=["c"])
     assert sr.feed({"output_ids": [1], "meta_info": {"finish_reason": None}}) == [1]

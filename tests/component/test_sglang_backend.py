@@ -17,7 +17,7 @@ from eaglenest.contracts.target import TargetSpec
 from eaglenest.drafters.eagle3.format import read_drafter
 from eaglenest.drafters.preflight import SpeculativeConfigError, derive_algorithm
 from eaglenest.engines.base import SamplingParams, decode_texts
-from eaglenest.engines.sglang.engine.args import (
+from eaglenest.engines.sglang.args import (
     SGLANG_VERSION,
     SGLangOutputError,
     SGLangVersionError,
@@ -32,7 +32,7 @@ from eaglenest.engines.sglang.engine.args import (
     run_generate,
     spec_meta,
 )
-from eaglenest.engines.sglang.engine.spec import speculative_engine_kwargs, speculative_launch
+from eaglenest.engines.sglang.spec import speculative_engine_kwargs, speculative_launch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: sglang_shims
 from sglang_shims.fixtures import export_eagle3_drafter, write_eagle3_drafter, write_target  # noqa: E402
@@ -85,7 +85,7 @@ def test_sampling_params() -> None:
 
 
 def test_logprob_arguments_and_output_parsing() -> None:
-    from eaglenest.engines.sglang.engine.args import logprob_kwargs, output_logprobs
+    from eaglenest.engines.sglang.args import logprob_kwargs, output_logprobs
 
     assert logprob_kwargs(SamplingParams()) == {}
     assert logprob_kwargs(SamplingParams(logprobs=3)) == {"return_logprob": True, "top_logprobs_num": 3,
@@ -257,8 +257,8 @@ def test_nothing_imports_sglang() -> None:
     # the packages, our backend modules, and the modules that name the sglang backend (imported lazily there);
     # every other file is covered by the static check below
     code = (
-        "import sys, eaglenest, eaglenest.engines, eaglenest.engines.sglang.engine.engine, eaglenest.engines.sglang.engine.args, "
-        "eaglenest.engines.sglang.engine.spec, eaglenest.engines.sglang.engine.capture, eaglenest.engines.sglang.engine.symbols, "
+        "import sys, eaglenest, eaglenest.engines, eaglenest.engines.sglang.engine, eaglenest.engines.sglang.args, "
+        "eaglenest.engines.sglang.spec, eaglenest.engines.sglang.capture, eaglenest.engines.sglang.symbols, "
         "eaglenest.regen, eaglenest.drafter, eaglenest.serve, eaglenest.serve.backends, "
         "eaglenest.drafters.preflight\n"
         "bad = sorted(k for k in sys.modules if k == 'sglang' or k.startswith('sglang.'))\n"
@@ -282,7 +282,7 @@ def test_sglang_only_reached_through_the_listed_internals() -> None:
                 if any(n == "sglang" or n.startswith("sglang.") for n in names):
                     offenders.append(f"{f.relative_to(ROOT)}:{node.lineno}")
     assert not offenders, offenders
-    from eaglenest.engines.sglang.engine.engine import sglang_symbol
+    from eaglenest.engines.sglang.engine import sglang_symbol
 
     with pytest.raises(KeyError, match="SGLANG_INTERNALS"):
         sglang_symbol("sglang.srt.managers.scheduler:Scheduler")
@@ -300,7 +300,7 @@ def test_target_facts_and_weights_match_the_hf_backend(tiny_target_path: Path, t
     import torch
     from transformers import AutoTokenizer
 
-    from eaglenest.engines.sglang.engine.engine import target_info
+    from eaglenest.engines.sglang.engine import target_info
 
     path = str(tiny_target_path)
     spec = TargetSpec.read(path)

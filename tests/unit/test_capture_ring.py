@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from eaglenest.engines.sglang.engine.capture_ring import ALIGN, RingView, RingWriter, create_ring
+from eaglenest.engines.sglang.capture_ring import ALIGN, RingView, RingWriter, create_ring
 
 
 def test_regions_follow_each_other_wrap_and_wait_for_the_reader(tmp_path) -> None:

@@ -1,4 +1,4 @@
-"""Capture during generation without a GPU: the hooks of ``eaglenest.engines.sglang.engine.hooks`` attached the way SGLang's
+"""Capture during generation without a GPU: the hooks of ``eaglenest.engines.sglang.hooks`` attached the way SGLang's
 ``forward_hooks`` attaches them (module names by fnmatch, the factory resolved from its import path), driven by a
 CPU model with SGLang's Llama call convention through continuous-batching forwards (``tests/capture_toy.py``):
 chunked prefill, mixed extend, decode steps with requests joining and leaving. The assembled states must equal a
@@ -16,9 +16,9 @@ from capture_toy import AUX, H, Model, Scheduler, V, attach
 
 from eaglenest.contracts.states import unread_state_positions
 from eaglenest.engines.base import CaptureHint
-from eaglenest.engines.sglang.engine.capture_sink import CaptureSinkError
-from eaglenest.engines.sglang.engine.hooks import ERROR_FILE, hook_specs
-from eaglenest.engines.sglang.engine.recorded import GenerationRecorder
+from eaglenest.engines.sglang.capture_sink import CaptureSinkError
+from eaglenest.engines.sglang.hooks import ERROR_FILE, hook_specs
+from eaglenest.engines.sglang.recorded import GenerationRecorder
 
 ROW_BYTES = 4 * H * 4  # three aux streams and the final state, float32
 SMALL_RING = 24 * ROW_BYTES
@@ -42,7 +42,7 @@ def setup(tmp_path, writers: int = 3, ring_bytes: int = 0) -> tuple[Model, Sched
 def test_states_recorded_while_generating_equal_a_teacher_forced_forward(tmp_path, reserve: bool,
                                                                          writers: int, ring_bytes: int) -> None:
     model, sched, rec = setup(tmp_path, writers, ring_bytes)
-    from eaglenest.engines.sglang.engine.hooks import _RECORDERS
+    from eaglenest.engines.sglang.hooks import _RECORDERS
 
     assert len(_RECORDERS[str(rec.folder)].threads) == writers
     g = torch.Generator().manual_seed(1)
@@ -189,12 +189,12 @@ def test_specs_name_the_modules_sglang_llama_has() -> None:
     specs = hook_specs("/tmp/x", [2, 16, 29])
     assert [s["target_modules"] for s in specs] == [["model.layers.1"], ["model.layers.15"], ["model.layers.28"],
                                                     ["model.norm"]]
-    assert all(s["hook_factory"] == "eaglenest.engines.sglang.engine.hooks:capture_hook" for s in specs)
+    assert all(s["hook_factory"] == "eaglenest.engines.sglang.hooks:capture_hook" for s in specs)
 
 
 def test_generation_capture_launch_kwargs_and_guards() -> None:
     from eaglenest.config import SGLangEngineConfig
-    from eaglenest.engines.sglang.engine.args import check_generation_capture, engine_kwargs, generation_capture_kwargs
+    from eaglenest.engines.sglang.args import check_generation_capture, engine_kwargs, generation_capture_kwargs
 
     hooks = hook_specs("/tmp/x", [2, 4, 5])
     assert {h["config"]["writers"] for h in hooks} == {SGLangEngineConfig().capture_writers} == {1}
@@ -219,7 +219,7 @@ def test_generation_capture_launch_kwargs_and_guards() -> None:
 
 def test_run_generate_names_requests_and_keeps_completion_counts() -> None:
     from eaglenest.engines.base import SamplingParams
-    from eaglenest.engines.sglang.engine.args import run_generate
+    from eaglenest.engines.sglang.args import run_generate
 
     seen = {}
 
@@ -301,8 +301,8 @@ def test_rows_arriving_after_their_request_was_released_are_not_kept(tmp_path) -
     released, nothing of them is kept (no memory grows for the rest of the run)."""
     import torch as t
 
-    from eaglenest.engines.sglang.engine.capture_sink import CaptureSink
-    from eaglenest.engines.sglang.engine.hooks import write_chunk
+    from eaglenest.engines.sglang.capture_sink import CaptureSink
+    from eaglenest.engines.sglang.hooks import write_chunk
 
     sink = CaptureSink(tmp_path, hidden_size=2, n_aux=1)
     rows = lambda n: (t.arange(n, dtype=t.int32), t.arange(n, dtype=t.int32), t.ones(n, 4))  # noqa: E731
@@ -328,8 +328,8 @@ def test_chunks_written_out_of_order_are_read_in_forward_order(tmp_path) -> None
     request) the later forward's row wins."""
     import torch as t
 
-    from eaglenest.engines.sglang.engine.capture_sink import CaptureSink
-    from eaglenest.engines.sglang.engine.hooks import write_chunk
+    from eaglenest.engines.sglang.capture_sink import CaptureSink
+    from eaglenest.engines.sglang.hooks import write_chunk
 
     sink = CaptureSink(tmp_path, hidden_size=2, n_aux=1)
     assert sink.reserve(["r"], [4])
@@ -353,8 +353,8 @@ def test_reserving_and_checking_do_not_wait_for_rows_being_copied(tmp_path) -> N
 
     import torch as t
 
-    from eaglenest.engines.sglang.engine.capture_sink import CaptureSink
-    from eaglenest.engines.sglang.engine.hooks import write_chunk
+    from eaglenest.engines.sglang.capture_sink import CaptureSink
+    from eaglenest.engines.sglang.hooks import write_chunk
 
     sink = CaptureSink(tmp_path, hidden_size=2, n_aux=1)
     assert sink.reserve(["a"], [4])
@@ -391,8 +391,8 @@ def test_the_reader_reports_what_it_read_since_it_was_last_asked(tmp_path) -> No
 
     import torch as t
 
-    from eaglenest.engines.sglang.engine.capture_sink import CaptureSink
-    from eaglenest.engines.sglang.engine.hooks import chunk_name, write_chunk
+    from eaglenest.engines.sglang.capture_sink import CaptureSink
+    from eaglenest.engines.sglang.hooks import chunk_name, write_chunk
 
     sink = CaptureSink(tmp_path, hidden_size=2, n_aux=1)
     assert sink.take_stats().line() == "reader: no chunk since the last batch"
@@ -421,7 +421,7 @@ def test_the_reader_reports_what_it_read_since_it_was_last_asked(tmp_path) -> No
 def test_every_chunk_says_what_recording_has_cost_the_scheduler(tmp_path) -> None:
     """The hooks time themselves on the forward thread (and any wait for a writer), so a slow generation pace can be
     told apart from recording's cost; the sums only grow."""
-    from eaglenest.engines.sglang.engine.hooks import _RECORDERS
+    from eaglenest.engines.sglang.hooks import _RECORDERS
 
     model, sched, rec = setup(tmp_path)
     prompts = [[1, 2, 3, 4, 5], [6, 7, 8]]
@@ -545,8 +545,8 @@ def test_a_batch_beyond_the_reservation_budget_is_placed_at_capture(tmp_path) ->
 def test_a_reader_failure_is_reported_not_waited_out(tmp_path) -> None:
     import time
 
-    from eaglenest.engines.sglang.engine.capture_sink import CaptureSink
-    from eaglenest.engines.sglang.engine.hooks import chunk_name
+    from eaglenest.engines.sglang.capture_sink import CaptureSink
+    from eaglenest.engines.sglang.hooks import chunk_name
 
     sink = CaptureSink(tmp_path, hidden_size=2, n_aux=1, poll_s=0.01)
     sink.start()
@@ -627,7 +627,7 @@ def test_a_batch_with_early_answers_is_written_to_shards_without_losing_a_byte(t
 
 def test_a_recorder_driven_outside_sglang_stops_its_writers_after_the_queued_forwards(tmp_path) -> None:
     """``_Recorder.close``: what a benchmark calls (SGLang's scheduler process simply ends with its daemon writers)."""
-    from eaglenest.engines.sglang.engine.hooks import _RECORDERS
+    from eaglenest.engines.sglang.hooks import _RECORDERS
 
     model, sched, rec = setup(tmp_path, writers=2)
     prompts = [[1, 2, 3, 4], [5, 6, 7]]

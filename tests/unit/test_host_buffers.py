@@ -7,7 +7,7 @@ import gc
 import torch
 
 from eaglenest.contracts.shards import tensor_to_buffer
-from eaglenest.engines.sglang.engine.host_buffers import GRANULE, HostBufferPool
+from eaglenest.engines.sglang.host_buffers import GRANULE, HostBufferPool
 from eaglenest.regen.stage import blob_column
 
 
@@ -56,8 +56,8 @@ def test_free_buffers_beyond_the_cap_are_dropped() -> None:
 
 
 def test_the_sink_reuses_memory_only_after_a_batchs_captures_are_gone(tmp_path) -> None:
-    from eaglenest.engines.sglang.engine.capture_sink import CaptureSink
-    from eaglenest.engines.sglang.engine.hooks import write_chunk
+    from eaglenest.engines.sglang.capture_sink import CaptureSink
+    from eaglenest.engines.sglang.hooks import write_chunk
 
     h = 4
     sink = CaptureSink(tmp_path, hidden_size=h)
@@ -102,7 +102,7 @@ def test_prewarmed_buffers_are_lent_first_and_kept_beyond_the_free_cap() -> None
 
 
 def test_the_sink_prewarms_what_its_reservations_take(tmp_path) -> None:
-    from eaglenest.engines.sglang.engine.capture_sink import CaptureSink
+    from eaglenest.engines.sglang.capture_sink import CaptureSink
 
     sink = CaptureSink(tmp_path, hidden_size=64, n_aux=3, dtype=torch.bfloat16,
                        reserve_max_bytes=3 * 1000 * 4 * 64 * 2)

@@ -212,10 +212,10 @@ def test_lazy_faces_and_module_strings_are_edges() -> None:
     edges, _ = _graph()
     assert "eaglenest.drafter.train" in edges["eaglenest.drafter"]
     assert {"eaglenest.regen.cli", "eaglenest.serve.cli", "eaglenest.drafter.cli"} <= edges["eaglenest.cli"]
-    tree = ast.parse('X = {"a": "eaglenest.drafter.train", "b": "eaglenest.engines.sglang.engine.hooks:capture_hook"}\n'
+    tree = ast.parse('X = {"a": "eaglenest.drafter.train", "b": "eaglenest.engines.sglang.hooks:capture_hook"}\n'
                      '"""eaglenest.drafter is mentioned in prose"""\nlog = getLogger("eaglenest.serve")\n')
     assert _imports(tree, "eaglenest.x", False) == [("eaglenest.drafter.train", []),
-                                                     ("eaglenest.engines.sglang.engine.hooks", [])]
+                                                     ("eaglenest.engines.sglang.hooks", [])]
 
 
 def test_stages_meet_only_through_public_packages() -> None:

@@ -15,7 +15,7 @@ from eaglenest.contracts.target import TargetSpec
 from eaglenest.drafter.export import export_drafter
 from eaglenest.drafters.eagle3.model import DrafterModelConfig, Eagle3Drafter
 from eaglenest.drafters.preflight import run_preflight
-from eaglenest.engines.sglang.engine.hooks import hook_specs
+from eaglenest.engines.sglang.hooks import hook_specs
 from eaglenest.targets import DEEPSEEK_V3, GENERIC, KIMI_K25, LLAMA, QWEN, arch_for
 
 N = 61

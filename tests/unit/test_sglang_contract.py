@@ -30,9 +30,9 @@ from sglang_shims.fixtures import export_eagle3_drafter, write_eagle3_drafter, w
 from eaglenest.config import SGLangEngineConfig, SpecConfig  # noqa: E402
 from eaglenest.contracts.layers import default_aux_layer_ids, engine_captured_layers, engine_layer_ids  # noqa: E402
 from eaglenest.drafters.preflight import SpeculativeConfigError  # noqa: E402
-from eaglenest.engines.sglang.engine.args import SGLANG_VERSION, capture_server_kwargs, engine_kwargs  # noqa: E402
-from eaglenest.engines.sglang.engine.engine import SGLANG_INTERNALS, installed_sglang_version, require_sglang  # noqa: E402
-from eaglenest.engines.sglang.engine.spec import speculative_engine_kwargs  # noqa: E402
+from eaglenest.engines.sglang.args import SGLANG_VERSION, capture_server_kwargs, engine_kwargs  # noqa: E402
+from eaglenest.engines.sglang.engine import SGLANG_INTERNALS, installed_sglang_version, require_sglang  # noqa: E402
+from eaglenest.engines.sglang.spec import speculative_engine_kwargs  # noqa: E402
 from eaglenest.targets import DEEPSEEK_V3, KIMI_K25, arch_for  # noqa: E402
 
 CPU_ONLY = {"device": "cuda", "skip_tokenizer_init": True}  # §G: explicit device; config-only folders, no tokenizer
@@ -224,7 +224,7 @@ def test_capture_tree_cache_stand_in_covers_sglangs_offline_driver() -> None:
     import ast
     import importlib.util
 
-    from eaglenest.engines.sglang.engine.capture import _NoPrefixCache
+    from eaglenest.engines.sglang.capture import _NoPrefixCache
 
     spec = importlib.util.find_spec("sglang.bench_one_batch")
     assert spec is not None and spec.origin
@@ -238,7 +238,7 @@ def test_capture_tree_cache_stand_in_covers_sglangs_offline_driver() -> None:
 
 
 def test_streaming_surface_we_call() -> None:
-    """What ``eaglenest.engines.sglang.engine.stream`` uses: read from sglang's source (its engine module needs uvloop and a
+    """What ``eaglenest.engines.sglang.stream`` uses: read from sglang's source (its engine module needs uvloop and a
     GPU-side import chain, so it is parsed rather than imported here; the GPU run exercises it)."""
     import ast
     import dataclasses
@@ -263,7 +263,7 @@ def test_streaming_surface_we_call() -> None:
 
 
 def test_loop_driver_surface() -> None:
-    """What ``eaglenest.engines.sglang.engine.driver`` relies on, read from sglang's source: a batch through
+    """What ``eaglenest.engines.sglang.driver`` relies on, read from sglang's source: a batch through
     ``async_generate`` without ``stream`` returns the outputs (one awaited item); the tokenizer manager starts its
     receive loop on the *running* loop (the driver's thread runs ``Engine.loop``) and installs signal handlers only
     from the main thread (the driver's thread is not)."""
@@ -286,7 +286,7 @@ def test_loop_driver_surface() -> None:
 
 
 def test_generation_capture_launch_and_the_surface_its_hooks_read(folders: tuple[Path, Path]) -> None:
-    """Capture during generation (eaglenest.engines.sglang.engine.hooks) reads ForwardBatch fields, relies on Llama's call
+    """Capture during generation (eaglenest.engines.sglang.hooks) reads ForwardBatch fields, relies on Llama's call
     convention and module names, on hooks firing only outside CUDA graphs, and on Engine.generate taking rids."""
     import ast
     import dataclasses
@@ -296,8 +296,8 @@ def test_generation_capture_launch_and_the_surface_its_hooks_read(folders: tuple
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
     from sglang.srt.models.llama import LlamaDecoderLayer, LlamaModel
 
-    from eaglenest.engines.sglang.engine.args import generation_capture_kwargs
-    from eaglenest.engines.sglang.engine.hooks import hook_specs
+    from eaglenest.engines.sglang.args import generation_capture_kwargs
+    from eaglenest.engines.sglang.hooks import hook_specs
 
     target, _ = folders
     kw = generation_capture_kwargs(engine_kwargs(str(target), SGLangEngineConfig()), hook_specs("/tmp/x", [2, 4, 5]))
@@ -329,7 +329,7 @@ def test_capture_hooks_through_sglangs_own_register_forward_hooks(tmp_path: Path
     from sglang.srt.model_executor.hook_manager import register_forward_hooks
 
     from eaglenest.engines.base import CaptureHint
-    from eaglenest.engines.sglang.engine.recorded import GenerationRecorder
+    from eaglenest.engines.sglang.recorded import GenerationRecorder
 
     model = Model()
     rec = GenerationRecorder(str(tmp_path), AUX, hidden_size=H, dtype="float32")

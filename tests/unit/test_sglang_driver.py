@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from eaglenest.engines.sglang.engine.driver import EngineLoopDriver
+from eaglenest.engines.sglang.driver import EngineLoopDriver
 
 
 class SteppingEngine:

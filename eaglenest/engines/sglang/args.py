@@ -108,7 +108,7 @@ def check_generation_capture(architecture: str, tp_size: int) -> None:
 
 
 def generation_capture_kwargs(kw: dict[str, Any], hooks: list[dict[str, Any]]) -> dict[str, Any]:
-    """Generation kwargs that record hidden states while generating (``eaglenest.engines.sglang.engine.hooks``).
+    """Generation kwargs that record hidden states while generating (``eaglenest.engines.sglang.hooks``).
 
     Hooks do not run inside CUDA-graph replays, and a radix-cache hit would skip a prompt's rows, so both are off;
     speculative decoding would feed draft rows through the same layers, so it is refused.

@@ -6,7 +6,7 @@ radix cache, chunked prefill and CUDA graphs off. The target is told which layer
 path's numbering), and a thin wrapper around the model's ``logits_processor`` keeps the two tensors it is handed:
 the aux states (residual stream entering each captured layer) and the final normed state. Nothing goes through JSON.
 
-Every sglang name used here is listed in ``eaglenest.engines.sglang.engine.engine.SGLANG_INTERNALS`` and fetched through
+Every sglang name used here is listed in ``eaglenest.engines.sglang.engine.SGLANG_INTERNALS`` and fetched through
 ``sglang_symbol``; this module is imported only when capture is first asked for.
 """
 
@@ -21,8 +21,8 @@ import torch
 
 from eaglenest.contracts.layers import engine_layer_ids
 from eaglenest.engines.base import Capture
-from eaglenest.engines.sglang.engine.args import plan_capture_batches, reorder_aux
-from eaglenest.engines.sglang.engine.symbols import sglang_symbol
+from eaglenest.engines.sglang.args import plan_capture_batches, reorder_aux
+from eaglenest.engines.sglang.symbols import sglang_symbol
 
 
 class _NoPrefixCache(SimpleNamespace):

@@ -19,8 +19,8 @@ import torch
 
 from eaglenest.contracts.states import unread_state_positions
 from eaglenest.engines.base import Capture
-from eaglenest.engines.sglang.engine.capture_ring import RingView
-from eaglenest.engines.sglang.engine.hooks import ALIGN
+from eaglenest.engines.sglang.capture_ring import RingView
+from eaglenest.engines.sglang.hooks import ALIGN
 
 
 class CaptureSinkError(RuntimeError):

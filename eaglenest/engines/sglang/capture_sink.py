@@ -1,6 +1,6 @@
 """The engine actor's side of capture during generation: read the hooks' chunk files, assemble per-sample states.
 
-``eaglenest.engines.sglang.engine.hooks`` writes one chunk per forward (rows of many requests) from SGLang's scheduler
+``eaglenest.engines.sglang.hooks`` writes one chunk per forward (rows of many requests) from SGLang's scheduler
 process. A background thread here reads chunks as they appear (while the actor's main thread waits on
 ``Engine.generate``), files each row under its request id, and deletes the file. After generation the engine asks for
 a sequence's states by the request id of its last generation: rows are placed by their recorded positions, their
@@ -29,7 +29,7 @@ import torch
 
 from eaglenest.contracts.states import unread_state_positions
 from eaglenest.engines.base import Capture
-from eaglenest.engines.sglang.engine.capture_chunks import (
+from eaglenest.engines.sglang.capture_chunks import (
     CaptureSinkError,
     Chunk,
     ReaderStats,
@@ -38,9 +38,9 @@ from eaglenest.engines.sglang.engine.capture_chunks import (
     states_from_slabs,
     zero_rows,
 )
-from eaglenest.engines.sglang.engine.capture_ring import RingView, create_ring
-from eaglenest.engines.sglang.engine.hooks import ERROR_FILE, chunk_name
-from eaglenest.engines.sglang.engine.host_buffers import HostBufferPool
+from eaglenest.engines.sglang.capture_ring import RingView, create_ring
+from eaglenest.engines.sglang.hooks import ERROR_FILE, chunk_name
+from eaglenest.engines.sglang.host_buffers import HostBufferPool
 
 RELEASED_MEMORY = 1 << 17
 """Released request ids remembered, so that a chunk arriving after its request was released is not kept."""

@@ -5,7 +5,7 @@ Run it inside a Ray actor with ``num_gpus = target.sglang.tp_size`` (tensor para
 eaglenest pulls it in.
 
 Pinned to sglang 0.5.14 (``SGLANG_VERSION``). Every sglang name this backend touches is listed in
-``SGLANG_INTERNALS`` (``eaglenest.engines.sglang.engine.symbols``) and fetched through ``sglang_symbol``, which refuses
+``SGLANG_INTERNALS`` (``eaglenest.engines.sglang.symbols``) and fetched through ``sglang_symbol``, which refuses
 anything unlisted; upgrading sglang means re-reading exactly these:
 
 - ``sglang:Engine`` / ``sglang:__version__`` (public): generation and speculative serving, offline, batched.
@@ -29,7 +29,7 @@ anything unlisted; upgrading sglang means re-reading exactly these:
   hidden_states, lm_head, logits_metadata, aux_hidden_states, ...)`` (hidden_states = final normed state, aux = list
   of residual streams entering the captured layers, in ascending layer order).
 - ``Engine.generate(input_ids=[...], sampling_params=[...])``, ``Engine.flush_cache()``, ``Engine.shutdown()``.
-- Streaming (``eaglenest.engines.sglang.engine.stream``): ``Engine.loop``, ``Engine.async_generate(input_ids=,
+- Streaming (``eaglenest.engines.sglang.stream``): ``Engine.loop``, ``Engine.async_generate(input_ids=,
   sampling_params=, stream=True, rid=)`` (cumulative chunks: ``incremental_streaming_output`` stays off),
   ``Engine.tokenizer_manager.abort_request(rid)``.
 - Capture during generation (``target.sglang.capture: generation``; ``sglang_hooks`` / ``sglang_recorded``): the
@@ -66,7 +66,7 @@ from eaglenest.engines.base import (
     decode_texts,
 )
 from eaglenest.engines.location import resolve_target_path
-from eaglenest.engines.sglang.engine.args import (
+from eaglenest.engines.sglang.args import (
     SGLANG_VERSION,
     capture_server_kwargs,
     check_generation_capture,
@@ -75,13 +75,13 @@ from eaglenest.engines.sglang.engine.args import (
     generation_capture_kwargs,
     run_generate,
 )
-from eaglenest.engines.sglang.engine.driver import EngineLoopDriver
-from eaglenest.engines.sglang.engine.recorded import GenerationRecorder
-from eaglenest.engines.sglang.engine.spec import SpeculativeLaunch, speculative_engine_kwargs
-from eaglenest.engines.sglang.engine.symbols import SGLANG_INTERNALS, installed_sglang_version, require_sglang, sglang_symbol
+from eaglenest.engines.sglang.driver import EngineLoopDriver
+from eaglenest.engines.sglang.recorded import GenerationRecorder
+from eaglenest.engines.sglang.spec import SpeculativeLaunch, speculative_engine_kwargs
+from eaglenest.engines.sglang.symbols import SGLANG_INTERNALS, installed_sglang_version, require_sglang, sglang_symbol
 
 if TYPE_CHECKING:
-    from eaglenest.engines.sglang.engine.stream import SGLangStreams
+    from eaglenest.engines.sglang.stream import SGLangStreams
 
 __all__ = ["SGLANG_INTERNALS", "SGLANG_VERSION", "SGLangEngine", "installed_sglang_version", "require_sglang",
            "sglang_symbol"]
@@ -208,7 +208,7 @@ class SGLangEngine(TargetEngine):
 
     def streams(self) -> SGLangStreams:
         """A multiplexer of streamed requests on this engine (serving: tokens as they are decoded)."""
-        from eaglenest.engines.sglang.engine.stream import SGLangStreams
+        from eaglenest.engines.sglang.stream import SGLangStreams
 
         return SGLangStreams(self.engine, vocab_size=self.info.vocab_size, eos_token_ids=self.info.eos_token_ids,
                              decode=self._decode)
@@ -225,7 +225,7 @@ class SGLangEngine(TargetEngine):
     @property
     def capture_runner(self) -> Any:
         if self._capture is None:
-            from eaglenest.engines.sglang.engine.capture import SGLangCaptureRunner
+            from eaglenest.engines.sglang.capture import SGLangCaptureRunner
 
             kw = capture_server_kwargs(self.model_path, self.engine_cfg, dtype=self.dtype,
                                        trust_remote_code=self.cfg.trust_remote_code,

@@ -14,7 +14,7 @@ forward batch's own ``rids``, ``positions`` and ``input_ids``, so nothing depend
 Every forward's rows go GPU -> host on a writer thread: the states by DMA into a ring of shared memory
 (``capture_ring``, registered as pinned memory here) where the sink has one, else into the chunk
 file; the chunk file (header, ids, positions) is written under a temporary name, then renamed, and the reader takes
-chunks in forward order whatever order they land in. ``eaglenest.engines.sglang.engine.capture_sink`` reads them in the engine
+chunks in forward order whatever order they land in. ``eaglenest.engines.sglang.capture_sink`` reads them in the engine
 actor. Hooks do not fire
 inside CUDA-graph replays and a radix-cache hit would skip prompt rows, so the engine that carries these hooks runs
 with CUDA graphs and the radix cache off (``sglang_args.generation_capture_kwargs``).
@@ -41,10 +41,10 @@ from typing import Any
 
 import torch
 
-from eaglenest.engines.sglang.engine.capture_ring import RingView, RingWriter, ring_exists
+from eaglenest.engines.sglang.capture_ring import RingView, RingWriter, ring_exists
 from eaglenest.targets import LayerCall, arch_for
 
-HOOK_FACTORY = "eaglenest.engines.sglang.engine.hooks:capture_hook"
+HOOK_FACTORY = "eaglenest.engines.sglang.hooks:capture_hook"
 LAYER_CALL_DEFAULT = LayerCall()
 """Llama's: ``layer(positions, hidden, forward_batch, residual) -> (hidden, residual)``"""
 ERROR_FILE = "error.txt"

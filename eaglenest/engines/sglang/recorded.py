@@ -1,7 +1,7 @@
 """Capture during generation, engine side: the hooks to launch with, request ids, and per-batch assembly.
 
 The SGLang engine launched with :attr:`GenerationRecorder.hooks` records every forward's aux and final states
-(``eaglenest.engines.sglang.engine.hooks``); this object names each generation's requests, remembers how many rows each
+(``eaglenest.engines.sglang.hooks``); this object names each generation's requests, remembers how many rows each
 must produce (prompt + answer - 1: the last answer token is never fed back), and turns a batch's recordings into one
 :class:`Capture` per sequence. Sequences it cannot serve from recordings (no hint, a mismatch, rows missing that
 training reads) are captured by a one-token generation over the whole sequence, whose prefill records every
@@ -23,8 +23,8 @@ from pathlib import Path
 import torch
 
 from eaglenest.engines.base import Capture, CaptureHint, Generation
-from eaglenest.engines.sglang.engine.capture_sink import RESERVE_MAX_BYTES, CaptureSink, CaptureSinkError
-from eaglenest.engines.sglang.engine.hooks import STAGING_ROWS, WRITERS, hook_specs, staging_size
+from eaglenest.engines.sglang.capture_sink import RESERVE_MAX_BYTES, CaptureSink, CaptureSinkError
+from eaglenest.engines.sglang.hooks import STAGING_ROWS, WRITERS, hook_specs, staging_size
 
 SHM_MIN_FREE = 8 << 30
 """/dev/shm is used for the chunk files when it has this much free space (a container's default is 64 MiB)."""

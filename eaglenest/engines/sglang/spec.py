@@ -19,7 +19,7 @@ from eaglenest.contracts.layers import engine_captured_layers
 from eaglenest.contracts.target import TargetSpec
 from eaglenest.drafters.eagle3.format import DrafterExport, read_drafter
 from eaglenest.drafters.preflight import preflight_or_raise
-from eaglenest.engines.sglang.engine.args import engine_kwargs
+from eaglenest.engines.sglang.args import engine_kwargs
 
 
 @dataclass(frozen=True)

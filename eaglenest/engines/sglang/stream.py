@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from eaglenest.engines.base import Generation, SamplingParams
-from eaglenest.engines.sglang.engine.args import (
+from eaglenest.engines.sglang.args import (
     StreamedRequest,
     check_prompts,
     logprob_kwargs,

@@ -1,8 +1,8 @@
 """The sglang names eaglenest may touch, and the one gate through which they are imported.
 
-Its own module so that the backend (``eaglenest.engines.sglang.engine.engine``) and the capture runner
-(``eaglenest.engines.sglang.engine.capture``) both reach sglang through it without importing each other. What each name is
-used for is listed in ``eaglenest.engines.sglang.engine.engine``'s docstring; upgrading sglang means re-reading exactly these.
+Its own module so that the backend (``eaglenest.engines.sglang.engine``) and the capture runner
+(``eaglenest.engines.sglang.capture``) both reach sglang through it without importing each other. What each name is
+used for is listed in ``eaglenest.engines.sglang.engine``'s docstring; upgrading sglang means re-reading exactly these.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from eaglenest.engines.sglang.engine.args import SGLANG_VERSION, SGLangVersionError, check_sglang_version
+from eaglenest.engines.sglang.args import SGLANG_VERSION, SGLangVersionError, check_sglang_version
 
 SGLANG_INTERNALS: tuple[str, ...] = (
     "sglang:Engine",
