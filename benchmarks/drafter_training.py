@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault(k, v)
 
     from eaglenest.config import EaglenestConfig
-    from eaglenest.drafter.train import train_drafter
+    from eaglenest.drafter.driver import train_drafter
 
     out = Path(args.out).resolve()
     data = Path(args.data).resolve() if args.data else build_shards(out / "shards", args.samples,

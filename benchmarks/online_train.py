@@ -156,8 +156,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def compare(a: argparse.Namespace, doc: dict[str, Any], src: Path, out: Path, seeds: list[int], accept: Any) -> None:
     """Offline regen + training vs online training, per seed: accept length, throughput, bytes on disk."""
+    from eaglenest.drafter.driver import train_drafter
     from eaglenest.drafter.online import hidden_state_files
-    from eaglenest.drafter.train import train_drafter
     from eaglenest.regen.pipeline import run_regen
 
     mk = dict(epochs=a.epochs, max_new_tokens=a.max_new_tokens)
@@ -235,7 +235,7 @@ def backpressure(a: argparse.Namespace, doc: dict[str, Any], src: Path, out: Pat
     """Engines much faster than the trainer: how far they run ahead at the default and at a small buffer."""
     import shutil
 
-    from eaglenest.drafter.train import train_drafter
+    from eaglenest.drafter.driver import train_drafter
 
     # short answers for fast engines; a wide drafter MLP and a 7-step unroll for a slow trainer
     doc["backpressure"] = []

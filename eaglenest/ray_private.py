@@ -28,7 +28,7 @@ PRIVATE_APIS: dict[str, str] = {
         "regen.pipeline: the interval at which workers export metrics; the driver waits that long before exiting so "
         "the final gauges of a `ray job submit` run reach Prometheus",
     "ray.train.v2 TorchTrainer._create_default_callbacks (PlacementGroupCleanerCallback)":
-        "drafter.train: Train V2's placement-group cleaner asks the state API of whatever Ray instance it finds; "
+        "drafter.driver: Train V2's placement-group cleaner asks the state API of whatever Ray instance it finds; "
         "with several Ray instances on one machine it can kill our running workers (see trainer_class)",
     "ray.data.DataContext.use_datasource_v2":
         "regen.sources: the V2 parquet read path adds a whole-CPU ListFiles task that waits behind the engine actors "

@@ -19,7 +19,7 @@ _EXPORTS = {
     "TeacherHead": "eaglenest.drafters.eagle3.ttt",
     "TTTObjective": "eaglenest.drafters.eagle3.ttt",
     "step_metrics": "eaglenest.drafters.eagle3.ttt",
-    "train_drafter": "eaglenest.drafter.train",
+    "train_drafter": "eaglenest.drafter.driver",
     "export_checkpoint": "eaglenest.drafter.export",
     "export_drafter": "eaglenest.drafter.export",
     "load_drafter": "eaglenest.drafters.eagle3.model",

@@ -20,7 +20,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_train(args: argparse.Namespace) -> int:
     from eaglenest.config import load_config
-    from eaglenest.drafter.train import train_drafter
+    from eaglenest.drafter.driver import train_drafter
 
     overrides = {"train.max_steps": args.max_steps} if args.max_steps else None
     cfg = load_config(args.config, overrides)

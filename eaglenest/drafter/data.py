@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.parquet as pq
 
 from eaglenest.contracts.layers import validate_aux_layer_ids
 from eaglenest.contracts.shards import DTYPES, FP8, FP8_SCALE_LAYOUT, Manifest, bytes_to_tensor, fp8_parts
@@ -108,8 +109,6 @@ def collate(table: pa.Table, *, dtype: str, hidden_size: int, max_seq_len: int) 
 
 def split_counts(files: Sequence[str | Path], fraction: float, seed: int) -> list[tuple[int, int]]:
     """(train rows, held-out rows) per shard file, reading only the id column."""
-    import pyarrow.parquet as pq
-
     out = []
     for f in files:
         ids = pq.read_table(str(f), columns=["id"]).column("id").to_pylist()
@@ -141,7 +140,7 @@ def build_datasets(files: Sequence[str | Path], fraction: float, seed: int,
 
     ``held_out_files``: the files the held-out side reads (default: all; see :func:`eval_files`).
     """
-    import ray.data
+    import ray.data  # only here: the Ray Train workers import this module for collation, which needs no Ray Data
 
     def side(want_eval: bool, paths: Sequence[str | Path]):
         ds = ray.data.read_parquet([str(f) for f in paths], num_cpus=0.25).select_columns(COLUMNS)  # pushed down

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 
 
@@ -103,8 +104,6 @@ class TrainEpochs:
         if not self._cached():
             yield from self._streamed(epoch)
             return
-        import numpy as np
-
         rows = self._kept_rows()
         order = np.random.default_rng(self.seed + 1000 * epoch).permutation(rows.num_rows)
         shuffled = rows.take(order)

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from eaglenest.contracts.target import TargetSpec
+from eaglenest.drafter.checkpoint import find_latest_checkpoint, load_training_checkpoint
 from eaglenest.drafters.eagle3.config import DrafterModelConfig
 from eaglenest.drafters.eagle3.format import ExportError, Format, write_export
 from eaglenest.drafters.eagle3.model import Eagle3Drafter
@@ -48,8 +49,6 @@ def export_checkpoint(
 
     The frozen embedding is copied from the target recorded in the checkpoint (it is not stored in checkpoints).
     """
-    from eaglenest.drafter.checkpoint import find_latest_checkpoint, load_training_checkpoint
-
     src = find_latest_checkpoint(checkpoint)
     if src is None:
         raise FileNotFoundError(

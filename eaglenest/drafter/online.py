@@ -34,22 +34,29 @@ epoch 0 only captures these samples): it must exist before the drafter does, and
 the drafter will propose. (Counting the dataset's original answers instead covered 82% of the regenerated tokens on
 the tiny target, against 100% for offline training's count, and cost 16% of held-out accept length: BENCHMARKS.md
 "Online training".)
+
+Ray, and the regen modules that import it (its plan, sources and engine stage), are imported inside the functions:
+the driver imports this module before it starts Ray, and importing Ray costs seconds.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import random
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+import torch
 
 from eaglenest.config import EaglenestConfig
 from eaglenest.contracts.shards import HIDDEN_COLUMNS
+from eaglenest.drafter.checkpoint import STATE
 from eaglenest.drafter.data import COLUMNS, is_eval_sample
+from eaglenest.drafters.vocab import count_tokens
 
 LEDGER = "online"
 READ_CPUS = 0.25
@@ -81,8 +88,6 @@ def read_resume(run_dir: Path) -> OnlineResume:
     checkpoint written but not yet registered when the driver died is not the one the workers get back.
     """
     from ray.train import Result
-
-    from eaglenest.drafter.checkpoint import STATE
 
     if not run_dir.is_dir():
         return OnlineResume()
@@ -161,10 +166,6 @@ def count_regenerated_tokens(cfg: EaglenestConfig, plan: OnlinePlan, vocab_size:
     arrive, only ids and loss masks counted; the engines file the answers, so the stream captures them only); the
     original answers would miss the target's own token choices.
     """
-    import torch
-
-    from eaglenest.drafters.vocab import count_tokens
-
     ids = frozenset(vocab_sample(plan.train_ids, cfg.train.online_vocab_samples, cfg.train.seed))
     counts = torch.zeros(vocab_size, dtype=torch.long)
     with _quiet_data():
@@ -197,8 +198,6 @@ def _plan_rows(items: pa.Table, *, fraction: float, seed: int, want_eval: bool,
 
 def epoch_order(files: list[str], epochs: list[int], seed: int) -> list[dict[str, Any]]:
     """The stream's work list: every plan file once per epoch, epoch after epoch, each epoch in its own order."""
-    import random
-
     items = []
     for e in epochs:
         order = list(files)

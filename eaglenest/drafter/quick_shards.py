@@ -17,6 +17,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from eaglenest.contracts.shards import SHARD_SCHEMA, Manifest, tensor_to_bytes, write_manifest
+from eaglenest.drafter.spec_fit import chat_prompt_answer
 from eaglenest.engines.base import TargetEngine
 
 
@@ -26,8 +27,6 @@ def chat_samples(
 ) -> list[tuple[list[int], list[int]]]:
     """(input_ids, loss_mask) per chat: prompt = everything before the last assistant turn, mask = the answer
     (regenerated greedily by the target, or kept as written); one implementation with ``eaglenest.drafter.spec_fit``."""
-    from eaglenest.drafter.spec_fit import chat_prompt_answer
-
     return chat_prompt_answer(engine, chats, regenerate=regenerate, max_new_tokens=max_new_tokens,
                               batch_size=batch_size)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from eaglenest.config import EaglenestConfig
 from eaglenest.contracts.target import TargetSpec
 from eaglenest.drafters.eagle3.config import DrafterModelConfig
 
@@ -42,3 +43,14 @@ def drafter_model_config(facts: TargetSpec, aux_layer_ids: Sequence[int], draft_
         bos_token_id=facts.bos_token_id,
         eos_token_id=facts.eos_token_id,
     )
+
+
+def resolve_model_config(cfg: EaglenestConfig, facts: TargetSpec, aux_layer_ids: Sequence[int],
+                         draft_vocab_size: int) -> DrafterModelConfig:
+    """``eaglenest train``'s drafter: the target's hidden size, heads etc. unless the train.drafter section overrides
+    them."""
+    d = cfg.train.drafter
+    return drafter_model_config(facts, aux_layer_ids, draft_vocab_size, num_heads=d.num_heads,
+                                num_kv_heads=d.num_kv_heads, head_dim=d.head_dim,
+                                intermediate_size=d.intermediate_size,
+                                max_position_embeddings=d.max_position_embeddings)

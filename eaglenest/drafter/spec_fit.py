@@ -1,17 +1,18 @@
 """Fit an EAGLE-3 drafter in-process, without Ray: tests, benchmarks and GPU boxes that have torch but no Ray.
 
 Same model (:class:`~eaglenest.drafters.eagle3.model.Eagle3Drafter`), model config (:mod:`eaglenest.drafter.shape`),
-draft vocab (:mod:`eaglenest.drafters.vocab`), collation (:func:`eaglenest.drafter.batch.pad_batch`) and step
-(:mod:`eaglenest.drafter.steps`) as ``eaglenest train``; only the plumbing differs: samples are captured from an
-in-memory target engine and held in memory instead of streaming parquet shards through Ray Data into DDP workers,
-and this thin driver has no checkpoints, held-out evaluation or non-finite-loss guard.
+draft vocab (:mod:`eaglenest.drafters.vocab`), collation (:func:`eaglenest.drafter.batch.pad_batch`) and loop
+(:func:`eaglenest.drafter.loop.train_loop`, non-finite-loss guard included) as ``eaglenest train``; only what the loop
+is handed differs: samples are captured from an in-memory target engine and held in memory instead of streaming
+parquet shards through Ray Data into DDP workers, and the records go to a history list (no checkpoints, no held-out
+evaluation).
 """
 
 from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,20 +20,17 @@ import torch
 
 from eaglenest.contracts.target import TargetSpec
 from eaglenest.drafter.batch import Batch, pad_batch
+from eaglenest.drafter.loop import Cadence, Parts, TrainState, train_loop
 from eaglenest.drafter.shape import drafter_model_config
-from eaglenest.drafter.steps import (
-    apply_update,
-    autocast_for,
-    compute_dtype_for,
-    init_drafter,
-    make_optimizer,
-    ttt_forward,
-    warmup_cosine,
-)
+from eaglenest.drafter.steps import compute_dtype_for, init_drafter, make_optimizer, warmup_cosine
 from eaglenest.drafters.eagle3.model import DrafterModelConfig, Eagle3Drafter
-from eaglenest.drafters.eagle3.ttt import TeacherHead, TTTObjective, step_metrics
+from eaglenest.drafters.eagle3.ttt import TeacherHead, TTTObjective
 from eaglenest.drafters.vocab import VocabMapping, build_vocab_mapping, count_tokens
 
+HISTORY_EVERY = 25
+"""steps between the records :attr:`FitResult.history` keeps"""
+METRIC_KEYS = ("sim_accept_length", "tokens")
+"""a history record's fields besides step, loss and the per-step ``loss_k`` / ``acc_k``"""
 Sample = tuple[list[int], list[int]]
 """(input_ids, loss_mask): the mask marks tokens the drafter learns to predict (the answer)."""
 
@@ -95,9 +93,48 @@ def capture_samples(engine: Any, samples: Sequence[Sample], layer_ids: Sequence[
     return out
 
 
-def _batch(items: list[_Captured], device: torch.device, dtype: torch.dtype) -> Batch:
+def _collate(items: list[_Captured]) -> Batch:
     """The training loop's collation (:func:`~eaglenest.drafter.batch.pad_batch`) over in-memory captures."""
-    return pad_batch([(x.ids, x.mask, x.aux, x.last) for x in items]).to(device, dtype)
+    return pad_batch([(x.ids, x.mask, x.aux, x.last) for x in items])
+
+
+def _shuffled(data: list[_Captured], batch_size: int, seed: int) -> Iterator[list[_Captured]]:
+    """Batches without end: every capture once per pass, each pass in a fresh shuffled order."""
+    rng = random.Random(seed)
+    order: list[int] = []
+    while True:
+        if len(order) < batch_size:
+            fresh = list(range(len(data)))
+            rng.shuffle(fresh)
+            order += fresh
+        pick, order = order[:batch_size], order[batch_size:]
+        yield [data[i] for i in pick]
+
+
+@dataclass
+class _History:
+    """The loop's sinks here: every 25th step's train record (the first and last too) kept as history; no eval, no
+    checkpoints."""
+
+    total_steps: int
+    progress: Callable[[int, dict[str, float]], None] | None = None
+    records: list[dict[str, float]] = field(default_factory=list)
+
+    def log(self, record: dict[str, Any]) -> None:
+        step = record["step"] - 1  # the history counts steps from 0: the step the record follows
+        if step % HISTORY_EVERY and record["step"] != self.total_steps:
+            return
+        rec = {"step": float(step), "loss": record["loss"],
+               **{k: v for k, v in record.items() if k.startswith(("loss_", "acc_")) or k in METRIC_KEYS}}
+        self.records.append(rec)
+        if self.progress is not None:
+            self.progress(step, rec)
+
+    def checkpoint(self, state: TrainState) -> None:
+        pass
+
+    def nonfinite(self) -> None:
+        pass
 
 
 def fit_drafter(
@@ -132,27 +169,15 @@ def fit_drafter(
     params = [p for p in drafter.parameters() if p.requires_grad]
     opt = make_optimizer(params, lr=cfg.learning_rate, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(cfg.steps, cfg.warmup_steps, floor=0.05))
-    rng = random.Random(cfg.seed)
-    order: list[int] = []
-    history: list[dict[str, float]] = []
-    autocast = autocast_for(device)
-    for step in range(cfg.steps):
-        if len(order) < cfg.batch_size:
-            fresh = list(range(len(data)))
-            rng.shuffle(fresh)
-            order += fresh
-        pick, order = order[: cfg.batch_size], order[cfg.batch_size:]
-        out = ttt_forward(_batch([data[i] for i in pick], device, dtype), teacher, objective, autocast)
-        apply_update(opt, params, out.loss, cfg.max_grad_norm)
-        sched.step()
-        if step % 25 == 0 or step == cfg.steps - 1:
-            rec = {"step": float(step), "loss": float(out.loss.detach()),
-                   **step_metrics(out.ce_sum.cpu(), out.correct.cpu(), out.count.cpu())}
-            history.append(rec)
-            if progress is not None:
-                progress(step, rec)
+    parts = Parts(model=objective, objective=objective, teacher=teacher, params=params, optimizer=opt,
+                  scheduler=sched, device=device, dtype=dtype)
+    # a record every step (one step's metrics each), of which the history keeps every HISTORY_EVERY-th
+    cadence = Cadence(total_steps=cfg.steps, stop_at_total=True, log_every=1, eval_every=0, checkpoint_every=0,
+                      max_grad_norm=cfg.max_grad_norm)
+    history = _History(cfg.steps, progress)
+    train_loop(parts, _shuffled(data, cfg.batch_size, cfg.seed), _collate, TrainState(), cadence, history)
     drafter.eval()
-    return FitResult(drafter=drafter, mapping=mapping, history=history, seconds=time.perf_counter() - t0)
+    return FitResult(drafter=drafter, mapping=mapping, history=history.records, seconds=time.perf_counter() - t0)
 
 
 def untrained_like(drafter: Eagle3Drafter, target_lm_head: torch.Tensor, *, seed: int = 0) -> Eagle3Drafter:

@@ -1,8 +1,8 @@
-"""The training step both drafter loops share: drafter set-up, optimizer, LR schedule, TTT forward and update.
+"""The pieces of a training run both drivers build: drafter set-up, optimizer, LR schedule, TTT forward, step sums.
 
-``eaglenest train`` (Ray Train workers, :mod:`eaglenest.drafter.train`) and the in-process fitter
-(:mod:`eaglenest.drafter.spec_fit`) differ only in where batches come from and what they log; the arithmetic of a
-step lives here once, so a fix to it reaches both.
+``eaglenest train`` (Ray Train workers, :mod:`eaglenest.drafter.worker`) and the in-process fitter
+(:mod:`eaglenest.drafter.spec_fit`) build their run from these and hand it to the one loop,
+:func:`eaglenest.drafter.loop.train_loop`.
 """
 
 from __future__ import annotations
@@ -66,17 +66,6 @@ def ttt_forward(batch: Batch, teacher: TeacherHead, module: Any, autocast: Any) 
     with autocast:
         targets = teacher(batch.last, batch.loss_mask, batch.lengths)
         return module(batch.input_ids, batch.aux, targets)
-
-
-def apply_update(optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter], loss: torch.Tensor | None,
-                 max_grad_norm: float) -> None:
-    """Clear the gradients and, unless ``loss`` is None (a skipped step), back-propagate, clip and step."""
-    optimizer.zero_grad(set_to_none=True)
-    if loss is None:
-        return
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
-    optimizer.step()
 
 
 def window_sums(out: TTTOutput) -> torch.Tensor:

@@ -17,7 +17,7 @@ from eaglenest.drafter.export import (
     export_drafter,
     export_tensors,
 )
-from eaglenest.drafter.train import resolve_model_config
+from eaglenest.drafter.shape import resolve_model_config
 from eaglenest.drafters.eagle3.model import Eagle3Drafter, load_drafter
 from eaglenest.drafters.vocab import build_vocab_mapping
 

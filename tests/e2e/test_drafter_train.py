@@ -58,7 +58,7 @@ def sha(path: Path) -> str:
 def test_train_refuses_shards_from_another_target(tiny_shards, tmp_path) -> None:
     from eaglenest.config import load_config
     from eaglenest.drafter.data import DataMismatchError
-    from eaglenest.drafter.train import train_drafter
+    from eaglenest.drafter.driver import train_drafter
 
     bad = tmp_path / "bad"
     (bad / "shards").mkdir(parents=True)

@@ -52,7 +52,7 @@ def test_regen_and_train_on_fp8_shards(ray_session, tmp_path, tiny_engine):
     (dequantised) and a manifest with an unknown layout is refused with the fix."""
     from eaglenest.contracts.target import TargetSpec
     from eaglenest.drafter.data import DataMismatchError, check_manifest
-    from eaglenest.drafter.train import train_drafter
+    from eaglenest.drafter.driver import train_drafter
     from eaglenest.regen.pipeline import run_regen
 
     cfg = load_config(REPO / "configs" / "demo.yaml", {"regen.storage_dtype": FP8, "train.max_steps": 3,

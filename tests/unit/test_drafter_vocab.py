@@ -8,7 +8,7 @@ import torch
 
 from eaglenest.contracts.shards import tensor_to_bytes
 from eaglenest.drafter.data import collate, eval_files, is_eval_sample, split_counts
-from eaglenest.drafter.train import prepare_vocab
+from eaglenest.drafter.inputs import prepare_vocab
 from eaglenest.drafters.vocab import VocabMapping, build_vocab_mapping, count_tokens
 
 

@@ -23,7 +23,8 @@ from eaglenest.contracts.shards import (
 from eaglenest.contracts.target import TargetSpec
 from eaglenest.drafter.batch import pad_batch
 from eaglenest.drafter.data import DataMismatchError, check_manifest, collate
-from eaglenest.drafter.steps import apply_update, autocast_for, init_drafter, make_optimizer, ttt_forward
+from eaglenest.drafter.loop import Cadence, Parts, TrainState, train_loop
+from eaglenest.drafter.steps import autocast_for, init_drafter, make_optimizer, ttt_forward
 from eaglenest.drafters.eagle3.model import DrafterModelConfig
 from eaglenest.drafters.eagle3.ttt import TeacherHead, TTTObjective
 from eaglenest.drafters.vocab import build_vocab_mapping
@@ -129,8 +130,25 @@ def test_collated_fp8_batch_trains_a_step() -> None:
     batch = collate(_table([6, 10]), dtype=FP8, hidden_size=H, max_seq_len=16).to(device, torch.float32)
     out = ttt_forward(batch, teacher, objective, autocast_for(device))
     assert torch.isfinite(out.loss)
-    apply_update(opt, params, out.loss, 0.5)
+
+    records: list[dict] = []
+
+    class Sinks:  # the loop's records, no checkpoints
+        log = staticmethod(records.append)
+
+        def checkpoint(self, state: TrainState) -> None:
+            pass
+
+        def nonfinite(self) -> None:
+            pass
+
+    parts = Parts(model=objective, objective=objective, teacher=teacher, params=params, optimizer=opt,
+                  scheduler=torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0), device=device, dtype=torch.float32)
+    train_loop(parts, [_table([6, 10])], lambda t: collate(t, dtype=FP8, hidden_size=H, max_seq_len=16), TrainState(),
+               Cadence(total_steps=1, stop_at_total=True, log_every=1, eval_every=0, checkpoint_every=0,
+                       max_grad_norm=0.5), Sinks())
     assert any(not torch.equal(p, q) for p, q in zip(params, before, strict=True))
+    assert [r["step"] for r in records] == [1] and records[0]["nonfinite_steps"] == 0
 
 
 def test_unknown_scale_layout_is_refused() -> None:
