@@ -210,7 +210,7 @@ def test_lazy_faces_and_module_strings_are_edges() -> None:
     """The lazy package faces resolve: drafter's ``_EXPORTS`` reaches the training loop, the CLI reaches every
     stage, so a cycle through either cannot hide."""
     edges, _ = _graph()
-    assert "eaglenest.drafter.train" in edges["eaglenest.drafter"]
+    assert "eaglenest.drafter.driver" in edges["eaglenest.drafter"]
     assert {"eaglenest.regen.cli", "eaglenest.serve.cli", "eaglenest.drafter.cli"} <= edges["eaglenest.cli"]
     tree = ast.parse('X = {"a": "eaglenest.drafter.train", "b": "eaglenest.engines.sglang.hooks:capture_hook"}\n'
                      '"""eaglenest.drafter is mentioned in prose"""\nlog = getLogger("eaglenest.serve")\n')
