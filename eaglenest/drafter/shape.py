@@ -35,13 +35,15 @@ def drafter_model_config(facts: TargetSpec, aux_layer_ids: Sequence[int], draft_
                          intermediate_size: int | None = None,
                          max_position_embeddings: int | None = None, draft_shape: str = "llama",
                          mla: Mapping[str, int | None] | None = None,
-                         text_config: Mapping[str, Any] | None = None) -> DrafterModelConfig:
+                         text_config: Mapping[str, Any] | None = None, fc_norm: bool = False,
+                         norm_output: bool = False) -> DrafterModelConfig:
     """A drafter over ``facts``' target; each ``None`` override takes the target's value.
 
     Changing the head count without giving ``num_kv_heads``/``head_dim`` uses plain multi-head attention over the
     target's hidden size (the target's GQA ratio and head width belong to its own head count).
     ``draft_shape="mla"``: ``mla`` overrides the MLA widths (``q_lora_rank``, ...), the rest come from the target's
     ``text_config`` (default: read from its folder); an MLA layer has one key/value head per query head.
+    ``fc_norm`` / ``norm_output``: EAGLE-3.1's options (both shapes).
     """
     heads = num_heads or facts.num_attention_heads
     same_heads = heads == facts.num_attention_heads
@@ -72,5 +74,7 @@ def drafter_model_config(facts: TargetSpec, aux_layer_ids: Sequence[int], draft_
         bos_token_id=facts.bos_token_id,
         eos_token_id=facts.eos_token_id,
         draft_shape=draft_shape,
+        fc_norm=fc_norm,
+        norm_output=norm_output,
         **widths,
     )

@@ -48,7 +48,7 @@ def resolve_model_config(cfg: EaglenestConfig, facts, aux_layer_ids: list[int], 
     return drafter_model_config(facts, aux_layer_ids, draft_vocab_size, num_heads=d.num_heads,
                                 num_kv_heads=d.num_kv_heads, head_dim=d.head_dim,
                                 intermediate_size=d.intermediate_size,
-                                max_position_embeddings=d.max_position_embeddings)
+                                max_position_embeddings=d.max_position_embeddings, **d.shape_kwargs())
 
 
 @dataclass

@@ -203,3 +203,15 @@ def test_drafter_config_takes_mla_widths_from_the_kimi_text_config(tmp_path: Pat
                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128)
     with pytest.raises(ValueError, match="not an MLA target"):
         drafter_model_config(gqa, [2, 4, 5], 50, draft_shape="mla", text_config={"hidden_size": 64})
+
+
+def test_train_section_passes_the_draft_shape() -> None:
+    from eaglenest.config import DrafterConfig
+
+    kw = DrafterConfig(draft_shape="mla", q_lora_rank=64, fc_norm=True).shape_kwargs()
+    assert kw["draft_shape"] == "mla" and kw["mla"]["q_lora_rank"] == 64 and kw["mla"]["kv_lora_rank"] is None
+    assert kw["fc_norm"] is True and kw["norm_output"] is False
+    assert DrafterConfig().shape_kwargs() == {"draft_shape": "llama", "mla": None, "fc_norm": False,
+                                              "norm_output": False}
+    with pytest.raises(ValueError, match="draft_shape: mla"):
+        DrafterConfig(kv_lora_rank=512).shape_kwargs()

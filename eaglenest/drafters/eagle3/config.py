@@ -132,7 +132,8 @@ class DrafterModelConfig:
             v = overrides.get(k)
             v = text_config.get(k) if v is None else v
             if v is None:
-                raise ValueError(f"the target's text config has no {k}: it is not an MLA target (or give {k})")
+                raise ValueError(f"the target's text config has no {k} (not an MLA target, or its config.json is not "
+                                 f"readable here); give {k} explicitly")
             out[k] = int(v)
         return out
 
