@@ -375,22 +375,16 @@ def test_deepseek_v2_layer_call_convention_the_hooks_read() -> None:
 
 # ------------------------------------------------------------------------------------------- the MLA draft shape
 @pytest.fixture(scope="module")
-def sglang_model_parallel():
-    """A one-process gloo group and sglang's parallel state: what constructing an sglang model on the CPU needs."""
-    import socket
-
-    from sglang.srt.distributed import init_distributed_environment, initialize_model_parallel
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                 distributed_init_method=f"tcp://127.0.0.1:{port}")
-    initialize_model_parallel(1, 1)
+def sglang_model_parallel() -> None:
+    sglang_shims.init_cpu_model_parallel()
 
 
-def _mla_folders(tmp_path: Path, **drafter_kw):
+def _sglang_mla(tmp_path: Path, monkeypatch, **drafter_kw):
+    """(our MLA drafter, its export, sglang's draft ModelConfig, sglang's Eagle3DeepseekV2ForCausalLM for it)."""
+    import sglang.srt.layers.rotary_embedding.base as rotary_base
     from mla_helpers import HEADS, H, V, mla_drafter
+    from sglang.srt.models.kimi_k25_eagle3 import Eagle3DeepseekV2ForCausalLM
+    from sglang.srt.server_args import set_global_server_args_for_scheduler
 
     model, _, _ = mla_drafter(21, **drafter_kw)
     drafter = model.save_pretrained(tmp_path / "mla", dtype="float32")
@@ -398,7 +392,10 @@ def _mla_folders(tmp_path: Path, **drafter_kw):
                           hidden=H, heads=HEADS, kv_heads=HEADS, vocab=V, context=512)
     sa = ServerArgs(model_path=str(target), speculative_algorithm="EAGLE3", speculative_draft_model_path=str(drafter),
                     speculative_num_steps=3, speculative_eagle_topk=1, speculative_num_draft_tokens=4, **CPU_ONLY)
-    return model, drafter, sa
+    set_global_server_args_for_scheduler(sa)
+    mc = ModelConfig.from_server_args(sa, model_path=str(drafter), is_draft_model=True)
+    monkeypatch.setattr(rotary_base, "_is_cpu", True)  # the CPU box has no fallback rope kernel to bind (unused here)
+    return model, drafter, mc, Eagle3DeepseekV2ForCausalLM(mc.hf_config)
 
 
 @pytest.mark.parametrize("eagle31", [False, True])
@@ -409,25 +406,17 @@ def test_mla_export_through_sglangs_modelconfig_and_loader(tmp_path: Path, sglan
     skipped), the d2t hot-token map, and the EAGLE-3.1 options read from our keys."""
     import logging
 
-    import sglang.srt.layers.rotary_embedding.base as rotary_base
     import torch
     from safetensors.torch import load_file
     from sglang.srt.configs.model_config import AttentionArch
-    from sglang.srt.models.kimi_k25_eagle3 import Eagle3DeepseekV2ForCausalLM
-    from sglang.srt.server_args import set_global_server_args_for_scheduler
 
-    ours, drafter, sa = _mla_folders(tmp_path, fc_norm=eagle31, norm_output=eagle31)
+    ours, drafter, mc, model = _sglang_mla(tmp_path, monkeypatch, fc_norm=eagle31, norm_output=eagle31)
     cfg = ours.config
-    set_global_server_args_for_scheduler(sa)
-    mc = ModelConfig.from_server_args(sa, model_path=str(drafter), is_draft_model=True)
     assert mc.attention_arch == AttentionArch.MLA
     assert (mc.kv_lora_rank, mc.qk_nope_head_dim, mc.qk_rope_head_dim, mc.v_head_dim) == (
         cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim)
     assert mc.scaling == pytest.approx(ours.midlayer.self_attn.softmax_scale)
     assert mc.num_hidden_layers == 1 and mc.hf_config.draft_vocab_size == cfg.draft_vocab_size
-
-    monkeypatch.setattr(rotary_base, "_is_cpu", True)  # the CPU box has no fallback rope kernel to bind (unused here)
-    model = Eagle3DeepseekV2ForCausalLM(mc.hf_config)
     assert model.model.norm_output is eagle31 and (model.model.fc_norm is not None) is eagle31
     params = dict(model.named_parameters())
     with torch.no_grad():
@@ -457,19 +446,13 @@ def test_mla_attention_inputs_as_sglangs_mla_prepares_them(tmp_path: Path, sglan
     """q, k, v of our MLA attention == what sglang's DeepseekV2AttentionMLA prepares from the same weights and
     input (forward_normal_prepare's steps, run with sglang's own projections, norms and rotary embedding), and
     the layer/model forwards keep the EAGLE-3 wiring our model implements (residual, 2H input, aux output)."""
-    import sglang.srt.layers.rotary_embedding.base as rotary_base
     import torch
     from safetensors.torch import load_file
     from sglang.srt.models import kimi_k25_eagle3
     from sglang.srt.models.deepseek_common.attention_forward_methods import forward_mha
-    from sglang.srt.server_args import set_global_server_args_for_scheduler
 
-    ours, drafter, sa = _mla_folders(tmp_path)
+    ours, drafter, _, model = _sglang_mla(tmp_path, monkeypatch)
     cfg = ours.config
-    set_global_server_args_for_scheduler(sa)
-    mc = ModelConfig.from_server_args(sa, model_path=str(drafter), is_draft_model=True)
-    monkeypatch.setattr(rotary_base, "_is_cpu", True)
-    model = kimi_k25_eagle3.Eagle3DeepseekV2ForCausalLM(mc.hf_config)
     model.load_weights(list(load_file(str(drafter / "model.safetensors")).items()))
     attn = model.model.midlayer.self_attn
     assert attn.rotary_emb.is_neox_style is False and attn.scaling == pytest.approx(cfg.qk_head_dim ** -0.5)
