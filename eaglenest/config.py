@@ -182,6 +182,26 @@ class DrafterConfig(Section):
     num_kv_heads: int | None = Field(None, ge=1)
     head_dim: int | None = Field(None, ge=1, description="default: the target's head_dim, else hidden/num_heads")
     max_position_embeddings: int | None = Field(None, ge=1, description="default: the target's context length")
+    draft_shape: Literal["llama", "mla"] = Field("llama", description="the decoder layer's attention: llama (q/k/v "
+                                                 "heads, SGLang LlamaForCausalLMEagle3) or mla (DeepSeek latent "
+                                                 "attention, SGLang Eagle3DeepseekV2ForCausalLM; MLA targets only)")
+    q_lora_rank: int | None = Field(None, ge=1, description="mla only; default: the target's")
+    kv_lora_rank: int | None = Field(None, ge=1, description="mla only; default: the target's")
+    qk_nope_head_dim: int | None = Field(None, ge=1, description="mla only; default: the target's")
+    qk_rope_head_dim: int | None = Field(None, ge=2, description="mla only; default: the target's")
+    v_head_dim: int | None = Field(None, ge=1, description="mla only; default: the target's")
+    fc_norm: bool = Field(False, description="EAGLE-3.1: an RMSNorm per aux layer before fc")
+    norm_output: bool = Field(False, description="EAGLE-3.1: the next draft step reads the post-norm hidden state")
+
+    def shape_kwargs(self) -> dict[str, Any]:
+        """The draft-shape arguments of ``eaglenest.drafter.shape.drafter_model_config``."""
+        mla = {k: getattr(self, k) for k in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                                             "v_head_dim")}
+        if self.draft_shape != "mla" and any(v is not None for v in mla.values()):
+            raise ValueError(f"train.drafter sets MLA widths {sorted(k for k, v in mla.items() if v is not None)} "
+                             f"but draft_shape is {self.draft_shape!r}; set draft_shape: mla or drop them")
+        return {"draft_shape": self.draft_shape, "mla": mla if self.draft_shape == "mla" else None,
+                "fc_norm": self.fc_norm, "norm_output": self.norm_output}
 
 
 class TrainConfig(Section):

@@ -25,7 +25,6 @@ from eaglenest.contracts.layers import (
 )
 from eaglenest.contracts.target import TargetSpec
 from eaglenest.drafters.eagle3.format import (
-    REQUIRED_TENSORS,
     SIDECAR,
     DrafterExport,
     DrafterFormatError,
@@ -33,6 +32,7 @@ from eaglenest.drafters.eagle3.format import (
     vocab_mapping_problems,
 )
 from eaglenest.drafters.registry import ALGORITHMS, algorithm_for_architecture
+from eaglenest.drafters.shape_checks import check_draft_shape, check_shape_structure, check_tensors
 
 Engine = Literal["hf", "sglang"]
 EMBED_SAMPLE_ROWS = 16
@@ -191,9 +191,10 @@ def run_preflight(
     _check_algorithm(report, d, algorithm)
     _check_structure(report, d)
     if d.tensors:
-        _check_tensors(report, d)
+        check_tensors(report, d)
     if t is None:
         return report
+    check_draft_shape(report, d, t)
     _check_target_match(report, d, t)
     _check_layers(report, d, t, engine, expected_physical_ids)
     _check_hidden(report, d, t)
@@ -226,17 +227,9 @@ def _check_structure(report: PreflightReport, d: DrafterExport) -> None:
         problems.append("config carries num_nextn_predict_layers (a DeepSeek MTP key that sizes the draft KV pool 0)")
     if not (cfg.get("eagle_config") or {}).get("use_aux_hidden_state", True):
         problems.append("eagle_config.use_aux_hidden_state is false (EAGLE-3 needs the aux layers)")
+    problems.extend(check_shape_structure(d))
     report.add("drafter_structure", not problems, "; ".join(problems) or "1 decoder layer, aux hidden states on",
                "re-export the drafter with drafter.export (num_hidden_layers: 1, no num_nextn_predict_layers)")
-
-
-def _check_tensors(report: PreflightReport, d: DrafterExport) -> None:
-    missing = [k for k in REQUIRED_TENSORS if k not in d.tensors]
-    report.add("required_tensors", not missing,
-               f"weights missing {missing} (SGLang would leave them random, silently)" if missing
-               else f"all {len(REQUIRED_TENSORS)} required tensors present",
-               "re-export the drafter with drafter.export; tensor names must be fc.weight, midlayer.*, norm.weight, "
-               "lm_head.weight, d2t, t2d")
 
 
 def _check_target_match(report: PreflightReport, d: DrafterExport, t: TargetSpec) -> None:

@@ -105,3 +105,18 @@ def install() -> None:
     _load_triton_stub().install()
     torch.compile = _no_compile  # type: ignore[assignment]
     _INSTALLED = True
+
+
+def init_cpu_model_parallel() -> None:
+    """A one-process gloo group and sglang's parallel state: what constructing an sglang model on the CPU needs
+    (call after :func:`install`; once per process)."""
+    import socket
+
+    from sglang.srt.distributed import init_distributed_environment, initialize_model_parallel
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                 distributed_init_method=f"tcp://127.0.0.1:{port}")
+    initialize_model_parallel(1, 1)

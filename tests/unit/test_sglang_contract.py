@@ -371,3 +371,126 @@ def test_deepseek_v2_layer_call_convention_the_hooks_read() -> None:
     assert "self.language_model = DeepseekV3ForCausalLM(" in " ".join(init_src.split())
     assert KIMI_K25.layer_module(0) == "language_model.model.layers.0"
     assert KIMI_K25.sglang_norm == "language_model.model.norm"
+
+
+# ------------------------------------------------------------------------------------------- the MLA draft shape
+@pytest.fixture(scope="module")
+def sglang_model_parallel() -> None:
+    sglang_shims.init_cpu_model_parallel()
+
+
+def _sglang_mla(tmp_path: Path, monkeypatch, **drafter_kw):
+    """(our MLA drafter, its export, sglang's draft ModelConfig, sglang's Eagle3DeepseekV2ForCausalLM for it)."""
+    import sglang.srt.layers.rotary_embedding.base as rotary_base
+    from mla_helpers import HEADS, H, V, mla_drafter
+    from sglang.srt.models.kimi_k25_eagle3 import Eagle3DeepseekV2ForCausalLM
+    from sglang.srt.server_args import set_global_server_args_for_scheduler
+
+    model, _, _ = mla_drafter(21, **drafter_kw)
+    drafter = model.save_pretrained(tmp_path / "mla", dtype="float32")
+    target = write_target(tmp_path / "target", architecture="DeepseekV3ForCausalLM", model_type="deepseek_v3",
+                          hidden=H, heads=HEADS, kv_heads=HEADS, vocab=V, context=512)
+    sa = ServerArgs(model_path=str(target), speculative_algorithm="EAGLE3", speculative_draft_model_path=str(drafter),
+                    speculative_num_steps=3, speculative_eagle_topk=1, speculative_num_draft_tokens=4, **CPU_ONLY)
+    set_global_server_args_for_scheduler(sa)
+    mc = ModelConfig.from_server_args(sa, model_path=str(drafter), is_draft_model=True)
+    monkeypatch.setattr(rotary_base, "_is_cpu", True)  # the CPU box has no fallback rope kernel to bind (unused here)
+    return model, drafter, mc, Eagle3DeepseekV2ForCausalLM(mc.hf_config)
+
+
+@pytest.mark.parametrize("eagle31", [False, True])
+def test_mla_export_through_sglangs_modelconfig_and_loader(tmp_path: Path, sglang_model_parallel, monkeypatch,
+                                                           caplog, eagle31: bool) -> None:
+    """Our MLA export, as sglang 0.5.14 reads it: ModelConfig's MLA branch, Eagle3DeepseekV2ForCausalLM built on the
+    CPU, every one of its parameters written by its own load_weights from our file (none left at NaN, no name
+    skipped), the d2t hot-token map, and the EAGLE-3.1 options read from our keys."""
+    import logging
+
+    import torch
+    from safetensors.torch import load_file
+    from sglang.srt.configs.model_config import AttentionArch
+
+    ours, drafter, mc, model = _sglang_mla(tmp_path, monkeypatch, fc_norm=eagle31, norm_output=eagle31)
+    cfg = ours.config
+    assert mc.attention_arch == AttentionArch.MLA
+    assert (mc.kv_lora_rank, mc.qk_nope_head_dim, mc.qk_rope_head_dim, mc.v_head_dim) == (
+        cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim)
+    assert mc.scaling == pytest.approx(ours.midlayer.self_attn.softmax_scale)
+    assert mc.num_hidden_layers == 1 and mc.hf_config.draft_vocab_size == cfg.draft_vocab_size
+    assert model.model.norm_output is eagle31 and (model.model.fc_norm is not None) is eagle31
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for p in params.values():
+            p.fill_(float("nan"))
+    tensors = load_file(str(drafter / "model.safetensors"))
+    with caplog.at_level(logging.WARNING):
+        model.load_weights(list(tensors.items()))
+    assert "skipping unexpected weight" not in caplog.text
+    a, s = "model.midlayer.self_attn.", "midlayer.self_attn."
+    want = {name: tensors[name.removeprefix("model.")] for name in params if name.removeprefix("model.") in tensors}
+    want[f"{a}fused_qkv_a_proj_with_mqa.weight"] = torch.cat([tensors[f"{s}q_a_proj.weight"],
+                                                              tensors[f"{s}kv_a_proj_with_mqa.weight"]])
+    want["model.midlayer.mlp.gate_up_proj.weight"] = torch.cat([tensors["midlayer.mlp.gate_proj.weight"],
+                                                                tensors["midlayer.mlp.up_proj.weight"]])
+    assert set(want) == set(params)  # every sglang parameter has a source in our file
+    for name, p in params.items():  # vocab-parallel layers pad their rows; the rest must match exactly
+        got = p.detach()[: want[name].shape[0]]
+        torch.testing.assert_close(got, want[name], rtol=0, atol=0, msg=name)
+    d2t = tensors["d2t"]
+    assert torch.equal(model.hot_token_id, d2t + torch.arange(d2t.numel()))
+    assert model.model.midlayer.self_attn.w_kc is not None  # post_load_weights split kv_b_proj
+
+
+def test_mla_attention_inputs_as_sglangs_mla_prepares_them(tmp_path: Path, sglang_model_parallel,
+                                                           monkeypatch) -> None:
+    """q, k, v of our MLA attention == what sglang's DeepseekV2AttentionMLA prepares from the same weights and
+    input (forward_normal_prepare's steps, run with sglang's own projections, norms and rotary embedding), and
+    the layer/model forwards keep the EAGLE-3 wiring our model implements (residual, 2H input, aux output)."""
+    import torch
+    from safetensors.torch import load_file
+    from sglang.srt.models import kimi_k25_eagle3
+    from sglang.srt.models.deepseek_common.attention_forward_methods import forward_mha
+
+    ours, drafter, _, model = _sglang_mla(tmp_path, monkeypatch)
+    cfg = ours.config
+    model.load_weights(list(load_file(str(drafter / "model.safetensors")).items()))
+    attn = model.model.midlayer.self_attn
+    assert attn.rotary_emb.is_neox_style is False and attn.scaling == pytest.approx(cfg.qk_head_dim ** -0.5)
+
+    n, nope, rope, heads = 7, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.num_attention_heads
+    x = torch.randn(n, 2 * cfg.hidden_size, generator=torch.Generator().manual_seed(3))
+    positions = torch.arange(3, 3 + n)
+    with torch.no_grad():
+        q_lat, latent = attn.fused_qkv_a_proj_with_mqa(x)[0].split([attn.q_lora_rank,
+                                                                    attn.kv_lora_rank + attn.qk_rope_head_dim], -1)
+        q = attn.q_b_proj(attn.q_a_layernorm.forward_native(q_lat))[0].view(-1, heads, nope + rope)
+        kv_a = attn.kv_a_layernorm.forward_native(latent[:, : attn.kv_lora_rank])
+        k_pe = latent[:, None, attn.kv_lora_rank:]
+        q_pe, k_pe = attn.rotary_emb.forward_native(positions, q[..., nope:].clone(), k_pe.clone())
+        kv = attn.kv_b_proj(kv_a)[0].view(-1, heads, nope + cfg.v_head_dim)
+        sg_q = torch.cat([q[..., :nope], q_pe], -1)
+        sg_k = torch.cat([kv[..., :nope], k_pe.expand(-1, heads, -1)], -1)
+        sg_v = kv[..., nope:]
+        oq, ok, ov = ours.midlayer.self_attn.qkv(x[None], positions[None])
+    for mine, theirs in ((oq, sg_q), (ok, sg_k), (ov, sg_v)):
+        torch.testing.assert_close(mine[0].transpose(0, 1), theirs, rtol=1e-5, atol=1e-6)
+
+    def src(fn) -> str:
+        return " ".join(inspect.getsource(fn).split())
+
+    prepare = src(forward_mha.DeepseekMHAForwardMixin.forward_normal_prepare)  # the steps transcribed above
+    for step in ("split( [self.q_lora_rank, self.kv_lora_rank + self.qk_rope_head_dim], dim=-1, )",
+                 "q = self.q_a_layernorm(q) q = self.q_b_proj(q)[0].view(-1, self.num_local_heads, self.qk_head_dim)",
+                 "kv_a = self.kv_a_layernorm(kv_a)", "k_pe = latent_cache[:, :, self.kv_lora_rank :]",
+                 "q_pe, k_pe = self.rotary_emb(positions, q_pe, k_pe)"):
+        assert step in prepare, step
+    layer = src(kimi_k25_eagle3.Eagle3MLADecoderLayer.forward)
+    for step in ("residual = hidden_states", "embeds = self.input_layernorm(embeds)",
+                 "hidden_states = self.hidden_norm(hidden_states)", "torch.cat([embeds, hidden_states], dim=-1)",
+                 "self.post_attention_layernorm(attn_out, residual)", "hidden_states = self.mlp(hidden_states)"):
+        assert step in layer, step
+    fwd = src(kimi_k25_eagle3.Eagle3MLAModel.forward)
+    assert "aux = hidden_states_to_logits if self.norm_output else hidden_states_to_aux" in fwd
+    assert "hidden_states.chunk(self.num_aux_hidden_states, dim=-1)" in fwd
+    loader = src(kimi_k25_eagle3.Eagle3DeepseekV2ForCausalLM.load_weights)
+    assert 're.sub(r"^layers\\.0\\.", "midlayer.", name)' in loader and 'f"model.{mapped_name}"' in loader

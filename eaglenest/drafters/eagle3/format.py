@@ -1,4 +1,6 @@
-"""The drafter export folder, written and read only here: what SGLang loads as ``LlamaForCausalLMEagle3`` (or vLLM).
+"""The drafter export folder, written and read only here: what SGLang loads as ``LlamaForCausalLMEagle3`` (the
+``llama`` draft shape; or vLLM) or ``Eagle3DeepseekV2ForCausalLM`` (the ``mla`` shape, SGLang's
+``models/kimi_k25_eagle3.py``).
 
 ``config.json`` + ``model.safetensors`` + ``eaglenest_drafter.json`` (the sidecar: the physical layer ids the drafter
 was trained on, the target, the drafter config). Aux layer ids in config.json are written in the serving engine's
@@ -6,6 +8,11 @@ convention (``eaglenest.contracts.layers``): SGLang adds 1 to what it reads, so 
 physical ids as they are. The sidecar lets every eaglenest reader translate back and cross-check. Unknown tensor names
 are silently dropped by SGLang, so the writer refuses a missing tensor or a shape that does not fit the config before
 writing anything, and every reader of an export goes through :func:`read_drafter` / :func:`read_export_config`.
+
+The two shapes differ in ``config.json`` (MLA: ``model_type: deepseek_v3``, the transformers config class SGLang and
+vLLM both read, with the MLA ranks) and in the attention tensors. SGLang's MLA loader maps a name by prefixing
+``model.`` (``layers.0.`` becomes ``midlayer.``), so an MLA export's names carry no ``model.`` prefix, and it fuses
+``q_a_proj`` and ``kv_a_proj_with_mqa`` itself (both must be present, or neither is loaded).
 """
 
 from __future__ import annotations
@@ -21,6 +28,22 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from eaglenest.contracts.layers import ENGINES, LayerIdError, engine_layer_ids, physical_from_config
 from eaglenest.drafters.eagle3.config import DrafterModelConfig
+from eaglenest.drafters.eagle3.layout import (
+    ARCHITECTURE,
+    ARCHITECTURES,
+    FC_NORM_WEIGHTS,
+    MLA_ARCHITECTURE,
+    MLA_REQUIRED_DRAFT_WEIGHTS,
+    MODEL_TYPES,
+    OPTIONAL_TENSORS,
+    REQUIRED_DRAFT_WEIGHTS,
+    REQUIRED_TENSORS,
+    draft_shape_of,
+    expected_shapes,
+    mla_config,
+    required_draft_weights,
+    required_tensors,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -30,24 +53,18 @@ CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
 SIDECAR = "eaglenest_drafter.json"
 """Written next to config.json; records the physical aux layer ids the drafter trained on and its target."""
-ARCHITECTURE = "LlamaForCausalLMEagle3"
 DTYPE_NAMES = ("bfloat16", "float16", "float32")
 
 SIDECAR_ID_KEYS = ("aux_layer_ids_physical", "aux_layer_ids", "physical_aux_layer_ids", "physical_layer_ids")
 """Where a sidecar records the physical ids: the writer uses the first; the others are read from older exports
 (``drafter_config.aux_layer_ids`` is read last)."""
 
-REQUIRED_DRAFT_WEIGHTS = ("fc.weight", "norm.weight", "lm_head.weight", "d2t", "midlayer.self_attn.q_proj.weight",
-                          "midlayer.self_attn.k_proj.weight", "midlayer.self_attn.v_proj.weight",
-                          "midlayer.self_attn.o_proj.weight", "midlayer.mlp.gate_proj.weight",
-                          "midlayer.mlp.up_proj.weight", "midlayer.mlp.down_proj.weight",
-                          "midlayer.input_layernorm.weight", "midlayer.hidden_norm.weight",
-                          "midlayer.post_attention_layernorm.weight")
-"""Names SGLang's LlamaForCausalLMEagle3.load_weights maps (``model.`` prefix optional); unknown names it drops."""
-REQUIRED_TENSORS: tuple[str, ...] = (*REQUIRED_DRAFT_WEIGHTS, "t2d")
-"""Everything an eaglenest EAGLE-3 export holds (``t2d``: eaglenest's own loader rebuilds the vocab map from it)."""
-OPTIONAL_TENSORS = ("embed_tokens.weight",)
-"""The frozen target embedding; without it SGLang and vLLM share the target's."""
+__all__ = ["ARCHITECTURE", "ARCHITECTURES", "CONFIG", "FC_NORM_WEIGHTS", "MLA_ARCHITECTURE",
+           "MLA_REQUIRED_DRAFT_WEIGHTS", "MODEL_TYPES", "OPTIONAL_TENSORS", "REQUIRED_DRAFT_WEIGHTS",
+           "REQUIRED_TENSORS", "SIDECAR", "WEIGHTS", "DrafterExport", "DrafterFormatError", "ExportError",
+           "draft_shape_of", "expected_shapes", "hf_config", "read_drafter", "read_export_config",
+           "required_draft_weights", "required_tensors", "validate_tensors", "vocab_mapping_problems",
+           "write_export"]
 
 
 class ExportError(ValueError):
@@ -97,10 +114,11 @@ def recorded_physical_ids(sidecar: Mapping[str, Any] | None) -> tuple[list[int] 
 
 # --------------------------------------------------------------------------------------------------- config.json
 def hf_config(cfg: DrafterModelConfig, fmt: Format, dtype: str) -> dict[str, Any]:
-    """``config.json`` per the loader contract (reference: SGLang 0.5.x ``llama_eagle3.py``; vLLM ``llama_eagle3``)."""
+    """``config.json`` per the loader contract (reference: SGLang 0.5.x ``llama_eagle3.py`` / ``kimi_k25_eagle3.py``;
+    vLLM ``llama_eagle3`` / ``deepseek_eagle3``)."""
     out: dict[str, Any] = {
-        "architectures": [ARCHITECTURE],
-        "model_type": "llama",
+        "architectures": [ARCHITECTURES[cfg.draft_shape]],
+        "model_type": MODEL_TYPES[cfg.draft_shape],
         "num_hidden_layers": 1,
         "hidden_size": cfg.hidden_size,
         "intermediate_size": cfg.intermediate_size,
@@ -125,6 +143,12 @@ def hf_config(cfg: DrafterModelConfig, fmt: Format, dtype: str) -> dict[str, Any
     }
     if cfg.target_hidden_size != cfg.hidden_size:
         out["target_hidden_size"] = cfg.target_hidden_size
+    if cfg.is_mla:
+        out.update(mla_config(cfg))
+    if cfg.fc_norm:
+        out["fc_norm"] = True
+    if cfg.norm_output:
+        out["norm_output"] = True
     if cfg.bos_token_id is not None:
         out["bos_token_id"] = cfg.bos_token_id
     if cfg.eos_token_id is not None:
@@ -133,28 +157,6 @@ def hf_config(cfg: DrafterModelConfig, fmt: Format, dtype: str) -> dict[str, Any
 
 
 # ------------------------------------------------------------------------------------------------------- tensors
-def expected_shapes(cfg: DrafterModelConfig) -> dict[str, tuple[int, ...]]:
-    h, d = cfg.hidden_size, cfg.head_dim
-    return {
-        "fc.weight": (h, 3 * cfg.target_hidden_size),
-        "midlayer.self_attn.q_proj.weight": (cfg.num_attention_heads * d, 2 * h),
-        "midlayer.self_attn.k_proj.weight": (cfg.num_key_value_heads * d, 2 * h),
-        "midlayer.self_attn.v_proj.weight": (cfg.num_key_value_heads * d, 2 * h),
-        "midlayer.self_attn.o_proj.weight": (h, cfg.num_attention_heads * d),
-        "midlayer.mlp.gate_proj.weight": (cfg.intermediate_size, h),
-        "midlayer.mlp.up_proj.weight": (cfg.intermediate_size, h),
-        "midlayer.mlp.down_proj.weight": (h, cfg.intermediate_size),
-        "midlayer.input_layernorm.weight": (h,),
-        "midlayer.hidden_norm.weight": (h,),
-        "midlayer.post_attention_layernorm.weight": (h,),
-        "norm.weight": (h,),
-        "lm_head.weight": (cfg.draft_vocab_size, h),
-        "d2t": (cfg.draft_vocab_size,),
-        "t2d": (cfg.vocab_size,),
-        "embed_tokens.weight": (cfg.vocab_size, h),
-    }
-
-
 def vocab_mapping_problems(d2t: torch.Tensor, t2d: torch.Tensor) -> list[str]:
     """What is wrong with a draft -> target vocab map: ``d2t[i] = target_id(i) - i``, ``t2d`` marks those ids."""
     import torch
@@ -179,11 +181,12 @@ def validate_tensors(tensors: Mapping[str, torch.Tensor], cfg: DrafterModelConfi
     import torch
 
     shapes = expected_shapes(cfg)
+    required = required_tensors(cfg)
     problems = []
-    missing = [k for k in REQUIRED_TENSORS if k not in tensors]
+    missing = [k for k in required if k not in tensors]
     if missing:
-        problems.append(f"missing tensors {missing}")
-    unknown = sorted(set(tensors) - set(REQUIRED_TENSORS) - set(OPTIONAL_TENSORS))
+        problems.append(f"missing tensors {missing} for a {cfg.draft_shape}-shaped drafter")
+    unknown = sorted(set(tensors) - set(required) - set(OPTIONAL_TENSORS))
     if unknown:
         problems.append(f"unexpected tensors {unknown} (SGLang would silently drop them)")
     for name, t in tensors.items():
@@ -285,8 +288,10 @@ def read_export_config(export_dir: str | Path) -> tuple[DrafterModelConfig, dict
             f"{d}: config.json eagle_aux_hidden_state_layer_ids {written} in {fmt} convention does not give the "
             f"physical ids {cfg.aux_layer_ids} recorded in {SIDECAR}; re-export the checkpoint"
         )
-    if hf.get("architectures") != [ARCHITECTURE] or hf.get("num_hidden_layers") != 1:
-        raise ExportError(f"{d}: config.json is not a 1-layer {ARCHITECTURE} drafter")
+    want = ARCHITECTURES[cfg.draft_shape]
+    if hf.get("architectures") != [want] or hf.get("num_hidden_layers") != 1:
+        raise ExportError(f"{d}: config.json is not a 1-layer {want} drafter (the sidecar records a "
+                          f"{cfg.draft_shape}-shaped drafter)")
     return cfg, hf, side
 
 
@@ -323,7 +328,20 @@ class DrafterExport:
 
     @property
     def is_eagle3(self) -> bool:
-        return self.architecture.endswith("Eagle3")
+        return self.draft_shape is not None
+
+    @property
+    def draft_shape(self) -> str | None:
+        """``llama`` / ``mla`` by config.json's architecture (None: not an EAGLE-3 drafter eaglenest knows)."""
+        shape = draft_shape_of(self.architecture)
+        if shape is None and self.architecture.endswith("Eagle3"):
+            return "llama"  # another engine's name for the Llama-shaped head (e.g. vLLM's Eagle3LlamaForCausalLM)
+        return shape
+
+    @property
+    def prefixed_tensors(self) -> list[str]:
+        """Tensor names written with a ``model.`` prefix (as the file has them)."""
+        return sorted(e.key for e in self.tensors.values() if e.key.startswith("model."))
 
     @property
     def config_layer_ids(self) -> list[int] | None:

@@ -1,9 +1,14 @@
 """The EAGLE-3 drafter network, shared by training (eaglenest.drafter) and the reference decoder: ``fc`` + one
-Llama decoder layer over ``[norm(embed); norm(hidden)]`` + ``norm`` + ``lm_head``.
+decoder layer over ``[norm(embed); norm(hidden)]`` + ``norm`` + ``lm_head``.
 
-Parameter names match SGLang's ``LlamaForCausalLMEagle3`` loader one to one (``fc.weight``,
-``midlayer.self_attn.q_proj.weight``, ..., ``norm.weight``, ``lm_head.weight``, ``d2t``, ``t2d``), so exporting is a
-plain ``state_dict`` write and a misnamed tensor cannot silently leave a module random in the serving engine.
+The decoder layer's attention is the config's ``draft_shape``: ``llama`` (q/k/v heads, SGLang's
+``LlamaForCausalLMEagle3``) or ``mla`` (DeepSeek multi-head latent attention, SGLang's ``Eagle3DeepseekV2ForCausalLM``;
+``eaglenest.drafters.eagle3.mla``). Everything else is shared. Parameter names match the SGLang loader of the shape one
+to one (``fc.weight``, ``midlayer.self_attn.q_proj.weight`` or ``midlayer.self_attn.q_a_proj.weight``, ...,
+``norm.weight``, ``lm_head.weight``, ``d2t``, ``t2d``), so exporting is a plain ``state_dict`` write and a misnamed
+tensor cannot silently leave a module random in the serving engine. EAGLE-3.1's options (``fc_norm``: an RMSNorm per
+aux layer before ``fc``; ``norm_output``: the next step reads the post-norm hidden) are the config's flags of the same
+names, as SGLang reads them.
 
 Inference API (used by the reference speculative decoder)::
 
@@ -11,7 +16,8 @@ Inference API (used by the reference speculative decoder)::
     logits, hidden = model.step(input_ids, hidden, position_ids, cache, attention_mask=None)
 
 ``hidden`` is either the target's fused aux states (last dim ``3 * target_hidden_size``, goes through ``fc``) or the
-drafter's own previous ``hidden`` output (last dim ``hidden_size``, used as is). ``logits`` are over the draft vocab;
+drafter's own previous ``hidden`` output (last dim ``hidden_size``, used as is; pre-norm, or post-norm under
+``norm_output``). ``logits`` are over the draft vocab;
 map draft ids to target ids with :meth:`Eagle3Drafter.to_target_ids`.
 """
 
@@ -28,27 +34,10 @@ from torch import nn
 from eaglenest.contracts.target import TargetSpec
 from eaglenest.drafters.eagle3.config import DrafterModelConfig
 from eaglenest.drafters.eagle3.format import DTYPE_NAMES, WEIGHTS, read_export_config, validate_tensors, write_export
+from eaglenest.drafters.eagle3.mla import MLAAttention, mla_attention_flops
+from eaglenest.drafters.eagle3.norm import RMSNorm
 
-__all__ = ["DrafterKVCache", "DrafterModelConfig", "Eagle3Drafter", "flops_per_token", "load_drafter"]
-
-
-class RMSNorm(nn.Module):
-    """Llama RMSNorm computed in fp32 and rounded once to the input dtype (as SGLang's fused kernel does).
-
-    Returning the input dtype matters under bf16 autocast with fp32 master weights: an fp32 result would be
-    re-cast to bf16 by every linear that reads it (q, k and v each), costing memory traffic for the same values.
-    """
-
-    def __init__(self, size: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight.float() * h).to(dtype)
+__all__ = ["DrafterKVCache", "DrafterModelConfig", "Eagle3Drafter", "RMSNorm", "flops_per_token", "load_drafter"]
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -89,6 +78,7 @@ class Eagle3Attention(nn.Module):
         self.v_proj = nn.Linear(2 * h, cfg.num_key_value_heads * d, bias=False)
         self.o_proj = nn.Linear(cfg.num_attention_heads * d, h, bias=False)
         self.rotary = Rotary(d, cfg.rope_theta)
+        self.softmax_scale = d ** -0.5
 
     def qkv(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``x [B, S, 2H]`` -> q ``[B, heads, S, d]``, k/v ``[B, kv_heads, S, d]`` with RoPE at ``position_ids``."""
@@ -116,6 +106,14 @@ class Eagle3MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+def build_attention(cfg: DrafterModelConfig) -> nn.Module:
+    """The decoder layer's attention for ``cfg.draft_shape``: ``qkv(x, position_ids)``, ``out(o)``, ``num_heads``,
+    ``num_kv_heads``, ``softmax_scale``."""
+    if cfg.is_mla:
+        return MLAAttention(cfg)
+    return Eagle3Attention(cfg)
+
+
 class Eagle3DecoderLayer(nn.Module):
     """SGLang's ``midlayer``: residual = incoming hidden; attention input = [input_layernorm(e); hidden_norm(h)]."""
 
@@ -123,7 +121,7 @@ class Eagle3DecoderLayer(nn.Module):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Eagle3Attention(cfg)
+        self.self_attn = build_attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = Eagle3MLP(cfg)
 
@@ -198,6 +196,8 @@ class Eagle3Drafter(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)
         self.fc = nn.Linear(3 * cfg.target_hidden_size, cfg.hidden_size, bias=False)
+        self.fc_norm = (nn.ModuleList(RMSNorm(cfg.target_hidden_size, cfg.rms_norm_eps) for _ in range(3))
+                        if cfg.fc_norm else None)
         self.midlayer = Eagle3DecoderLayer(cfg)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
@@ -270,7 +270,15 @@ class Eagle3Drafter(nn.Module):
                     f"hidden width {width} is neither 3*target_hidden_size ({3 * self.config.target_hidden_size}, "
                     f"fused aux states) nor hidden_size ({self.config.hidden_size}, the drafter's own hidden)"
                 )
-        return self.fc(hidden) if fused else hidden
+        if not fused:
+            return hidden
+        if self.fc_norm is not None:
+            hidden = torch.cat([norm(c) for norm, c in zip(self.fc_norm, hidden.chunk(3, dim=-1), strict=True)], -1)
+        return self.fc(hidden)
+
+    def next_hidden(self, out: torch.Tensor) -> torch.Tensor:
+        """What the next draft step reads from this step's pre-norm output: itself, or ``norm(out)`` (norm_output)."""
+        return self.norm(out) if self.config.norm_output else out
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """Draft-vocab logits from a pre-norm hidden state."""
@@ -303,8 +311,8 @@ class Eagle3Drafter(nn.Module):
                 order (every new position sees the whole cache and the new positions up to itself).
 
         Returns:
-            ``(logits [B, S, Vd], hidden_out [B, S, H])``: draft-vocab logits and the pre-norm hidden state to
-            feed to the next step.
+            ``(logits [B, S, Vd], hidden_out [B, S, H])``: draft-vocab logits and the hidden state to feed to the
+            next step (pre-norm; post-norm under ``norm_output``).
         """
         h = self.fuse(hidden, fused)
         layer = self.midlayer
@@ -327,11 +335,11 @@ class Eagle3Drafter(nn.Module):
                 mask = mask[:, None]
             if mask.dtype != torch.bool:
                 mask = mask.to(q.dtype)
-        o = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, enable_gqa=layer.self_attn.num_heads != layer.self_attn.num_kv_heads
-        )
+        attn = layer.self_attn
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=attn.softmax_scale,
+                                           enable_gqa=attn.num_heads != attn.num_kv_heads)
         out = layer.finish(h, o)
-        return self.head(out), out
+        return self.head(out), self.next_hidden(out)
 
     forward = step
 
@@ -354,8 +362,11 @@ class Eagle3Drafter(nn.Module):
 def flops_per_token(cfg: DrafterModelConfig, ttt_steps: int) -> dict[str, float]:
     """Matmul FLOPs per token for one TTT training step (forward x3 for fwd+bwd; teacher head forward only)."""
     h, d = cfg.hidden_size, cfg.head_dim
-    qkv = 2 * h * (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * d
-    o = cfg.num_attention_heads * d * h
+    if cfg.is_mla:
+        qkv, o = mla_attention_flops(cfg)
+    else:
+        qkv = 2 * h * (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * d
+        o = cfg.num_attention_heads * d * h
     mlp = 3 * h * cfg.intermediate_size
     head = h * cfg.draft_vocab_size
     per_step = 2 * (qkv + o + mlp + head)

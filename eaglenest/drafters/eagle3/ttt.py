@@ -106,10 +106,12 @@ def ttt_attention(
     v_diag: list[torch.Tensor],
     impl: str | None = None,
     kv_blocks: int | None = None,
+    scale: float | None = None,
 ) -> torch.Tensor:
     """Attention of one TTT step: causal over step 0, plus the same-row key of each later step.
 
-    ``q [B, h, T, d]``; ``k0/v0 [B, hk, T, d]``; ``k_diag/v_diag``: steps 1..k, each ``[B, hk, T, d]``.
+    ``q [B, h, T, d]``; ``k0 [B, hk, T, d]``, ``v0 [B, hk, T, dv]``; ``k_diag/v_diag``: steps 1..k, shaped as
+    ``k0``/``v0`` (``dv`` differs from ``d`` in an MLA drafter). ``scale``: the softmax scale (default ``d ** -0.5``).
     Step 0 (no diagonal keys) uses SDPA. Later steps: ``impl="flex"`` runs one compiled FlexAttention kernel
     (ttt_flex; ``kv_blocks`` = the number of TTT steps lets all steps share it), ``"manual"`` materialises
     ``[T, T + k]`` scores per head (no loop); default :func:`resolve_attention`.
@@ -117,11 +119,12 @@ def ttt_attention(
     b, h, t, d = q.shape
     hk = k0.shape[1]
     if not k_diag:
-        return F.scaled_dot_product_attention(q, k0, v0, is_causal=True, enable_gqa=h != hk)
+        return F.scaled_dot_product_attention(q, k0, v0, is_causal=True, scale=scale, enable_gqa=h != hk)
     if resolve_attention(impl, q.device) == "flex":
-        return flex_ttt_attention(q, k0, v0, k_diag, v_diag, kv_blocks=kv_blocks)
+        return flex_ttt_attention(q, k0, v0, k_diag, v_diag, kv_blocks=kv_blocks, scale=scale)
     g = h // hk
-    scale = d ** -0.5
+    dv = v0.shape[-1]
+    scale = d ** -0.5 if scale is None else scale
     with torch.autocast(device_type=q.device.type, enabled=False):
         dtype = q.dtype
         k0, v0 = k0.to(dtype), v0.to(dtype)
@@ -133,9 +136,9 @@ def ttt_attention(
         s0 = s0.masked_fill(future, float("-inf"))
         sd = torch.einsum("bhgtd,bhtkd->bhgtk", qg, kd)
         p = torch.cat([s0, sd], dim=-1).softmax(-1)
-        o = torch.matmul(p[..., :t].reshape(b, hk, g * t, t), v0).view(b, hk, g, t, d)
+        o = torch.matmul(p[..., :t].reshape(b, hk, g * t, t), v0).view(b, hk, g, t, dv)
         o = o + torch.einsum("bhgtk,bhtkd->bhgtd", p[..., t:], vd)
-    return o.reshape(b, h, t, d)
+    return o.reshape(b, h, t, dv)
 
 
 def soft_cross_entropy(logits: torch.Tensor, probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -208,7 +211,7 @@ class TTTObjective(nn.Module):
         layer = m.midlayer
         b, t = input_ids.shape
         pos = torch.arange(t, device=input_ids.device).expand(b, t)
-        hidden = m.fc(aux)
+        hidden = m.fuse(aux, fused=True)
         k0 = v0 = None
         k_diag: list[torch.Tensor] = []
         v_diag: list[torch.Tensor] = []
@@ -223,8 +226,10 @@ class TTTObjective(nn.Module):
             else:
                 k_diag.append(kk)
                 v_diag.append(vv)
-            o = ttt_attention(q, k0, v0, k_diag, v_diag, impl=self.attention, kv_blocks=self.ttt_steps)
-            hidden = layer.finish(hidden, o)
+            o = ttt_attention(q, k0, v0, k_diag, v_diag, impl=self.attention, kv_blocks=self.ttt_steps,
+                              scale=layer.self_attn.softmax_scale)
+            out = layer.finish(hidden, o)
+            hidden = m.next_hidden(out)  # what step k+1 reads (and its residual), as SGLang feeds it
             n = t - 1 - k  # rows with a teacher position t+1+k inside the sequence
             if n <= 0:
                 zero = loss.new_zeros(())
@@ -234,7 +239,7 @@ class TTTObjective(nn.Module):
                 continue
             p = targets.probs[:, 1 + k:]
             valid = targets.valid[:, 1 + k:]
-            ce, top = soft_ce(m.head(hidden[:, :n]), p)
+            ce, top = soft_ce(m.head(out[:, :n]), p)
             ce = torch.where(valid, ce, torch.zeros_like(ce))
             cnt = valid.sum()
             ce_sum = ce.sum()

@@ -132,6 +132,7 @@ def flex_ttt_attention(
     v_diag: list[torch.Tensor],
     kv_blocks: int | None = None,
     compiled: bool | None = None,
+    scale: float | None = None,
 ) -> torch.Tensor:
     """Same contract as :func:`ttt.ttt_attention` (``q [B, h, T, d]``, keys/values ``[B, hk, T, d]``).
 
@@ -159,7 +160,7 @@ def flex_ttt_attention(
         mask = ttt_block_mask(tp, step, kv_blocks, q.device)
         if compiled:
             with _recompile_headroom():
-                o = _compiled_flex()(qp, keys, vals, block_mask=mask, enable_gqa=h != hk)
+                o = _compiled_flex()(qp, keys, vals, block_mask=mask, scale=scale, enable_gqa=h != hk)
         else:
-            o = flex_attention(qp, keys, vals, block_mask=mask, enable_gqa=h != hk)
+            o = flex_attention(qp, keys, vals, block_mask=mask, scale=scale, enable_gqa=h != hk)
     return o[:, :, :t] if tp > t else o
