@@ -3,13 +3,11 @@
 #   --phase capture   capture during generation vs SGLang's prefill capture on a random DeepseekV3 with Kimi's MLA dims
 #   --phase standin   the DeepseekV3 stand-in (--preset tiny, pre-trained here on a synthetic dump) through SGLang:
 #                     greedy tokens vs transformers on the same weights, and the capture check on it
-#   --phase mla       an MLA drafter exported by eaglenest (Eagle3DeepseekV2ForCausalLM) loaded by SGLang EAGLE3 on
-#                     that stand-in: the engine starts, generates, reports accept length
 # Carry .gpu/c1 .gpu/c2 .gpu/bin (the SGLang bundle, ../shared/gpu/sglang_bundle.sh); results under $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 phase=${2:-capture}
-[ "${1:-}" = "--phase" ] || { echo "usage: $0 --phase capture|standin|mla"; exit 2; }
+[ "${1:-}" = "--phase" ] || { echo "usage: $0 --phase capture|standin"; exit 2; }
 source .gpu/bin/install.sh
 export PYTHONPATH=$PWD:$PYTHONPATH PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -39,8 +37,6 @@ case "$phase" in
     build_standin && cp "$STANDIN/standin.json" "$OUT/" 2>/dev/null
     python3 benchmarks/gpu_deepseek_capture.py --target "$STANDIN/model" --compare-hf 16 --out "$OUT" \
       --prompts "${DS_PROMPTS:-128}" --max-new 48 ;;
-  mla)
-    build_standin && python3 benchmarks/gpu_mla_drafter.py --target "$STANDIN/model" --out "$OUT" ;;
   *) echo "unknown phase $phase"; exit 2 ;;
 esac
 rc=$?
