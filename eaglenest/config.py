@@ -287,7 +287,10 @@ class ServeConfig(Section):
         None, description="[start, end] around the target's reasoning, returned as reasoning_content; None: "
                           "detected from the chat template (e.g. <think> </think>); []: off"
     )
-
+    max_request_bytes: int = Field(
+        8 * 1024 * 1024, ge=1024, description="larger request bodies are refused with 413 request_too_large before "
+                                              "they are parsed"
+    )
 
 # ------------------------------------------------------------------------------------------------------------ plan
 class PlanConfig(Section):

@@ -135,9 +135,9 @@ class ServerCore:
     def check_model(self, model: str) -> None:
         check_model(model, self.model_name)
 
-    def check_prompt(self, prompt_ids: list[int], sampling: SamplingRequest) -> None:
+    def check_prompt(self, prompt_ids: list[int], sampling: SamplingRequest, *, param: str = "messages") -> None:
         check_prompt(len(prompt_ids), sampling.max_tokens, max_prompt_tokens=self.cfg.serve.max_prompt_tokens,
-                     context=self.backend.info.max_position_embeddings)
+                     context=self.backend.info.max_position_embeddings, param=param)
 
     def acquire(self) -> None:
         self.admission.acquire()

@@ -21,7 +21,7 @@ from eaglenest.serve.core import ServerCore
 from eaglenest.serve.drain import DrainWatcher
 from eaglenest.serve.gates import resolve_api_key
 from eaglenest.serve.openai_protocol import error_body
-from eaglenest.serve.routes import CHAT_ROUTE, COMPLETIONS_ROUTE, HEALTH_ROUTE, MODELS_ROUTE, Routes
+from eaglenest.serve.routes import CHAT_ROUTE, COMPLETIONS_ROUTE, HEALTH_ROUTE, MODEL_ROUTE, MODELS_ROUTE, Routes
 
 DEPLOYMENT_NAME = "eaglenest"
 
@@ -32,13 +32,23 @@ api = FastAPI(title="eaglenest", description="OpenAI-compatible API with EAGLE-3
 
 @api.exception_handler(StarletteHTTPException)
 async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
-    """Unknown routes and wrong methods get OpenAI-style bodies too."""
+    """Unknown routes and wrong methods get OpenAI-style bodies too; a 405 keeps Starlette's ``Allow`` header."""
     code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
     msg = (f"no route {request.method} {request.url.path}; this server has POST {CHAT_ROUTE}, POST "
-           f"{COMPLETIONS_ROUTE}, GET {MODELS_ROUTE}, GET {HEALTH_ROUTE}") if exc.status_code in (404, 405) \
-        else str(exc.detail)
+           f"{COMPLETIONS_ROUTE}, GET {MODELS_ROUTE}, GET {MODEL_ROUTE}, GET {HEALTH_ROUTE}") \
+        if exc.status_code in (404, 405) else str(exc.detail)
     _shared_metrics_request("other", exc.status_code)
-    return JSONResponse(error_body(exc.status_code, msg, code=code), status_code=exc.status_code)
+    return JSONResponse(error_body(exc.status_code, msg, code=code), status_code=exc.status_code,
+                        headers=getattr(exc, "headers", None))
+
+
+@api.exception_handler(Exception)
+async def _unexpected(request: Request, exc: Exception) -> Response:
+    """A bug must still answer with an OpenAI error body (clients parse it), never a plain-text 500."""
+    logging.getLogger("eaglenest.serve").exception("unhandled error on %s %s", request.method, request.url.path)
+    _shared_metrics_request("other", 500)
+    return JSONResponse(error_body(500, f"internal error: {type(exc).__name__}", code="internal_error"),
+                        status_code=500)
 
 
 _CORE: ServerCore | None = None
@@ -86,6 +96,10 @@ class EaglenestDeployment:
     @api.get(MODELS_ROUTE)
     async def models(self, request: Request) -> Response:
         return self.routes.models(request)
+
+    @api.get(MODELS_ROUTE + "/{model_id:path}")
+    async def model(self, request: Request, model_id: str) -> Response:
+        return self.routes.model(request, model_id)
 
     @api.get(HEALTH_ROUTE)
     async def health(self) -> Response:

@@ -1,0 +1,189 @@
+"""The API as real clients, operators and outside benchmark tools meet it (issue #30), on a live Ray Serve.
+
+One application, two replicas (tiny target + an exported drafter), small body and prompt limits. Where the official
+``openai`` client can send the input it is used; raw ``httpx`` sends what it cannot (bad JSON, wrong types,
+oversized and chunked bodies, other content types).
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+
+import httpx
+import openai
+import pytest
+from serve_helpers import make_drafter
+
+from eaglenest.config import EaglenestConfig
+
+MAX_BYTES = 64 * 1024
+HI = [{"role": "user", "content": "hi"}]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _cfg(target, **serve) -> EaglenestConfig:
+    return EaglenestConfig.model_validate({
+        "target": {"model": str(target), "device": "cpu", "dtype": "float32"},
+        "serve": {"num_cpus_per_replica": 0.25, "max_tokens_limit": 64, "max_prompt_tokens": 64, **serve}})
+
+
+@pytest.fixture(scope="module")
+def apps(ray_session, tiny_target_path, tmp_path_factory):
+    """``edges``: two replicas with a drafter; ``thinking``: one baseline replica."""
+    from eaglenest.serve.cli import AppSpec, start_apps, stop_serve
+
+    drafter = make_drafter(tmp_path_factory.mktemp("edges") / "drafter", tiny_target_path)
+    specs = [AppSpec(_cfg(tiny_target_path, num_replicas=2, max_request_bytes=MAX_BYTES), str(drafter), "edges", "/"),
+             AppSpec(_cfg(tiny_target_path, model_name="thinking"), None, "thinking",
+                     "/thinking")]
+    urls = start_apps(specs, port=_free_port())
+    yield dict(zip(("edges", "thinking"), urls, strict=True))
+    stop_serve()
+
+
+@pytest.fixture(scope="module")
+def url(apps):
+    return apps["edges"]
+
+
+def _client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
+
+
+def _error(resp: httpx.Response, status: int, param: str | None = None, code: str | None = None) -> dict:
+    """An OpenAI error body with ``status`` (never a plain-text 500)."""
+    assert resp.status_code == status, (resp.status_code, resp.text[:500])
+    err = resp.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    if param is not None:
+        assert err["param"] == param, err
+    if code is not None:
+        assert err["code"] == code, err
+    return err
+
+
+# ------------------------------------------------------------------------------------------------------- seeds
+@pytest.mark.parametrize("seed", [0, 2**44, 2**63 - 1, -(2**63), 2**64 - 1, -1])
+def test_any_64_bit_seed_samples_deterministically(url, seed):
+    client = _client(url)
+
+    def sample() -> tuple[str, int]:
+        r = client.chat.completions.create(model="eaglenest", messages=[{"role": "user", "content": "List three "
+                                           "colors."}], temperature=1.0, max_tokens=16, seed=seed)
+        return r.choices[0].message.content, r.usage.completion_tokens
+
+    first = sample()
+    assert first[1] >= 1 and sample() == first
+
+
+def test_a_seed_outside_64_bits_is_400(url):
+    with pytest.raises(openai.BadRequestError) as e:
+        _client(url).chat.completions.create(model="eaglenest", messages=HI, seed=2**64, max_tokens=4)
+    assert e.value.body["param"] == "seed"
+
+
+# ------------------------------------------------------------------------------------------------- raw bodies
+def _post(url: str, content: bytes | None = None, **kw) -> httpx.Response:
+    headers = kw.pop("headers", {"content-type": "application/json"})
+    return httpx.post(f"{url}/v1/chat/completions", content=content, headers=headers, timeout=60, **kw)
+
+
+@pytest.mark.parametrize("depth", [1_000, 5_000, 30_000])
+def test_deeply_nested_json_is_a_400_error_body(url, depth):
+    nested = b'{"model": "eaglenest", "messages": [{"role": "user", "content": "hi"}], "metadata": {"a": ' + \
+        b"[" * depth + b"]" * depth + b"}}"
+    _error(_post(url, nested), 400, code="invalid_json")
+    _error(_post(url, b"[" * depth + b"]" * depth), 400, code="invalid_json")
+
+
+def test_a_body_over_max_request_bytes_is_413_before_parsing(url):
+    big = json.dumps({"model": "eaglenest", "messages": [{"role": "user", "content": "x " * MAX_BYTES}]}).encode()
+    err = _error(_post(url, big), 413, code="request_too_large")
+    assert "serve.max_request_bytes" in err["message"]
+
+    def chunks():  # no Content-Length: counted while it arrives
+        yield big[:1000]
+        yield big[1000:]
+
+    _error(_post(url, chunks()), 413, code="request_too_large")
+    # not JSON at all, but too large: refused by size, so it was never parsed
+    _error(_post(url, b"{" * (MAX_BYTES + 1)), 413, code="request_too_large")
+    with pytest.raises(openai.APIStatusError) as e:
+        _client(url).chat.completions.create(model="eaglenest",
+                                             messages=[{"role": "user", "content": "x " * MAX_BYTES}])
+    assert e.value.status_code == 413 and e.value.code == "request_too_large"
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"model": "eaglenest", "messages": HI, "stream": "yes"}, "stream"),
+    ({"model": "eaglenest", "messages": HI, "max_tokens": 4.5}, "max_tokens"),
+    ({"model": "eaglenest", "messages": HI, "temperature": "0"}, "temperature"),
+    ({"model": "eaglenest", "messages": [{"role": "user"}]}, "messages"),
+    ({"model": "eaglenest", "messages": [{"role": "user", "content": 5}]}, "messages"),
+    ({"model": "eaglenest", "messages": HI, "tools": [{"type": "function"}]}, "tools"),
+    ({"model": "eaglenest", "messages": HI,
+      "tools": [{"type": "function", "function": {"name": "f", "parameters": "x"}}]}, "tools"),
+    ({"model": "eaglenest", "messages": HI + [{"role": "assistant", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{not json"}}]}]},
+     "messages[1].tool_calls[0].function.arguments"),
+    ({"model": "eaglenest", "messages": HI + [{"role": "assistant", "tool_calls": [{"id": "c1", "type": "function"}]}]},
+     "messages[1].tool_calls[0].function"),
+    ({"model": 7, "messages": HI}, "model"),
+])
+def test_wrong_types_are_400_naming_the_parameter(url, body, param):
+    _error(_post(url, json.dumps(body).encode()), 400, param)
+
+
+def test_the_client_sees_400_for_what_it_can_send(url):
+    client = _client(url)
+    with pytest.raises(openai.BadRequestError, match="needs content"):
+        client.chat.completions.create(model="eaglenest", messages=[{"role": "user"}])
+    with pytest.raises(openai.BadRequestError, match="function"):
+        client.chat.completions.create(model="eaglenest", messages=HI, tools=[{"type": "function"}])
+    bad_call = {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function",
+                                                     "function": {"name": "f", "arguments": "city=paris"}}]}
+    with pytest.raises(openai.BadRequestError, match="not valid JSON"):
+        client.chat.completions.create(model="eaglenest", messages=HI + [bad_call])
+
+
+@pytest.mark.parametrize("ctype", ["text/plain", "application/x-www-form-urlencoded", "multipart/form-data"])
+def test_bodies_that_are_not_json_are_415(url, ctype):
+    body = json.dumps({"model": "eaglenest", "messages": HI, "max_tokens": 2}).encode()
+    _error(_post(url, body, headers={"content-type": ctype}), 415, code="unsupported_media_type")
+    assert _post(url, body, headers={"content-type": "application/json; charset=utf-8"}).status_code == 200
+
+
+def test_completions_context_error_names_prompt(url):
+    err = _error(httpx.post(f"{url}/v1/completions", timeout=60,
+                            json={"model": "eaglenest", "prompt": "word " * 200, "max_tokens": 4}), 400, "prompt")
+    assert err["code"] == "context_length_exceeded" and "messages" not in err["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        _client(url).completions.create(model="eaglenest", prompt="word " * 200, max_tokens=4)
+    assert e.value.code == "context_length_exceeded" and e.value.body["param"] == "prompt"
+
+
+# ------------------------------------------------------------------------------------------------------ routes
+def test_405_carries_allow(url):
+    resp = httpx.get(f"{url}/v1/chat/completions", timeout=30)
+    _error(resp, 405, code="method_not_allowed")
+    assert "POST" in resp.headers["allow"]
+    resp = httpx.post(f"{url}/v1/models", timeout=30)
+    _error(resp, 405)
+    assert "GET" in resp.headers["allow"]
+
+
+def test_retrieve_a_model(url):
+    client = _client(url)
+    m = client.models.retrieve("eaglenest")
+    assert (m.id, m.object, m.owned_by) == ("eaglenest", "model", "eaglenest")
+    assert m.created == client.models.list().data[0].created
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-9")
+    _error(httpx.get(f"{url}/v1/models/org/other-model", timeout=30), 404, "model", "model_not_found")
+
