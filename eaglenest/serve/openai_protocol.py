@@ -156,6 +156,9 @@ class ChatCompletionRequest(_Request):
     parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
     top_logprobs: int | None = None
+    separate_reasoning: bool | None = None
+    """extension (SGLang): split reasoning into ``reasoning_content`` for this request (None:
+    ``serve.reasoning_parser``)"""
 
     @field_validator("tools")
     @classmethod

@@ -101,19 +101,24 @@ class Routes:
         return await self._complete(CHAT_ROUTE, prompt_ids, sampling, arrived, build, decode=decode)
 
     def _chat_parser(self, req: ChatCompletionRequest, prompt_ids: list[int]) -> ChatParser | None:
-        """A parser when the target's template defines reasoning, or tool calls and the request offers tools."""
+        """A parser when the request's reasoning is separated (``serve.reasoning_parser``, overridden by SGLang's
+        ``separate_reasoning``) and the target has markers for it, or tool calls are and the request offers tools."""
         fmt = self.core.chat_format
         tools = bool(req.tools) and req.tool_choice != "none" and fmt.tool_call is not None
-        if fmt.reasoning is None and not tools:
+        wanted = self.core.cfg.serve.reasoning_parser if req.separate_reasoning is None else req.separate_reasoning
+        reasoning = wanted and fmt.reasoning is not None
+        if not reasoning and not tools:
             return None
-        return fmt.parser(tools=tools, prompt_text=fmt.decode(prompt_ids[-16:], tools=tools))
+        return fmt.parser(tools=tools, reasoning=reasoning, prompt_text=fmt.decode(prompt_ids[-16:], tools=tools))
 
     def _chat_decode(self, parser: ChatParser | None) -> Any:
-        """The text decode of a parsed request: its markers kept (None: plain decoding)."""
-        if parser is None:
+        """The text decode of a chat request: its markers kept (reasoning markers too when reasoning is not
+        separated: content is then the whole text, as a server without a reasoning parser returns it)."""
+        fmt = self.core.chat_format
+        if parser is None and fmt.reasoning is None:
             return None
-        tools = parser.tool_call is not None
-        return lambda ids: self.core.chat_format.decode(ids, tools=tools)
+        tools = parser is not None and parser.tool_call is not None
+        return lambda ids: fmt.decode(ids, tools=tools)
 
     async def completions(self, request: Request) -> Response:
         arrived = time.perf_counter()

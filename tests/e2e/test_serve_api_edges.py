@@ -35,12 +35,13 @@ def _cfg(target, **serve) -> EaglenestConfig:
 
 @pytest.fixture(scope="module")
 def apps(ray_session, tiny_target_path, tmp_path_factory):
-    """``edges``: two replicas with a drafter; ``thinking``: one baseline replica."""
+    """``edges``: two replicas with a drafter and the default reasoning setting (off); ``thinking``: one baseline
+    replica with ``serve.reasoning_parser: true``."""
     from eaglenest.serve.cli import AppSpec, start_apps, stop_serve
 
     drafter = make_drafter(tmp_path_factory.mktemp("edges") / "drafter", tiny_target_path)
     specs = [AppSpec(_cfg(tiny_target_path, num_replicas=2, max_request_bytes=MAX_BYTES), str(drafter), "edges", "/"),
-             AppSpec(_cfg(tiny_target_path, model_name="thinking"), None, "thinking",
+             AppSpec(_cfg(tiny_target_path, model_name="thinking", reasoning_parser=True), None, "thinking",
                      "/thinking")]
     urls = start_apps(specs, port=_free_port())
     yield dict(zip(("edges", "thinking"), urls, strict=True))
@@ -187,3 +188,80 @@ def test_retrieve_a_model(url):
         client.models.retrieve("gpt-9")
     _error(httpx.get(f"{url}/v1/models/org/other-model", timeout=30), 404, "model", "model_not_found")
 
+
+# --------------------------------------------------------------------------------------------------- reasoning
+THINK_Q = [{"role": "user", "content": "What is 8 plus 24?"}]
+
+
+def _raw(engine, messages, max_tokens=48) -> str:
+    """The engine's greedy output with special tokens kept (the markers the server parses)."""
+    from eaglenest.engines.base import SamplingParams, render_chat_ids
+
+    ids = render_chat_ids(engine.tokenizer, messages, add_generation_prompt=True)
+    g = engine.generate_ids([ids], SamplingParams(temperature=0.0, max_new_tokens=max_tokens))[0]
+    return engine.tokenizer.decode(g.token_ids, skip_special_tokens=False)
+
+
+def _without_special(engine, text: str, keep: tuple[str, ...] = ()) -> str:
+    for marker in engine.tokenizer.all_special_tokens:
+        if marker not in keep:
+            text = text.replace(marker, "")
+    return text
+
+
+def _chat(client, model, stream=False, **kw) -> tuple[str | None, str | None]:
+    """(content, reasoning_content) of one greedy answer, streamed deltas joined."""
+    if not stream:
+        m = client.chat.completions.create(model=model, messages=THINK_Q, temperature=0, **kw).choices[0].message
+        return m.content, (m.model_extra or {}).get("reasoning_content")
+    content, reasoning = None, None
+    for chunk in client.chat.completions.create(model=model, messages=THINK_Q, temperature=0, stream=True, **kw):
+        if chunk.choices:
+            d = chunk.choices[0].delta
+            if d.content:
+                content = (content or "") + d.content
+            r = (d.model_extra or {}).get("reasoning_content")
+            if r:
+                reasoning = (reasoning or "") + r
+    return content, reasoning
+
+
+def _split(engine) -> tuple[str | None, str]:
+    """(content, reasoning) a reasoning parser makes of the greedy answer: the first block is reasoning (vLLM's and
+    SGLang's parsers); later markers are special tokens, which content does not show."""
+    raw = _raw(engine, THINK_Q)
+    assert raw.startswith("<think>") and "</think>" in raw, f"the tiny target no longer reasons here: {raw!r}"
+    reasoning, _, content = raw[len("<think>"):].partition("</think>")
+    return _without_special(engine, content).lstrip() or None, reasoning
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_reasoning_is_not_parsed_by_default(apps, tiny_engine, stream):
+    """Off by default (as vLLM and SGLang without --reasoning-parser): content is the whole text, markers kept;
+    SGLang's ``separate_reasoning: true`` turns it on for one request."""
+    whole = _without_special(tiny_engine, _raw(tiny_engine, THINK_Q), keep=("<think>", "</think>"))
+    assert whole.startswith("<think>")
+    client = _client(apps["edges"])
+    assert _chat(client, "eaglenest", stream, max_tokens=48) == (whole, None)
+    assert _chat(client, "eaglenest", stream, max_tokens=48, extra_body={"separate_reasoning": True}) == \
+        _split(tiny_engine)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_reasoning_parser_on(apps, tiny_engine, stream):
+    """``serve.reasoning_parser: true``: the first block is reasoning_content, the rest content; a request's
+    ``separate_reasoning: false`` turns it off again."""
+    client = _client(apps["thinking"])
+    assert _chat(client, "thinking", stream, max_tokens=48) == _split(tiny_engine)
+    whole = _without_special(tiny_engine, _raw(tiny_engine, THINK_Q), keep=("<think>", "</think>"))
+    assert _chat(client, "thinking", stream, max_tokens=48, extra_body={"separate_reasoning": False}) == (whole, None)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_unclosed_reasoning_block_is_all_reasoning(apps, tiny_engine, stream):
+    """Cut before ``</think>``: everything after ``<think>`` is reasoning and content is null, as vLLM's deepseek_r1
+    parser returns it."""
+    raw = _raw(tiny_engine, THINK_Q, max_tokens=4)
+    assert raw.startswith("<think>") and "</think>" not in raw, raw
+    client = _client(apps["thinking"])
+    assert _chat(client, "thinking", stream, max_tokens=4) == (None, raw[len("<think>"):])
