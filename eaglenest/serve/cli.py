@@ -123,6 +123,9 @@ def stop_serve(name: str | None = None, *, drain: bool = True) -> None:
         except Exception as e:  # no Serve running, or its controller is gone: nothing left to drain
             print(f"drain skipped: {type(e).__name__}: {e}", flush=True)
     serve.shutdown()
+    from eaglenest.serve.vllm_metrics import drop_stores
+
+    drop_stores()
     if drain:
         clear_drain()
     _STATE["apps"].clear()

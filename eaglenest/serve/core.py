@@ -30,6 +30,7 @@ from eaglenest.serve.metrics import NullMetrics, RequestStats, ServeMetrics
 from eaglenest.serve.openai_protocol import APIError, SamplingRequest, SpecUsage, Usage, error_body, now
 from eaglenest.serve.selftest import SelfTest, run_self_test
 from eaglenest.serve.text import StreamText
+from eaglenest.serve.vllm_metrics import SpecCounters
 
 log = logging.getLogger("eaglenest.serve")
 
@@ -84,6 +85,9 @@ class ServerCore:
         self.chat_format = ChatFormat.from_tokenizer(self.backend.tokenizer, tool_call_markers=s.tool_call_markers,
                                                      reasoning_markers=s.reasoning_markers)
         self.token_text = TokenText(self.backend.tokenizer)
+        self.spec_counters = SpecCounters(self.model_name, speculative=self.backend.speculative,
+                                          positions=cfg.serve.spec.num_steps)
+        """vLLM's spec-decode counters (serve.vllm_metrics); the deployment points them at its app's store"""
         self.run_self_test()
 
     # ---- health
@@ -244,6 +248,7 @@ class ServerCore:
             accept_length=out.stats.accept_length, draft_tokens=out.stats.draft_tokens,
             accepted_tokens=out.stats.accepted_tokens, speculative=self.backend.speculative,
             verify_steps=out.stats.verify_steps))
+        self.spec_counters.record(out.stats)
 
     # ---- lifecycle
     def begin_drain(self, timeout: float | None = None) -> None:

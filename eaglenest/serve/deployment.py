@@ -21,7 +21,15 @@ from eaglenest.serve.core import ServerCore
 from eaglenest.serve.drain import DrainWatcher
 from eaglenest.serve.gates import resolve_api_key
 from eaglenest.serve.openai_protocol import error_body
-from eaglenest.serve.routes import CHAT_ROUTE, COMPLETIONS_ROUTE, HEALTH_ROUTE, MODEL_ROUTE, MODELS_ROUTE, Routes
+from eaglenest.serve.routes import (
+    CHAT_ROUTE,
+    COMPLETIONS_ROUTE,
+    HEALTH_ROUTE,
+    METRICS_ROUTE,
+    MODEL_ROUTE,
+    MODELS_ROUTE,
+    Routes,
+)
 
 DEPLOYMENT_NAME = "eaglenest"
 
@@ -35,7 +43,7 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> Response
     """Unknown routes and wrong methods get OpenAI-style bodies too; a 405 keeps Starlette's ``Allow`` header."""
     code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
     msg = (f"no route {request.method} {request.url.path}; this server has POST {CHAT_ROUTE}, POST "
-           f"{COMPLETIONS_ROUTE}, GET {MODELS_ROUTE}, GET {MODEL_ROUTE}, GET {HEALTH_ROUTE}") \
+           f"{COMPLETIONS_ROUTE}, GET {MODELS_ROUTE}, GET {MODEL_ROUTE}, GET {HEALTH_ROUTE}, GET {METRICS_ROUTE}") \
         if exc.status_code in (404, 405) else str(exc.detail)
     _shared_metrics_request("other", exc.status_code)
     return JSONResponse(error_body(exc.status_code, msg, code=code), status_code=exc.status_code,
@@ -81,6 +89,7 @@ class EaglenestDeployment:
         self.routes = Routes(self.core)
         _CORE = self.core
         ctx = serve.get_replica_context()
+        self.core.spec_counters.app = ctx.app_name  # one counter store per application, shared by its replicas
         rid = f"{ctx.app_name}#{ctx.replica_id.unique_id}"
         self.drain_watcher = DrainWatcher(rid, self.core.begin_drain, lambda: self.core.inflight,
                                           self.core.drain).start()
@@ -104,6 +113,10 @@ class EaglenestDeployment:
     @api.get(HEALTH_ROUTE)
     async def health(self) -> Response:
         return self.routes.health()
+
+    @api.get(METRICS_ROUTE)
+    async def metrics(self) -> Response:
+        return await self.routes.metrics()
 
     def check_health(self) -> None:
         """Ray Serve's probe: only a dead decoder restarts the replica (a failed self-test is reported, not looped)."""

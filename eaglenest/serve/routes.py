@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP handlers of one replica: :class:`Routes` over its :class:`~.core.ServerCore`.
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (both with SSE streaming, :mod:`eaglenest.serve.sse`),
-``GET /v1/models``, ``GET /v1/models/{id}``, ``GET /health``. Every error is an OpenAI-style JSON body ``{"error":
+``GET /v1/models``, ``GET /v1/models/{id}``, ``GET /health``, ``GET /metrics`` (vLLM's spec-decode counters,
+serve.vllm_metrics). Every error is an OpenAI-style JSON body ``{"error":
 {"message", "type", "param", "code"}}`` with the status that fits: 400 bad parameter or type (a prompt over the
 context: ``code: context_length_exceeded``, as OpenAI), 401 API key, 404 unknown model/route, 405 wrong method (with
 ``Allow``), 413 body over ``serve.max_request_bytes``, 415 not JSON (serve.request_body), 429 over
@@ -46,11 +47,12 @@ from eaglenest.serve.openai_protocol import (
 )
 from eaglenest.serve.request_body import parse_body, read_body
 from eaglenest.serve.sse import DONE, event_stream, sse
+from eaglenest.serve.vllm_metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 
 log = logging.getLogger("eaglenest.serve")
 
-CHAT_ROUTE, COMPLETIONS_ROUTE, MODELS_ROUTE, MODEL_ROUTE, HEALTH_ROUTE = (
-    "/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/models/{model}", "/health")
+CHAT_ROUTE, COMPLETIONS_ROUTE, MODELS_ROUTE, MODEL_ROUTE, HEALTH_ROUTE, METRICS_ROUTE = (
+    "/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/models/{model}", "/health", "/metrics")
 
 
 class Routes:
@@ -300,6 +302,19 @@ class Routes:
         self.core.metrics.request(HEALTH_ROUTE, status)
         headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 503 else None
         return JSONResponse(body, status_code=status, headers=headers)
+
+    async def metrics(self) -> Response:
+        """vLLM's spec-decode counters of this application, summed over its replicas (serve.vllm_metrics)."""
+        try:
+            body = await asyncio.wait_for(self.core.spec_counters.exposition(), timeout=10)
+        except Exception as e:
+            log.warning("spec-decode counters unavailable: %s", e)
+            self.core.metrics.request(METRICS_ROUTE, 503)
+            return JSONResponse(error_body(503, f"the spec-decode counters are unavailable: {type(e).__name__}",
+                                           code="metrics_unavailable"), status_code=503,
+                                headers={"Retry-After": str(RETRY_AFTER_S)})
+        self.core.metrics.request(METRICS_ROUTE, 200)
+        return Response(body, media_type=METRICS_CONTENT_TYPE)
 
     def error(self, route: str, e: APIError) -> Response:
         self.core.metrics.request(route, e.status)

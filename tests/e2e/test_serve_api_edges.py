@@ -7,8 +7,10 @@ oversized and chunked bodies, other content types).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
+import time
 
 import httpx
 import openai
@@ -265,3 +267,86 @@ def test_an_unclosed_reasoning_block_is_all_reasoning(apps, tiny_engine, stream)
     assert raw.startswith("<think>") and "</think>" not in raw, raw
     client = _client(apps["thinking"])
     assert _chat(client, "thinking", stream, max_tokens=4) == (None, raw[len("<think>"):])
+
+
+# ------------------------------------------------------------------------------------- vLLM's counters on /metrics
+SPEC = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens", "vllm:spec_decode_num_accepted_tokens")
+PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
+
+
+def _scrape_vllm(url: str) -> dict:
+    """The counters as a Prometheus client parses them from the serving port: {(name, position): value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    resp = httpx.get(f"{url}/metrics", timeout=30)
+    assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/plain")
+    out = {}
+    for fam in text_string_to_metric_families(resp.text):
+        if fam.name in SPEC + (PER_POS,):
+            assert fam.type == "counter", fam
+            for s in fam.samples:
+                if s.name.endswith("_total"):
+                    assert s.labels["model_name"] == "eaglenest", s
+                    out[(s.name, s.labels.get("position"))] = s.value
+    return out
+
+
+def test_vllm_spec_decode_counters_match_usage_spec(url):
+    """Scraped like ``vllm bench serve`` does (before and after a run): the deltas, summed over both replicas, give
+    the drafted and accepted tokens and the accept length the responses' ``usage.spec`` report."""
+    before = _scrape_vllm(url)
+    assert {(f"{n}_total", None) for n in SPEC} <= set(before)
+    positions = sorted(int(p) for n, p in before if n == f"{PER_POS}_total")
+    assert positions == [0, 1, 2]  # serve.spec.num_steps
+
+    async def run() -> list[dict]:
+        client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=300)
+
+        async def one(i: int) -> dict:
+            messages = [{"role": "user", "content": ["Write a short poem about the sea.", "List three colors.",
+                                                     "What is 12 times 7? Explain briefly."][i % 3]}]
+            if i % 2:
+                r = await client.chat.completions.create(model="eaglenest", messages=messages, max_tokens=48,
+                                                         temperature=0)
+                return r.usage.model_extra["spec"]
+            usage = None
+            async for c in await client.chat.completions.create(
+                    model="eaglenest", messages=messages, max_tokens=48, temperature=0, stream=True,
+                    stream_options={"include_usage": True}):
+                usage = c.usage or usage
+            return usage.model_extra["spec"]
+
+        try:
+            return await asyncio.gather(*(one(i) for i in range(16)))
+        finally:
+            await client.close()
+
+    specs = asyncio.run(run())
+    drafted, accepted = sum(s["draft_tokens"] for s in specs), sum(s["accepted_tokens"] for s in specs)
+    assert drafted > 0
+    deadline = time.monotonic() + 30
+    while True:  # counts arrive a moment after the response (the store is updated without blocking it)
+        after = _scrape_vllm(url)
+        delta = {k: after[k] - before.get(k, 0.0) for k in after}
+        if delta[(f"{SPEC[1]}_total", None)] >= drafted or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    drafts, d_tokens, d_accepted = (delta[(f"{n}_total", None)] for n in SPEC)
+    assert (d_tokens, d_accepted) == (drafted, accepted)
+    per_step = d_tokens / drafts  # num_draft_tokens - 1 on a chain
+    assert per_step == 3
+    steps = [s["draft_tokens"] / per_step for s in specs]
+    for s, n in zip(specs, steps, strict=True):  # each response's accept length, from its own counts
+        assert s["accept_length"] == pytest.approx(1 + s["accepted_tokens"] / n, abs=1e-4)
+    assert drafts == sum(steps)
+    assert 1 + d_accepted / drafts == pytest.approx(1 + accepted / sum(steps))
+    per_pos = [delta[(f"{PER_POS}_total", str(k))] for k in positions]
+    assert sum(per_pos) == d_accepted and per_pos == sorted(per_pos, reverse=True)
+    # every replica answers /metrics with the same sums
+    assert all(_scrape_vllm(url) == after for _ in range(6))
+
+
+def test_metrics_route_is_empty_without_speculation(apps):
+    """A baseline server exports no spec-decode series, as vLLM without a speculative config."""
+    resp = httpx.get(f"{apps['thinking']}/metrics", timeout=30)
+    assert resp.status_code == 200 and "vllm:spec_decode" not in resp.text
