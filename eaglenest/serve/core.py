@@ -131,6 +131,13 @@ class ServerCore:
     def check_auth(self, request: Request) -> None:
         check_api_key(request.headers.get("authorization", ""), self.api_key)
 
+    def authorized(self, request: Request) -> bool:
+        try:
+            self.check_auth(request)
+        except APIError:
+            return False
+        return True
+
     def check_ready(self) -> None:
         if not self.healthy:
             raise APIError(503, self.unavailable_reason(), code="shutting_down" if self.shutting_down else "unhealthy",

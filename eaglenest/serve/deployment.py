@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import JSONResponse, Response
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -20,7 +21,7 @@ from eaglenest.config import EaglenestConfig
 from eaglenest.serve.core import ServerCore
 from eaglenest.serve.drain import DrainWatcher
 from eaglenest.serve.gates import resolve_api_key
-from eaglenest.serve.openai_protocol import error_body
+from eaglenest.serve.openai_protocol import APIError, error_body
 from eaglenest.serve.routes import (
     CHAT_ROUTE,
     COMPLETIONS_ROUTE,
@@ -32,10 +33,12 @@ from eaglenest.serve.routes import (
 )
 
 DEPLOYMENT_NAME = "eaglenest"
+OPENAPI_ROUTE = "/openapi.json"
 
 
 # ----------------------------------------------------------------------------------------------- FastAPI app
-api = FastAPI(title="eaglenest", description="OpenAI-compatible API with EAGLE-3 speculative decoding")
+api = FastAPI(title="eaglenest", description="OpenAI-compatible API with EAGLE-3 speculative decoding",
+              docs_url=None, redoc_url=None, openapi_url=None)  # served by the replica: behind the API key if set
 
 
 @api.exception_handler(StarletteHTTPException)
@@ -111,8 +114,21 @@ class EaglenestDeployment:
         return self.routes.model(request, model_id)
 
     @api.get(HEALTH_ROUTE)
-    async def health(self) -> Response:
-        return self.routes.health()
+    async def health(self, request: Request) -> Response:
+        return self.routes.health(request)
+
+    @api.get(OPENAPI_ROUTE, include_in_schema=False)
+    async def openapi(self, request: Request) -> Response:
+        """The schema, and the docs below, need the API key when one is set: they describe the whole server."""
+        if not self.core.authorized(request):
+            return self.routes.error("other", APIError(401, "Missing or incorrect API key", code="invalid_api_key"))
+        return JSONResponse(api.openapi())
+
+    @api.get("/docs", include_in_schema=False)
+    async def docs(self, request: Request) -> Response:
+        if not self.core.authorized(request):
+            return self.routes.error("other", APIError(401, "Missing or incorrect API key", code="invalid_api_key"))
+        return get_swagger_ui_html(openapi_url=OPENAPI_ROUTE.lstrip("/"), title="eaglenest")
 
     @api.get(METRICS_ROUTE)
     async def metrics(self) -> Response:

@@ -20,6 +20,7 @@ from serve_helpers import make_drafter
 from eaglenest.config import EaglenestConfig
 
 MAX_BYTES = 64 * 1024
+API_KEY = "sk-edges"
 HI = [{"role": "user", "content": "hi"}]
 
 
@@ -38,13 +39,13 @@ def _cfg(target, **serve) -> EaglenestConfig:
 @pytest.fixture(scope="module")
 def apps(ray_session, tiny_target_path, tmp_path_factory):
     """``edges``: two replicas with a drafter and the default reasoning setting (off); ``thinking``: one baseline
-    replica with ``serve.reasoning_parser: true``."""
+    replica with ``serve.reasoning_parser: true`` and an API key."""
     from eaglenest.serve.cli import AppSpec, start_apps, stop_serve
 
     drafter = make_drafter(tmp_path_factory.mktemp("edges") / "drafter", tiny_target_path)
     specs = [AppSpec(_cfg(tiny_target_path, num_replicas=2, max_request_bytes=MAX_BYTES), str(drafter), "edges", "/"),
-             AppSpec(_cfg(tiny_target_path, model_name="thinking", reasoning_parser=True), None, "thinking",
-                     "/thinking")]
+             AppSpec(_cfg(tiny_target_path, model_name="thinking", reasoning_parser=True, api_key=API_KEY), None,
+                     "thinking", "/thinking")]
     urls = start_apps(specs, port=_free_port())
     yield dict(zip(("edges", "thinking"), urls, strict=True))
     stop_serve()
@@ -55,8 +56,8 @@ def url(apps):
     return apps["edges"]
 
 
-def _client(url: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
+def _client(url: str, key: str = "none") -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=120)
 
 
 def _error(resp: httpx.Response, status: int, param: str | None = None, code: str | None = None) -> dict:
@@ -253,7 +254,7 @@ def test_reasoning_is_not_parsed_by_default(apps, tiny_engine, stream):
 def test_reasoning_parser_on(apps, tiny_engine, stream):
     """``serve.reasoning_parser: true``: the first block is reasoning_content, the rest content; a request's
     ``separate_reasoning: false`` turns it off again."""
-    client = _client(apps["thinking"])
+    client = _client(apps["thinking"], API_KEY)
     assert _chat(client, "thinking", stream, max_tokens=48) == _split(tiny_engine)
     whole = _without_special(tiny_engine, _raw(tiny_engine, THINK_Q), keep=("<think>", "</think>"))
     assert _chat(client, "thinking", stream, max_tokens=48, extra_body={"separate_reasoning": False}) == (whole, None)
@@ -265,7 +266,7 @@ def test_an_unclosed_reasoning_block_is_all_reasoning(apps, tiny_engine, stream)
     parser returns it."""
     raw = _raw(tiny_engine, THINK_Q, max_tokens=4)
     assert raw.startswith("<think>") and "</think>" not in raw, raw
-    client = _client(apps["thinking"])
+    client = _client(apps["thinking"], API_KEY)
     assert _chat(client, "thinking", stream, max_tokens=4) == (None, raw[len("<think>"):])
 
 
@@ -348,5 +349,22 @@ def test_vllm_spec_decode_counters_match_usage_spec(url):
 
 def test_metrics_route_is_empty_without_speculation(apps):
     """A baseline server exports no spec-decode series, as vLLM without a speculative config."""
-    resp = httpx.get(f"{apps['thinking']}/metrics", timeout=30)
+    resp = httpx.get(f"{apps['thinking']}/metrics", timeout=30)  # no key needed, as vLLM's
     assert resp.status_code == 200 and "vllm:spec_decode" not in resp.text
+
+
+# ------------------------------------------------------------------------------------------ what outsiders see
+def test_with_an_api_key_health_and_docs_reveal_only_the_status(apps):
+    url, auth = apps["thinking"], {"Authorization": f"Bearer {API_KEY}"}
+    assert httpx.get(f"{url}/health", timeout=30).json() == {"status": "ok"}  # a probe needs no key
+    full = httpx.get(f"{url}/health", headers=auth, timeout=30).json()
+    assert full["status"] == "ok" and full["model"] == "thinking" and "target" in full
+    for path in ("/docs", "/openapi.json"):
+        _error(httpx.get(f"{url}{path}", timeout=30), 401, code="invalid_api_key")
+        _error(httpx.get(f"{url}{path}", headers={"Authorization": "Bearer wrong"}, timeout=30), 401)
+    schema = httpx.get(f"{url}/openapi.json", headers=auth, timeout=30).json()
+    assert "/v1/chat/completions" in schema["paths"]
+    assert "swagger" in httpx.get(f"{url}/docs", headers=auth, timeout=30).text.lower()
+    # without a key configured they stay open
+    assert "/v1/chat/completions" in httpx.get(f"{apps['edges']}/openapi.json", timeout=30).json()["paths"]
+    assert httpx.get(f"{apps['edges']}/health", timeout=30).json()["model"] == "eaglenest"
