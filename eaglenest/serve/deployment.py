@@ -13,6 +13,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.openapi.docs import get_swagger_ui_html
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -21,7 +22,15 @@ from eaglenest.config import EaglenestConfig
 from eaglenest.serve.core import ServerCore
 from eaglenest.serve.drain import DrainWatcher
 from eaglenest.serve.gates import resolve_api_key
-from eaglenest.serve.openai_protocol import APIError, error_body
+from eaglenest.serve.openai_protocol import (
+    APIError,
+    ChatCompletion,
+    ChatCompletionRequest,
+    Completion,
+    CompletionRequest,
+    ErrorResponse,
+    error_body,
+)
 from eaglenest.serve.routes import (
     CHAT_ROUTE,
     COMPLETIONS_ROUTE,
@@ -61,6 +70,37 @@ async def _unexpected(request: Request, exc: Exception) -> Response:
     return JSONResponse(error_body(500, f"internal error: {type(exc).__name__}", code="internal_error"),
                         status_code=500)
 
+
+def _openapi() -> dict[str, Any]:
+    """FastAPI's schema plus the request bodies and error responses the handlers parse themselves (they read the
+    raw body: serve.request_body), so clients, docs and schema-driven tools see the real contract."""
+    if api.openapi_schema:
+        return api.openapi_schema
+    schema = get_openapi(title=api.title, version=api.version, description=api.description, routes=api.routes)
+    components = schema.setdefault("components", {}).setdefault("schemas", {})
+
+    def ref(model: Any) -> dict[str, str]:
+        js = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        components.update(js.pop("$defs", {}))
+        components[model.__name__] = js
+        return {"$ref": f"#/components/schemas/{model.__name__}"}
+
+    error = {"content": {"application/json": {"schema": ref(ErrorResponse)}}}
+    for route, request, response in ((CHAT_ROUTE, ChatCompletionRequest, ChatCompletion),
+                                     (COMPLETIONS_ROUTE, CompletionRequest, Completion)):
+        op = schema["paths"][route]["post"]
+        op["requestBody"] = {"required": True, "content": {"application/json": {"schema": ref(request)}}}
+        op["responses"] = {"200": {"description": "the completion (SSE chunks when stream is true)",
+                                   "content": {"application/json": {"schema": ref(response)}}},
+                           **{str(code): {"description": why, **error} for code, why in (
+                               (400, "invalid parameter or type"), (401, "API key"), (404, "unknown model"),
+                               (413, "body over serve.max_request_bytes"), (415, "not JSON"),
+                               (429, "over serve.max_concurrent_requests"), (503, "unhealthy or draining"))}}
+    api.openapi_schema = schema
+    return schema
+
+
+api.openapi = _openapi  # type: ignore[method-assign]
 
 _CORE: ServerCore | None = None
 
