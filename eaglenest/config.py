@@ -312,8 +312,18 @@ class ServeConfig(Section):
                           "None: detected from the chat template (e.g. <tool_call> </tool_call>); []: off"
     )
     reasoning_markers: list[str] | None = Field(
-        None, description="[start, end] around the target's reasoning, returned as reasoning_content; None: "
-                          "detected from the chat template (e.g. <think> </think>); []: off"
+        None, description="[start, end] around the target's reasoning, used when reasoning is parsed "
+                          "(serve.reasoning_parser or a request's separate_reasoning); None: detected from the chat "
+                          "template (e.g. <think> </think>); []: never parsed"
+    )
+    reasoning_parser: bool = Field(
+        False, description="return the target's reasoning as reasoning_content (off: content holds the whole text, "
+                           "as vLLM and SGLang do without --reasoning-parser); a request's separate_reasoning "
+                           "overrides it"
+    )
+    max_request_bytes: int = Field(
+        8 * 1024 * 1024, ge=1024, description="larger request bodies are refused with 413 request_too_large before "
+                                              "they are parsed"
     )
 
 

@@ -30,7 +30,7 @@ from typing import Any, Protocol
 
 from eaglenest.config import EaglenestConfig
 from eaglenest.engines.base import SamplingParams, TargetEngine, TargetInfo
-from eaglenest.serve.jobs import BackendBase, DecodeEvent, Job, SpecStats
+from eaglenest.serve.jobs import BackendBase, DecodeEvent, Job, SpecStats, accepted_per_position
 
 log = logging.getLogger(__name__)
 
@@ -269,7 +269,8 @@ class _HFGroup:
         if chunk.result is not None:
             r = chunk.result
             stats = SpecStats(verify_steps=r.draft_steps, draft_tokens=r.draft_steps * self.per_step,
-                              accepted_tokens=sum(r.accepted_per_step))
+                              accepted_tokens=sum(r.accepted_per_step),
+                              accepted_per_pos=accepted_per_position(r.accepted_per_step))
         self.jobs[rid].emit(DecodeEvent(list(chunk.token_ids),
                                         finish_reason=chunk.finish_reason if chunk.finished else None, stats=stats,
                                         logprobs=chunk.logprobs))

@@ -6,6 +6,13 @@ A chat model writes a tool call or its reasoning as ordinary output between mark
 detokenization drops, so the request's text is decoded with :meth:`ChatFormat.decode` (special tokens skipped
 except the markers) and split by :class:`ChatParser`.
 
+Reasoning is separated only when asked (``serve.reasoning_parser``, or a request's ``separate_reasoning``, SGLang's
+field), as vLLM and SGLang do only with ``--reasoning-parser``; otherwise ``content`` is the whole text, the reasoning
+markers included. An unclosed block (the output opened the start marker, or the generation prompt did, and the end
+marker never came, e.g. cut by ``max_tokens``) is all reasoning with ``content`` null: vLLM's ``deepseek_r1`` parser
+(``BaseThinkingReasoningParser.extract_reasoning``) does the same. Output without a start marker is content (text
+before a stray end marker is not reclaimed as reasoning, since a stream has already sent it).
+
 Markers come from ``serve.tool_call_markers`` / ``serve.reasoning_markers`` when set (``[]`` turns parsing off),
 otherwise from the target: a known pair is used when the tokenizer's chat template mentions both markers or both
 are tokens of its vocabulary. Tool-call bodies are parsed as JSON ``{"name", "arguments"|"parameters"}``; a body
@@ -119,9 +126,10 @@ class ChatFormat:
         tail = prompt_text.rstrip()
         return tail.endswith(start) and not tail.endswith(end)
 
-    def parser(self, *, tools: bool, prompt_text: str = "") -> ChatParser:
-        return ChatParser(self.tool_call if tools else None, self.reasoning,
-                          in_reasoning=self.starts_in_reasoning(prompt_text))
+    def parser(self, *, tools: bool, reasoning: bool = True, prompt_text: str = "") -> ChatParser:
+        """A parser of tool calls (``tools``) and reasoning (``reasoning``) for one request."""
+        return ChatParser(self.tool_call if tools else None, self.reasoning if reasoning else None,
+                          in_reasoning=reasoning and self.starts_in_reasoning(prompt_text))
 
 
 def parse_tool_body(body: str) -> ToolCall | None:
@@ -284,9 +292,9 @@ def parse_all(parser: ChatParser, text: str) -> Parsed:
 
 # ------------------------------------------------------------------------------------------------ OpenAI fields
 def chat_message(parsed: Parsed) -> dict[str, Any]:
-    """The assistant message: ``content`` (null next to tool calls when empty, as OpenAI sends it), plus
-    ``reasoning_content`` and ``tool_calls`` when the output had them."""
-    msg: dict[str, Any] = {"content": parsed.content or (None if parsed.tool_calls else "")}
+    """The assistant message: ``content`` (null next to tool calls or reasoning when empty, as OpenAI and vLLM send
+    it), plus ``reasoning_content`` and ``tool_calls`` when the output had them."""
+    msg: dict[str, Any] = {"content": parsed.content or (None if parsed.tool_calls or parsed.reasoning else "")}
     if parsed.reasoning:
         msg["reasoning_content"] = parsed.reasoning
     if parsed.tool_calls:

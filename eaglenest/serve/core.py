@@ -30,6 +30,7 @@ from eaglenest.serve.metrics import NullMetrics, RequestStats, ServeMetrics
 from eaglenest.serve.openai_protocol import APIError, SamplingRequest, SpecUsage, Usage, error_body, now
 from eaglenest.serve.selftest import SelfTest, run_self_test
 from eaglenest.serve.text import StreamText
+from eaglenest.serve.vllm_metrics import SpecCounters
 
 log = logging.getLogger("eaglenest.serve")
 
@@ -86,6 +87,9 @@ class ServerCore:
         self.chat_format = ChatFormat.from_tokenizer(self.backend.tokenizer, tool_call_markers=s.tool_call_markers,
                                                      reasoning_markers=s.reasoning_markers)
         self.token_text = TokenText(self.backend.tokenizer)
+        self.spec_counters = SpecCounters(self.model_name, speculative=self.backend.speculative,
+                                          positions=cfg.serve.spec.num_steps)
+        """vLLM's spec-decode counters (serve.vllm_metrics); the deployment points them at its app's store"""
         self.run_self_test()
 
     # ---- health
@@ -129,6 +133,13 @@ class ServerCore:
     def check_auth(self, request: Request) -> None:
         check_api_key(request.headers.get("authorization", ""), self.api_key)
 
+    def authorized(self, request: Request) -> bool:
+        try:
+            self.check_auth(request)
+        except APIError:
+            return False
+        return True
+
     def check_ready(self) -> None:
         if not self.healthy:
             raise APIError(503, self.unavailable_reason(), code="shutting_down" if self.shutting_down else "unhealthy",
@@ -137,9 +148,9 @@ class ServerCore:
     def check_model(self, model: str) -> None:
         check_model(model, self.model_name)
 
-    def check_prompt(self, prompt_ids: list[int], sampling: SamplingRequest) -> None:
+    def check_prompt(self, prompt_ids: list[int], sampling: SamplingRequest, *, param: str = "messages") -> None:
         check_prompt(len(prompt_ids), sampling.max_tokens, max_prompt_tokens=self.cfg.serve.max_prompt_tokens,
-                     context=self.backend.info.max_position_embeddings)
+                     context=self.backend.info.max_position_embeddings, param=param)
 
     def acquire(self) -> None:
         self.admission.acquire()
@@ -246,6 +257,7 @@ class ServerCore:
             accept_length=out.stats.accept_length, draft_tokens=out.stats.draft_tokens,
             accepted_tokens=out.stats.accepted_tokens, speculative=self.backend.speculative,
             verify_steps=out.stats.verify_steps))
+        self.spec_counters.record(out.stats)
 
     # ---- lifecycle
     def begin_drain(self, timeout: float | None = None) -> None:

@@ -12,6 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.openapi.docs import get_swagger_ui_html
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -20,26 +22,85 @@ from eaglenest.config import EaglenestConfig
 from eaglenest.serve.core import ServerCore
 from eaglenest.serve.drain import DrainWatcher
 from eaglenest.serve.gates import resolve_api_key
-from eaglenest.serve.openai_protocol import error_body
-from eaglenest.serve.routes import CHAT_ROUTE, COMPLETIONS_ROUTE, HEALTH_ROUTE, MODELS_ROUTE, Routes
+from eaglenest.serve.openai_protocol import (
+    APIError,
+    ChatCompletion,
+    ChatCompletionRequest,
+    Completion,
+    CompletionRequest,
+    ErrorResponse,
+    error_body,
+)
+from eaglenest.serve.routes import (
+    CHAT_ROUTE,
+    COMPLETIONS_ROUTE,
+    HEALTH_ROUTE,
+    METRICS_ROUTE,
+    MODEL_ROUTE,
+    MODELS_ROUTE,
+    Routes,
+)
 
 DEPLOYMENT_NAME = "eaglenest"
+OPENAPI_ROUTE = "/openapi.json"
 
 
 # ----------------------------------------------------------------------------------------------- FastAPI app
-api = FastAPI(title="eaglenest", description="OpenAI-compatible API with EAGLE-3 speculative decoding")
+api = FastAPI(title="eaglenest", description="OpenAI-compatible API with EAGLE-3 speculative decoding",
+              docs_url=None, redoc_url=None, openapi_url=None)  # served by the replica: behind the API key if set
 
 
 @api.exception_handler(StarletteHTTPException)
 async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
-    """Unknown routes and wrong methods get OpenAI-style bodies too."""
+    """Unknown routes and wrong methods get OpenAI-style bodies too; a 405 keeps Starlette's ``Allow`` header."""
     code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
     msg = (f"no route {request.method} {request.url.path}; this server has POST {CHAT_ROUTE}, POST "
-           f"{COMPLETIONS_ROUTE}, GET {MODELS_ROUTE}, GET {HEALTH_ROUTE}") if exc.status_code in (404, 405) \
-        else str(exc.detail)
+           f"{COMPLETIONS_ROUTE}, GET {MODELS_ROUTE}, GET {MODEL_ROUTE}, GET {HEALTH_ROUTE}, GET {METRICS_ROUTE}") \
+        if exc.status_code in (404, 405) else str(exc.detail)
     _shared_metrics_request("other", exc.status_code)
-    return JSONResponse(error_body(exc.status_code, msg, code=code), status_code=exc.status_code)
+    return JSONResponse(error_body(exc.status_code, msg, code=code), status_code=exc.status_code,
+                        headers=getattr(exc, "headers", None))
 
+
+@api.exception_handler(Exception)
+async def _unexpected(request: Request, exc: Exception) -> Response:
+    """A bug must still answer with an OpenAI error body (clients parse it), never a plain-text 500."""
+    logging.getLogger("eaglenest.serve").exception("unhandled error on %s %s", request.method, request.url.path)
+    _shared_metrics_request("other", 500)
+    return JSONResponse(error_body(500, f"internal error: {type(exc).__name__}", code="internal_error"),
+                        status_code=500)
+
+
+def _openapi() -> dict[str, Any]:
+    """FastAPI's schema plus the request bodies and error responses the handlers parse themselves (they read the
+    raw body: serve.request_body), so clients, docs and schema-driven tools see the real contract."""
+    if api.openapi_schema:
+        return api.openapi_schema
+    schema = get_openapi(title=api.title, version=api.version, description=api.description, routes=api.routes)
+    components = schema.setdefault("components", {}).setdefault("schemas", {})
+
+    def ref(model: Any) -> dict[str, str]:
+        js = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        components.update(js.pop("$defs", {}))
+        components[model.__name__] = js
+        return {"$ref": f"#/components/schemas/{model.__name__}"}
+
+    error = {"content": {"application/json": {"schema": ref(ErrorResponse)}}}
+    for route, request, response in ((CHAT_ROUTE, ChatCompletionRequest, ChatCompletion),
+                                     (COMPLETIONS_ROUTE, CompletionRequest, Completion)):
+        op = schema["paths"][route]["post"]
+        op["requestBody"] = {"required": True, "content": {"application/json": {"schema": ref(request)}}}
+        op["responses"] = {"200": {"description": "the completion (SSE chunks when stream is true)",
+                                   "content": {"application/json": {"schema": ref(response)}}},
+                           **{str(code): {"description": why, **error} for code, why in (
+                               (400, "invalid parameter or type"), (401, "API key"), (404, "unknown model"),
+                               (413, "body over serve.max_request_bytes"), (415, "not JSON"),
+                               (429, "over serve.max_concurrent_requests"), (503, "unhealthy or draining"))}}
+    api.openapi_schema = schema
+    return schema
+
+
+api.openapi = _openapi  # type: ignore[method-assign]
 
 _CORE: ServerCore | None = None
 
@@ -71,6 +132,7 @@ class EaglenestDeployment:
         self.routes = Routes(self.core)
         _CORE = self.core
         ctx = serve.get_replica_context()
+        self.core.spec_counters.app = ctx.app_name  # one counter store per application, shared by its replicas
         rid = f"{ctx.app_name}#{ctx.replica_id.unique_id}"
         self.drain_watcher = DrainWatcher(rid, self.core.begin_drain, lambda: self.core.inflight,
                                           self.core.drain).start()
@@ -87,9 +149,30 @@ class EaglenestDeployment:
     async def models(self, request: Request) -> Response:
         return self.routes.models(request)
 
+    @api.get(MODELS_ROUTE + "/{model_id:path}")
+    async def model(self, request: Request, model_id: str) -> Response:
+        return self.routes.model(request, model_id)
+
     @api.get(HEALTH_ROUTE)
-    async def health(self) -> Response:
-        return self.routes.health()
+    async def health(self, request: Request) -> Response:
+        return self.routes.health(request)
+
+    @api.get(OPENAPI_ROUTE, include_in_schema=False)
+    async def openapi(self, request: Request) -> Response:
+        """The schema, and the docs below, need the API key when one is set: they describe the whole server."""
+        if not self.core.authorized(request):
+            return self.routes.error("other", APIError(401, "Missing or incorrect API key", code="invalid_api_key"))
+        return JSONResponse(api.openapi())
+
+    @api.get("/docs", include_in_schema=False)
+    async def docs(self, request: Request) -> Response:
+        if not self.core.authorized(request):
+            return self.routes.error("other", APIError(401, "Missing or incorrect API key", code="invalid_api_key"))
+        return get_swagger_ui_html(openapi_url=OPENAPI_ROUTE.lstrip("/"), title="eaglenest")
+
+    @api.get(METRICS_ROUTE)
+    async def metrics(self) -> Response:
+        return await self.routes.metrics()
 
     def check_health(self) -> None:
         """Ray Serve's probe: only a dead decoder restarts the replica (a failed self-test is reported, not looped)."""

@@ -41,14 +41,16 @@ def check_model(model: str, served: str) -> None:
                        param="model", code="model_not_found")
 
 
-def check_prompt(n: int, max_tokens: int, *, max_prompt_tokens: int, context: int | None) -> None:
-    """A prompt of ``n`` tokens fits ``serve.max_prompt_tokens`` and, with ``max_tokens``, the model's context."""
+def check_prompt(n: int, max_tokens: int, *, max_prompt_tokens: int, context: int | None,
+                 param: str = "messages") -> None:
+    """A prompt of ``n`` tokens fits ``serve.max_prompt_tokens`` and, with ``max_tokens``, the model's context;
+    ``param`` names the prompt's field (``messages`` on chat, ``prompt`` on completions)."""
     if n == 0:
-        raise APIError(400, "the prompt is empty", param="prompt")
+        raise APIError(400, "the prompt is empty", param=param)
     if n > max_prompt_tokens:  # 400 + context_length_exceeded: what clients' truncation fallbacks key on
         raise APIError(400, f"This model's maximum context length is {max_prompt_tokens} prompt tokens "
-                            f"(serve.max_prompt_tokens). However, your messages resulted in {n} tokens. Please "
-                            f"reduce the length of the messages.", param="messages",
+                            f"(serve.max_prompt_tokens). However, your {param} resulted in {n} tokens. Please "
+                            f"reduce the length of the {param}.", param=param,
                        code="context_length_exceeded")
     if context and n + max_tokens > context:
         raise APIError(400, f"prompt ({n} tokens) + max_tokens ({max_tokens}) exceed the model's context "

@@ -31,14 +31,26 @@ class SpecStats:
     verify_steps: int = 0
     draft_tokens: int = 0
     accepted_tokens: int = 0
+    accepted_per_pos: tuple[int, ...] = ()
+    """verify steps that accepted the draft token at position k (vLLM's per-position counter); () when the engine
+    does not report steps (SGLang)"""
 
     @property
     def accept_length(self) -> float:
         return accept_length(self.verify_steps, self.accepted_tokens)
 
     def __add__(self, other: SpecStats) -> SpecStats:
+        a, b = self.accepted_per_pos, other.accepted_per_pos
+        n = max(len(a), len(b))
+        per_pos = tuple((a[i] if i < len(a) else 0) + (b[i] if i < len(b) else 0) for i in range(n))
         return SpecStats(self.verify_steps + other.verify_steps, self.draft_tokens + other.draft_tokens,
-                         self.accepted_tokens + other.accepted_tokens)
+                         self.accepted_tokens + other.accepted_tokens, per_pos)
+
+
+def accepted_per_position(accepted_per_step: list[int]) -> tuple[int, ...]:
+    """Steps whose k-th draft token was accepted, for each k (a step accepting n counts at positions 0..n-1)."""
+    depth = max(accepted_per_step, default=0)
+    return tuple(sum(1 for n in accepted_per_step if n > k) for k in range(depth))
 
 
 @dataclass

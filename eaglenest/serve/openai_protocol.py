@@ -2,8 +2,10 @@
 response, stream-chunk and error models (pydantic, next to the request models; the builders below fill them), and
 the value checks.
 
-Type problems (missing ``messages``, ``max_tokens: "ten"``) are schema errors (HTTP 422); values the server cannot
-honour (``temperature: -1``, ``n: 3``, an unknown argument) are bad parameters (HTTP 400), each naming the param.
+Type problems (missing ``messages``, ``max_tokens: "ten"``, ``stream: "yes"``, a user message without content, a
+tool without ``function``) and values the server cannot honour (``temperature: -1``, ``n: 3``, an unknown argument)
+are all HTTP 400 naming the param, as OpenAI and vLLM answer; the request models are validated strictly from the
+JSON (:mod:`eaglenest.serve.request_body`).
 
 OpenAI parameters that do not change what is decoded (:data:`IGNORED_PARAMS`: storage, metadata, billing tier,
 reasoning effort, user ids, cache keys) are accepted and ignored, as other open-model servers do; the open-model
@@ -17,7 +19,9 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, field_validator, model_validator
+
+from eaglenest.serve.seeds import engine_seed
 
 IGNORED_PARAMS = ("store", "metadata", "service_tier", "reasoning_effort", "user", "prompt_cache_key",
                   "safety_identifier", "parallel_tool_calls")
@@ -32,6 +36,7 @@ ERROR_TYPES = {
     404: "not_found_error",
     405: "invalid_request_error",
     413: "invalid_request_error",
+    415: "invalid_request_error",
     422: "invalid_request_error",
     429: "rate_limit_error",
     500: "server_error",
@@ -135,6 +140,13 @@ class ChatMessage(BaseModel):
     tool_call_id: str | None = None
     reasoning_content: str | None = None
 
+    @model_validator(mode="after")
+    def _content_present(self) -> ChatMessage:
+        """Only an assistant turn may leave ``content`` out (when it calls tools), as OpenAI requires."""
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message needs content")
+        return self
+
 
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessage]
@@ -144,6 +156,23 @@ class ChatCompletionRequest(_Request):
     parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
     top_logprobs: int | None = None
+    separate_reasoning: bool | None = None
+    """extension (SGLang): split reasoning into ``reasoning_content`` for this request (None:
+    ``serve.reasoning_parser``)"""
+
+    @field_validator("tools")
+    @classmethod
+    def _tools_are_functions(cls, tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+        """``{"type": "function", "function": {"name": ...}}`` each: a template cannot render anything else."""
+        for i, tool in enumerate(tools or ()):
+            fn = tool.get("function")
+            if tool.get("type", "function") != "function":
+                raise ValueError(f"tools[{i}].type must be 'function', got {tool.get('type')!r}")
+            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+                raise ValueError(f"tools[{i}] needs a function object with a name")
+            if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
+                raise ValueError(f"tools[{i}].function.parameters must be a JSON schema object")
+        return tools
 
 
 class CompletionRequest(_Request):
@@ -362,7 +391,11 @@ def check_sampling(req: _Request, *, max_tokens: int | None, max_tokens_limit: i
             raise APIError(400, f"at most 4 stop sequences, got {len(stops)}", param="stop")
         if any(not s for s in stops):
             raise APIError(400, "stop sequences must be non-empty strings", param="stop")
-    return SamplingRequest(max_tokens=max_tokens, temperature=temperature, top_p=top_p, stop=stops, seed=req.seed,
+    try:
+        seed = engine_seed(req.seed)
+    except ValueError as e:
+        raise APIError(400, str(e), param="seed", code="invalid_value") from e
+    return SamplingRequest(max_tokens=max_tokens, temperature=temperature, top_p=top_p, stop=stops, seed=seed,
                            ignore_eos=bool(req.ignore_eos), logprobs=logprobs, **extensions)
 
 
@@ -390,21 +423,29 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
             if v is not None:
                 msg[k] = v
         if m.tool_calls:
-            msg["tool_calls"] = [_template_tool_call(tc) for tc in m.tool_calls]
+            msg["tool_calls"] = [_template_tool_call(tc, f"messages[{i}].tool_calls[{j}]")
+                                 for j, tc in enumerate(m.tool_calls)]
         out.append(msg)
     return out
 
 
-def _template_tool_call(tc: dict[str, Any]) -> dict[str, Any]:
+def _template_tool_call(tc: dict[str, Any], where: str) -> dict[str, Any]:
     """An assistant tool call as chat templates expect it: ``arguments`` as an object, not OpenAI's JSON string
-    (templates ``tojson`` it; a string would be quoted twice). vLLM does the same."""
+    (templates ``tojson`` it; a string would be quoted twice). vLLM does the same. A call without a named function
+    or with arguments that are not a JSON object is refused (400): the template could only render it wrongly."""
     fn = tc.get("function")
-    if not isinstance(fn, dict) or not isinstance(fn.get("arguments"), str):
-        return tc
-    try:
-        args = json.loads(fn["arguments"])
-    except ValueError:
-        return tc
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise APIError(400, f"{where} needs a function object with a name", param=f"{where}.function")
+    args = fn.get("arguments", "{}")
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except ValueError as e:
+            raise APIError(400, f"{where}.function.arguments is not valid JSON: {e}",
+                           param=f"{where}.function.arguments", code="invalid_value") from e
+    if not isinstance(args, dict):
+        raise APIError(400, f"{where}.function.arguments must encode a JSON object",
+                       param=f"{where}.function.arguments", code="invalid_value")
     return {**tc, "function": {**fn, "arguments": args}}
 
 

@@ -1,21 +1,22 @@
 """The OpenAI-compatible HTTP handlers of one replica: :class:`Routes` over its :class:`~.core.ServerCore`.
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (both with SSE streaming, :mod:`eaglenest.serve.sse`),
-``GET /v1/models``, ``GET /health``. Every error is an OpenAI-style JSON body ``{"error": {"message", "type", "param",
-"code"}}`` with the status that fits: 400 bad parameter (a prompt over the context: ``code: context_length_exceeded``,
-as OpenAI), 401 API key, 404 unknown model/route, 422 schema, 429 over ``serve.max_concurrent_requests`` (per
-replica), 503 unhealthy / shutting down; 429 and 503 carry ``Retry-After`` (:mod:`eaglenest.serve.gates`). Besides
-OpenAI's sampling knobs, ``ignore_eos`` (the vLLM/SGLang extension) decodes exactly ``max_tokens`` tokens, for
-benchmarks; ``top_k``, ``min_p``, ``repetition_penalty`` and ``logprobs`` are implemented, parameters that do not
-change decoding are ignored (serve.openai_protocol). Tool calls and reasoning in the target's output come back as
-``tool_calls`` / ``reasoning_content`` (serve.chat_parsing). Response bodies are the pydantic models of
-:mod:`eaglenest.serve.openai_protocol`.
+``GET /v1/models``, ``GET /v1/models/{id}``, ``GET /health``, ``GET /metrics`` (vLLM's spec-decode counters,
+serve.vllm_metrics). Every error is an OpenAI-style JSON body ``{"error":
+{"message", "type", "param", "code"}}`` with the status that fits: 400 bad parameter or type (a prompt over the
+context: ``code: context_length_exceeded``, as OpenAI), 401 API key, 404 unknown model/route, 405 wrong method (with
+``Allow``), 413 body over ``serve.max_request_bytes``, 415 not JSON (serve.request_body), 429 over
+``serve.max_concurrent_requests`` (per replica), 503 unhealthy / shutting down; 429 and 503 carry ``Retry-After``
+(:mod:`eaglenest.serve.gates`). Besides OpenAI's sampling knobs, ``ignore_eos`` (the vLLM/SGLang extension) decodes
+exactly ``max_tokens`` tokens, for benchmarks; ``top_k``, ``min_p``, ``repetition_penalty`` and ``logprobs`` are
+implemented, parameters that do not change decoding are ignored (serve.openai_protocol). Tool calls and reasoning in
+the target's output come back as ``tool_calls`` / ``reasoning_content`` (serve.chat_parsing). Response bodies are the
+pydantic models of :mod:`eaglenest.serve.openai_protocol`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -23,7 +24,6 @@ from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import ValidationError
 
 from eaglenest.serve.chat_parsing import ChatParser, chat_message, delta_fields, finish_reason, parse_all
 from eaglenest.serve.core import Outcome, ServerCore
@@ -44,14 +44,15 @@ from eaglenest.serve.openai_protocol import (
     models_response,
     new_id,
     now,
-    validation_message,
 )
+from eaglenest.serve.request_body import parse_body, read_body
 from eaglenest.serve.sse import DONE, event_stream, sse
+from eaglenest.serve.vllm_metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 
 log = logging.getLogger("eaglenest.serve")
 
-CHAT_ROUTE, COMPLETIONS_ROUTE, MODELS_ROUTE, HEALTH_ROUTE = (
-    "/v1/chat/completions", "/v1/completions", "/v1/models", "/health")
+CHAT_ROUTE, COMPLETIONS_ROUTE, MODELS_ROUTE, MODEL_ROUTE, HEALTH_ROUTE, METRICS_ROUTE = (
+    "/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/models/{model}", "/health", "/metrics")
 
 
 class Routes:
@@ -61,17 +62,9 @@ class Routes:
         self.core = core
 
     async def parse(self, request: Request, model: type) -> Any:
-        try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError, ValueError) as e:
-            raise APIError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from e
-        if not isinstance(body, dict):
-            raise APIError(422, "the request body must be a JSON object", code="validation_error")
-        try:
-            return model.model_validate(body)
-        except ValidationError as e:
-            msg, param = validation_message(e.errors())
-            raise APIError(422, msg, param=param, code="validation_error") from e
+        """The body as ``model``: refused (415, 413, 400 naming the parameter) before anything is tokenised."""
+        raw = await read_body(request, self.core.cfg.serve.max_request_bytes)
+        return parse_body(raw, model)
 
     async def chat(self, request: Request) -> Response:
         arrived = time.perf_counter()
@@ -110,19 +103,24 @@ class Routes:
         return await self._complete(CHAT_ROUTE, prompt_ids, sampling, arrived, build, decode=decode)
 
     def _chat_parser(self, req: ChatCompletionRequest, prompt_ids: list[int]) -> ChatParser | None:
-        """A parser when the target's template defines reasoning, or tool calls and the request offers tools."""
+        """A parser when the request's reasoning is separated (``serve.reasoning_parser``, overridden by SGLang's
+        ``separate_reasoning``) and the target has markers for it, or tool calls are and the request offers tools."""
         fmt = self.core.chat_format
         tools = bool(req.tools) and req.tool_choice != "none" and fmt.tool_call is not None
-        if fmt.reasoning is None and not tools:
+        wanted = self.core.cfg.serve.reasoning_parser if req.separate_reasoning is None else req.separate_reasoning
+        reasoning = wanted and fmt.reasoning is not None
+        if not reasoning and not tools:
             return None
-        return fmt.parser(tools=tools, prompt_text=fmt.decode(prompt_ids[-16:], tools=tools))
+        return fmt.parser(tools=tools, reasoning=reasoning, prompt_text=fmt.decode(prompt_ids[-16:], tools=tools))
 
     def _chat_decode(self, parser: ChatParser | None) -> Any:
-        """The text decode of a parsed request: its markers kept (None: plain decoding)."""
-        if parser is None:
+        """The text decode of a chat request: its markers kept (reasoning markers too when reasoning is not
+        separated: content is then the whole text, as a server without a reasoning parser returns it)."""
+        fmt = self.core.chat_format
+        if parser is None and fmt.reasoning is None:
             return None
-        tools = parser.tool_call is not None
-        return lambda ids: self.core.chat_format.decode(ids, tools=tools)
+        tools = parser is not None and parser.tool_call is not None
+        return lambda ids: fmt.decode(ids, tools=tools)
 
     async def completions(self, request: Request) -> Response:
         arrived = time.perf_counter()
@@ -140,7 +138,7 @@ class Routes:
             if req.suffix:
                 raise APIError(400, "suffix is not supported", param="suffix")
             prompt_ids = await self._completion_prompt(req.prompt)
-            self.core.check_prompt(prompt_ids, sampling)
+            self.core.check_prompt(prompt_ids, sampling, param="prompt")
             self.core.acquire()
         except APIError as e:
             return self.error(COMPLETIONS_ROUTE, e)
@@ -289,11 +287,37 @@ class Routes:
         self.core.metrics.request(MODELS_ROUTE, 200)
         return JSONResponse(models_response(self.core.model_name, self.core.created))
 
-    def health(self) -> Response:
+    def model(self, request: Request, model_id: str) -> Response:
+        """``GET /v1/models/{id}``: the model card, or 404 ``model_not_found`` (OpenAI's retrieve)."""
+        try:
+            self.core.check_auth(request)
+            self.core.check_model(model_id)
+        except APIError as e:
+            return self.error(MODEL_ROUTE, e)
+        self.core.metrics.request(MODEL_ROUTE, 200)
+        return JSONResponse(models_response(self.core.model_name, self.core.created)["data"][0])
+
+    def health(self, request: Request) -> Response:
+        """Probes need no key; with an API key set, only a caller that sends it sees more than the status."""
         status, body = self.core.health_body()
+        if self.core.api_key and not self.core.authorized(request):
+            body = {"status": body["status"]}
         self.core.metrics.request(HEALTH_ROUTE, status)
         headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 503 else None
         return JSONResponse(body, status_code=status, headers=headers)
+
+    async def metrics(self) -> Response:
+        """vLLM's spec-decode counters of this application, summed over its replicas (serve.vllm_metrics)."""
+        try:
+            body = await asyncio.wait_for(self.core.spec_counters.exposition(), timeout=10)
+        except Exception as e:
+            log.warning("spec-decode counters unavailable: %s", e)
+            self.core.metrics.request(METRICS_ROUTE, 503)
+            return JSONResponse(error_body(503, f"the spec-decode counters are unavailable: {type(e).__name__}",
+                                           code="metrics_unavailable"), status_code=503,
+                                headers={"Retry-After": str(RETRY_AFTER_S)})
+        self.core.metrics.request(METRICS_ROUTE, 200)
+        return Response(body, media_type=METRICS_CONTENT_TYPE)
 
     def error(self, route: str, e: APIError) -> Response:
         self.core.metrics.request(route, e.status)

@@ -166,10 +166,10 @@ def test_stop_sequences(served, tiny_engine):
 
 ERROR_CASES = [
     # (body or raw, status, param)
-    ({"model": "eaglenest"}, 422, "messages"),
-    ({"model": "eaglenest", "messages": "hi"}, 422, "messages"),
-    ({"model": "eaglenest", "messages": [{"role": "user", "content": "hi"}], "max_tokens": "ten"}, 422, "max_tokens"),
-    ({"model": "eaglenest", "messages": [{"role": "wizard", "content": "hi"}]}, 422, "messages"),
+    ({"model": "eaglenest"}, 400, "messages"),
+    ({"model": "eaglenest", "messages": "hi"}, 400, "messages"),
+    ({"model": "eaglenest", "messages": [{"role": "user", "content": "hi"}], "max_tokens": "ten"}, 400, "max_tokens"),
+    ({"model": "eaglenest", "messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages"),
     ({"model": "eaglenest", "messages": [{"role": "user", "content": "hi"}], "temperature": -1}, 400, "temperature"),
     ({"model": "eaglenest", "messages": [{"role": "user", "content": "hi"}], "n": 3}, 400, "n"),
     ({"model": "eaglenest", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 100000}, 400, "max_tokens"),
@@ -207,7 +207,7 @@ def test_unknown_routes_and_the_client_view_of_errors(served):
         client.chat.completions.create(model="gpt-9", messages=[{"role": "user", "content": "hi"}])
     with pytest.raises(openai.BadRequestError, match="temperature"):
         client.completions.create(model="eaglenest", prompt="hi", temperature=5)
-    with pytest.raises(openai.UnprocessableEntityError):
+    with pytest.raises(openai.BadRequestError, match="prompt"):
         client.completions.create(model="eaglenest", prompt={"not": "a prompt"})
 
 
@@ -351,7 +351,7 @@ def test_metrics_endpoint_has_accept_length_and_ttft(served, ray_session):
         baseline = [ln for ln in lines if ln.startswith("ray_eaglenest_serve_generated_tokens_total{")
                     and 'model="strict"' in ln]
         # each status series is exported on its own schedule: wait for all of them, not only the first
-        if have and sick and main and baseline and {"200", "400", "404", "422"} <= statuses:
+        if have and sick and main and baseline and {"200", "400", "404"} <= statuses:
             break
         time.sleep(2)
     else:
@@ -432,31 +432,6 @@ def test_tool_call_round_trip(served, tiny_engine):
     r3 = client.chat.completions.create(model="eaglenest", messages=WEATHER_Q, tools=WEATHER_TOOLS,
                                         tool_choice="none", temperature=0, max_tokens=48)
     assert r3.choices[0].message.tool_calls is None and r3.choices[0].finish_reason == g.finish_reason
-
-
-def test_reasoning_content(served, tiny_engine):
-    """Whatever the target writes between <think> and </think> comes back as reasoning_content, the rest as
-    content; streamed deltas concatenate to the same."""
-    messages = [{"role": "user", "content": "What is 8 plus 24?"}]
-    g, raw, _ = _raw_output(tiny_engine, messages)
-    assert raw.startswith("<think>"), f"the tiny target no longer reasons on its corpus' arithmetic: {raw!r}"
-    body = raw[len("<think>"):].replace("<|end|>", "")
-    reasoning, _, content = body.partition("</think>")
-    # only the first block is reasoning (as vLLM's and SGLang's reasoning parsers do); marker tokens that the model
-    # writes after it are special tokens, which content never shows
-    for marker in tiny_engine.tokenizer.all_special_tokens:
-        content = content.replace(marker, "")
-    client = _client(served["main"])
-    r = client.chat.completions.create(model="eaglenest", messages=messages, temperature=0, max_tokens=48)
-    m = r.choices[0].message
-    assert m.model_extra["reasoning_content"] == reasoning and m.content == content.lstrip()
-    streamed_reasoning, streamed_content = "", ""
-    for chunk in client.chat.completions.create(model="eaglenest", messages=messages, temperature=0, max_tokens=48,
-                                                stream=True):
-        if chunk.choices:
-            streamed_reasoning += (chunk.choices[0].delta.model_extra or {}).get("reasoning_content") or ""
-            streamed_content += chunk.choices[0].delta.content or ""
-    assert (streamed_reasoning, streamed_content) == (reasoning, content.lstrip())
 
 
 def test_ignored_params_and_sampling_extensions(served, tiny_engine):
