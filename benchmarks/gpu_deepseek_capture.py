@@ -29,6 +29,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from gpu_sglang import states_vs_prefill  # noqa: E402
 
 TOLERANCE = 3e-2  # bf16 kernels of a batched decode vs a prefill differ in rounding
 ARCH = "DeepseekV3ForCausalLM"
@@ -88,11 +91,6 @@ def prompts_of(n: int, vocab: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(7)
     return [torch.randint(3, vocab, (int(torch.randint(48, 400, (1,), generator=g)),), generator=g).tolist()
             for _ in range(n)]
-
-
-def rel(a, b) -> float:
-    a, b = a.float(), b.float()
-    return float((a - b).norm() / b.norm().clamp_min(1e-6))
 
 
 def engine_cfg():
@@ -162,7 +160,6 @@ def recording(model: Path, prompts: list[list[int]], max_new: int, aux: list[int
 
 
 def versus_prefill(model: Path, runs: dict[str, dict], layers: int, n_check: int) -> dict:
-    from eaglenest.contracts.states import unread_state_positions
     from eaglenest.engines.sglang.args import capture_server_kwargs
     from eaglenest.engines.sglang.capture import SGLangCaptureRunner
 
@@ -173,20 +170,10 @@ def versus_prefill(model: Path, runs: dict[str, dict], layers: int, n_check: int
     try:
         for name, r in runs.items():
             aux = r["aux"]
-            seqs, masks, caps = r["seqs"][:n_check], r["masks"][:n_check], r["caps"][:n_check]
-            pre = runner.capture(seqs, aux)
-            shifted = runner.capture(seqs, [k + 1 for k in aux])
-            worst = {"aux": 0.0, "last": 0.0, "control_aux": float("inf")}
-            for i, s in enumerate(seqs):
-                read = [x for x in range(len(s)) if x not in unread_state_positions(len(s), masks[i])]
-                worst["aux"] = max(worst["aux"], rel(caps[i].aux_hidden_states[read], pre[i].aux_hidden_states[read]))
-                worst["last"] = max(worst["last"], rel(caps[i].last_hidden_state[read],
-                                                       pre[i].last_hidden_state[read]))
-                worst["control_aux"] = min(worst["control_aux"], rel(caps[i].aux_hidden_states[read],
-                                                                     shifted[i].aux_hidden_states[read]))
+            worst = states_vs_prefill(runner, aux, r["seqs"][:n_check], r["masks"][:n_check], r["caps"][:n_check])
             worst = {k: round(v, 5) for k, v in worst.items()}
             worst["ok"] = worst["aux"] <= TOLERANCE and worst["last"] <= TOLERANCE and worst["control_aux"] > TOLERANCE
-            out[name] = {"aux_layer_ids": aux, "sequences_checked": len(seqs), **worst}
+            out[name] = {"aux_layer_ids": aux, "sequences_checked": min(n_check, len(r["seqs"])), **worst}
     finally:
         runner.close()
     return out

@@ -402,14 +402,15 @@ def worker_eagle_forced(out: Path) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------ check 5: capture during generation
-def states_vs_prefill(eng: Any, seqs: list[list[int]], masks: list[list[int]], caps: list) -> dict[str, float]:
-    """Recorded states vs SGLang's prefill capture of the same sequences (``SGLangCaptureRunner``) at every position
-    training reads: the worst relative errors (aux, final) and, as a control, the smallest aux error against a capture
-    one layer off (an off-by-one tap must fail the tolerance)."""
+def states_vs_prefill(runner: Any, aux: Sequence[int], seqs: list[list[int]], masks: list[list[int]],
+                      caps: list) -> dict[str, float]:
+    """Recorded states vs SGLang's prefill capture of the same sequences (``SGLangCaptureRunner``, taps ``aux``) at
+    every position training reads: the worst relative errors (aux, final) and, as a control, the smallest aux error
+    against a capture one layer off (an off-by-one tap must fail the tolerance)."""
     from eaglenest.contracts.states import unread_state_positions
 
-    pre = eng.capture_runner.capture(seqs, eng.aux_layer_ids)
-    shifted = eng.capture_runner.capture(seqs, [k + 1 for k in eng.aux_layer_ids])
+    pre = runner.capture(seqs, list(aux))
+    shifted = runner.capture(seqs, [k + 1 for k in aux])
     worst = {"aux": 0.0, "last": 0.0, "control_aux": float("inf")}
     for i, s in enumerate(seqs):
         read = [x for x in range(len(s)) if x not in unread_state_positions(len(s), masks[i])]
@@ -478,7 +479,8 @@ def worker_generation(out: Path, *, batches: int = 4, batch_size: int = 64, max_
     seqs = [s for k in range(batches) for s in results[k][0]]
     masks = [m for k in range(batches) for m in results[k][1]]
     caps = [c for k in range(batches) for c in results[k][2]]
-    worst = states_vs_prefill(eng, seqs[:n_check], masks[:n_check], caps[:n_check])
+    worst = states_vs_prefill(eng.capture_runner, eng.aux_layer_ids, seqs[:n_check], masks[:n_check],
+                              caps[:n_check])
     tol = 3e-2  # a batched decode's bf16 kernels vs a prefill's differ in rounding
     res = {
         "model": f"random Llama {eng.info.num_layers} layers, hidden {eng.info.hidden_size}",

@@ -58,7 +58,7 @@ def engine_captured_layers(config_ids: Sequence[int] | None, *, engine: str, arc
     engine's default taps), for a target of ``architecture``."""
     arch = arch_for(architecture)
     if _engine(engine) == "vllm":
-        return default_aux_taps(num_layers) if config_ids is None else arch.vllm_captured(config_ids)
+        return default_aux_taps(num_layers) if config_ids is None else arch.vllm_ids(config_ids)
     return arch.sglang_captured(config_ids, num_layers)
 
 
@@ -71,9 +71,3 @@ def engine_layer_ids(physical: Sequence[int], *, engine: str, architecture: str,
                            f"{list(physical)} on a {architecture} target ({arch.name} numbering)")
     return ids
 
-
-def physical_from_config(config_ids: Sequence[int], *, engine: str, architecture: str,
-                         num_layers: int) -> list[int]:
-    """What a drafter's config.json ids mean as physical ids on this target (the inverse of
-    :func:`engine_layer_ids`; same as :func:`engine_captured_layers`)."""
-    return engine_captured_layers(config_ids, engine=engine, architecture=architecture, num_layers=num_layers)

@@ -103,13 +103,10 @@ class TargetArch:
         return None
 
     @staticmethod
-    def vllm_ids(physical: Sequence[int]) -> list[int]:
-        """vLLM and speculators read ``eagle_aux_hidden_state_layer_ids`` as physical ids, for every architecture."""
-        return [int(i) for i in physical]
-
-    @staticmethod
-    def vllm_captured(config_ids: Sequence[int]) -> list[int]:
-        return [int(i) for i in config_ids]
+    def vllm_ids(ids: Sequence[int]) -> list[int]:
+        """vLLM and speculators read ``eagle_aux_hidden_state_layer_ids`` as physical ids, for every architecture:
+        the ids to write and the layers captured are the same list."""
+        return [int(i) for i in ids]
 
     # -------------------------------------------------------------------------------------------- capture hooks
     def layer_module(self, i: int) -> str:

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from eaglenest.contracts.layers import ENGINES, LayerIdError, engine_layer_ids, physical_from_config
+from eaglenest.contracts.layers import ENGINES, LayerIdError, engine_captured_layers, engine_layer_ids
 from eaglenest.drafters.eagle3.config import DrafterModelConfig
 from eaglenest.drafters.eagle3.layout import (
     ARCHITECTURE,
@@ -96,7 +96,7 @@ def physical_layer_ids(config_ids: Sequence[int], fmt: Format, *, architecture: 
                        num_layers: int = 0) -> list[int]:
     """Inverse of :func:`config_layer_ids`: the physical layers ``fmt`` captures from ``config_ids``."""
     _check_format(fmt)
-    return physical_from_config(config_ids, engine=fmt, architecture=architecture, num_layers=num_layers)
+    return engine_captured_layers(config_ids, engine=fmt, architecture=architecture, num_layers=num_layers)
 
 
 def recorded_physical_ids(sidecar: Mapping[str, Any] | None) -> tuple[list[int] | None, str]:
