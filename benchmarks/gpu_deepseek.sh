@@ -32,7 +32,7 @@ EOF
 
 case "$phase" in
   capture)
-    python3 benchmarks/gpu_deepseek_capture.py --out "$OUT" --prompts "${DS_PROMPTS:-256}" --max-new 64 ;;
+    python3 benchmarks/gpu_deepseek_capture.py --out "$OUT" --prompts "${DS_PROMPTS:-256}" --max-new 64 ${DS_KIMI:+--kimi-wrapper} ;;
   standin)
     build_standin && cp "$STANDIN/standin.json" "$OUT/" 2>/dev/null
     python3 benchmarks/gpu_deepseek_capture.py --target "$STANDIN/model" --compare-hf 16 --out "$OUT" \

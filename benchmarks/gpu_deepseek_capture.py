@@ -12,6 +12,10 @@ The hooks follow the architecture record (``eaglenest.targets.deepseek_v3``): SG
 4. the recorded states vs SGLang's prefill capture of the same sequences (``SGLangCaptureRunner``, whose layer ids go
    through the same architecture-aware translation) at every position training reads, and a control one layer off.
 
+With ``--kimi-wrapper`` the same random DeepseekV3 is saved inside Kimi-K2.5's multimodal wrapper
+(``KimiK25ForConditionalGeneration``: ``text_config`` + a small random vision tower; weights under ``language_model.``),
+so the hooks attach where SGLang's Kimi model keeps the text layers (``language_model.model.layers.{i}``).
+
 With ``--target DIR`` the target is a folder instead (e.g. the DeepseekV3 stand-in that ``eaglenest standin-target
 --arch deepseek_v3`` writes), and ``--compare-hf N`` also decodes N prompts greedily with transformers on the same
 weights: how far SGLang's tokens agree with transformers' shows SGLang computes the folder's function.
@@ -35,6 +39,8 @@ from gpu_sglang import states_vs_prefill  # noqa: E402
 
 TOLERANCE = 3e-2  # bf16 kernels of a batched decode vs a prefill differ in rounding
 ARCH = "DeepseekV3ForCausalLM"
+KIMI = "KimiK25ForConditionalGeneration"
+CONTEXT = 2048  # or the target's max_position_embeddings, when shorter (set in main)
 
 
 def build_model(folder: Path, layers: int = 8, hidden: int = 1024, vocab: int = 4096) -> Path:
@@ -63,6 +69,25 @@ def build_model(folder: Path, layers: int = 8, hidden: int = 1024, vocab: int = 
     return folder
 
 
+def wrap_as_kimi(text: Path, folder: Path) -> Path:
+    """The DeepseekV3 folder inside Kimi-K2.5's wrapper: config.json with ``text_config`` and a small vision config
+    (its weights are left out: SGLang keeps the tower's random init, and text prompts never reach it)."""
+    from safetensors.torch import load_file, save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    text_cfg = json.loads((text / "config.json").read_text())
+    tensors = {}
+    for f in sorted(text.glob("*.safetensors")):
+        tensors.update({f"language_model.{k}": v for k, v in load_file(str(f)).items()})
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    vision = {"patch_size": 14, "num_attention_heads": 4, "num_hidden_layers": 1, "hidden_size": 256,
+              "intermediate_size": 512, "vt_hidden_size": 256, "text_hidden_size": text_cfg["hidden_size"]}
+    wrapper = {"architectures": [KIMI], "model_type": "kimi_k25", "text_config": text_cfg, "vision_config": vision,
+               "torch_dtype": "bfloat16", "media_placeholder_token_id": text_cfg["vocab_size"] - 1, "pad_token_id": 0}
+    (folder / "config.json").write_text(json.dumps(wrapper, indent=1))
+    return folder
+
+
 def hf_agreement(model: Path, prompts: list[list[int]], sglang_outputs: list[list[int]], max_new: int) -> dict:
     """Greedy tokens from transformers on the same weights vs SGLang's: mean fraction of each answer that agrees
     before the first difference (bf16 near-ties end agreement early on random or barely trained weights)."""
@@ -85,19 +110,22 @@ def hf_agreement(model: Path, prompts: list[list[int]], sglang_outputs: list[lis
             "fully_identical": sum(f == 1.0 for f in fracs)}
 
 
-def prompts_of(n: int, vocab: int) -> list[list[int]]:
+def prompts_of(n: int, vocab: int, longest: int = 400) -> list[list[int]]:
     import torch
 
     g = torch.Generator().manual_seed(7)
-    return [torch.randint(3, vocab, (int(torch.randint(48, 400, (1,), generator=g)),), generator=g).tolist()
+    shortest = min(48, longest // 2)
+    return [torch.randint(3, vocab, (int(torch.randint(shortest, longest, (1,), generator=g)),), generator=g).tolist()
             for _ in range(n)]
 
 
 def engine_cfg():
     from eaglenest.config import SGLangEngineConfig
 
-    return SGLangEngineConfig(mem_fraction_static=0.45, context_length=2048, capture="generation",
-                              extra_args={"skip_tokenizer_init": True})
+    return SGLangEngineConfig(mem_fraction_static=0.45, context_length=CONTEXT, capture="generation",
+                              extra_args={"skip_tokenizer_init": True,
+                                          # text only: no image processor for the wrapper (it has no processor files)
+                                          **({"enable_multimodal": False} if ARCH == KIMI else {})})
 
 
 def offline(model: Path, prompts: list[list[int]], max_new: int) -> dict:
@@ -187,11 +215,15 @@ def main() -> int:
     ap.add_argument("--check", type=int, default=16, help="sequences compared against the prefill capture")
     ap.add_argument("--target", type=Path, default=None, help="a DeepseekV3 folder (default: build a random one)")
     ap.add_argument("--compare-hf", type=int, default=0, help="prompts also decoded by transformers")
+    ap.add_argument("--kimi-wrapper", action="store_true", help="the random target inside Kimi-K2.5's wrapper")
     a = ap.parse_args()
+    global ARCH, CONTEXT
     a.out.mkdir(parents=True, exist_ok=True)
     if a.target is None:
         layers, hidden, vocab = 8, 1024, 4096
         model = build_model(Path("/tmp/eaglenest-ds-target"), layers, hidden, vocab)
+        if a.kimi_wrapper:
+            model, ARCH = wrap_as_kimi(model, Path("/tmp/eaglenest-kimi-target")), KIMI
     else:
         model = a.target
         raw = json.loads((model / "config.json").read_text())
@@ -200,8 +232,10 @@ def main() -> int:
             from transformers import AutoTokenizer
 
             vocab = min(vocab, len(AutoTokenizer.from_pretrained(str(model))))
-    prompts = prompts_of(a.prompts, vocab)
     raw = json.loads((model / "config.json").read_text())
+    CONTEXT = min(CONTEXT, int(raw.get("text_config", raw).get("max_position_embeddings") or CONTEXT))
+    prompts = prompts_of(a.prompts, vocab, longest=min(400, CONTEXT - a.max_new - 8))
+    raw = raw.get("text_config", raw)
     result: dict = {"target": {"architecture": ARCH, "folder": str(model), "layers": layers, "hidden": hidden,
                                **{k: raw.get(k) for k in ("q_lora_rank", "kv_lora_rank", "n_routed_experts",
                                                           "num_experts_per_tok", "n_shared_experts")}}}

@@ -38,6 +38,7 @@ DEEPSEEK_V3 = TargetArch(
     attention="mla",
     layer_call=_LAYER_CALL,
     extra_widths=mla_moe_widths,
+    generation_capture=True,  # H200, SGLang 0.5.14, DeepseekV3ForCausalLM: within bf16 tolerance of prefill capture
 )
 
 KIMI_K25 = TargetArch(
@@ -51,6 +52,7 @@ KIMI_K25 = TargetArch(
     layer_call=_LAYER_CALL,
     text_config_key="text_config",
     extra_widths=mla_moe_widths,
+    generation_capture=True,  # H200, SGLang 0.5.14, the same text model inside the wrapper: as DeepseekV3
 )
 
 FIRST_ID_RULE_OTHERS = ("GlmMoeDsaForCausalLM", "MistralLarge3ForCausalLM", "Glm4MoeLiteForCausalLM")
