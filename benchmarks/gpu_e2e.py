@@ -951,8 +951,11 @@ def summarize() -> dict[str, Any]:
                          f"{rec_ab['vs_offline']}x of the offline engine; decode pace with the running batch full "
                          f"{mine} tok/s; {rec_ab.get('capture')}")
         if regen.get("first_attempt_failed"):
-            lines.append(f"regen's first attempt FAILED (the figures above are the fallback's, states placed after "
-                         f"generation): {regen['first_attempt_failed']}")
+            fb = regen["first_attempt_failed"]
+            how = ("the prefill capture" if fb.get("fallback_capture") == "prefill"
+                   else "states placed after generation")
+            lines.append(f"regen's first attempt FAILED in {fb.get('seconds')} s (the figures above are the "
+                         f"fallback's, {how}): {fb.get('error', '')[:600]}")
     for label, key in (("bench (trained drafter, greedy)", "batch"), ("ceiling (every draft token accepted)",
                                                                          "ceiling_batch")):
         for bs in (1, 8):
