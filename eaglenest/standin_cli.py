@@ -1,8 +1,9 @@
 """``eaglenest standin-target DIR --sharegpt FILE``: build the GPU stand-in target (see eaglenest.engines.standin).
 
 ``--arch llama`` (the default): a small Llama grown to Llama-3-8B's shape. ``--arch deepseek_v3``: a small
-DeepseekV3 grown to Kimi-K2.5's widths (``eaglenest.engines.standin_deepseek``); ``--routed-experts`` sets how many
-routed experts the wide model stores (the size is printed before anything is built).
+DeepseekV3 grown to Kimi-K2.5's widths (``eaglenest.engines.standin_deepseek``; ``--preset small``: hidden 4096, 32
+layers, ``--preset tiny``: CPU sizes); ``--routed-experts`` sets how many routed experts the wide model stores (the
+size is printed before anything is built).
 """
 
 from __future__ import annotations
