@@ -34,6 +34,33 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 MODE = os.environ.get("E2E_MODE", "gpu")
+ARCH = os.environ.get("E2E_ARCH", "llama")
+"""the stand-in's architecture: llama (Llama-3-8B's shape) or deepseek_v3 (Kimi-K2.5's: MLA + MoE)"""
+if ARCH not in ("llama", "deepseek_v3"):
+    raise SystemExit(f"E2E_ARCH={ARCH!r}: llama or deepseek_v3")
+DEEPSEEK = ARCH == "deepseek_v3"
+DS_PRESET = {"kimi": "default"}.get(os.environ.get("E2E_DS_PRESET", "default"),
+                                    os.environ.get("E2E_DS_PRESET", "default"))
+"""deepseek_v3 on the GPU: ``standin-target --preset`` default (Kimi-K2.5's widths; alias kimi) or small (hidden
+4096, 32 layers); the CPU run always builds the tiny preset"""
+if DEEPSEEK and DS_PRESET not in ("default", "small"):
+    raise SystemExit(f"E2E_DS_PRESET={DS_PRESET!r}: default (kimi) or small")
+PROFILE = ((["kimi" if DS_PRESET == "default" else DS_PRESET, "ds"] if DEEPSEEK else []) + ["gpu"] if MODE == "gpu"
+           else (["cpu_ds"] if DEEPSEEK else []) + ["cpu"])
+"""where a knob's default comes from, most specific first: the DeepseekV3 preset (kimi | small), any DeepseekV3 GPU
+run (ds), the Llama GPU run (gpu); on the CPU, the DeepseekV3 run (cpu_ds), then any CPU run (cpu)"""
+
+
+def knob(name: str, **defaults: Any) -> str:
+    """``$name`` if set, else the default of the most specific profile that has one (see :data:`PROFILE`)."""
+    if os.environ.get(name):
+        return os.environ[name]
+    for key in PROFILE:
+        if key in defaults:
+            return str(defaults[key])
+    raise KeyError(f"{name}: no default for profile {PROFILE}")
+
+
 WORK = Path(os.environ.get("E2E_WORK", "/tmp/e2e"))
 RESULTS = WORK / "results"
 STANDIN = WORK / "standin"
@@ -44,10 +71,15 @@ REGEN_CONFIG = WORK / "e2e-regen.yaml"
 """the same config with the engine's own memory share for regen and its offline reference (nothing else is on the
 GPU then): KV room for every regen prompt at once"""
 REGEN_FALLBACK_CONFIG = WORK / "e2e-regen-fallback.yaml"
-"""regen's config for a second attempt when the first fails: states placed after each batch's generation (no
-reservation, nothing prewarmed), the path of the fourth GPU run, so the rest of the loop still has data"""
-REGEN_OUT = WORK / "regen"
-TRAIN_OUT = WORK / "train"
+"""regen's config for a second attempt when the first fails: Llama, states placed after each batch's generation (no
+reservation, nothing prewarmed), the path of the fourth GPU run; DeepseekV3, the prefill capture (capture during
+generation is refused there until its GPU check passes), so the rest of the loop still has data"""
+BULK = Path(knob("E2E_BULK_DIR", kimi="/dev/shm/eaglenest-e2e", gpu=WORK, cpu_ds=WORK / "bulk", cpu=WORK))
+"""where regen's shards, the training run and the export go (and the train job's temporary checkpoint copy): the
+Kimi-width stand-in takes 44.3 GB of the 64 GiB disk, so that run keeps them in the host's /dev/shm (128 GB there);
+the CPU DeepseekV3 run uses a folder of its own to exercise the same plumbing"""
+REGEN_OUT = BULK / "regen"
+TRAIN_OUT = BULK / "train"
 EXPORT = TRAIN_OUT / "export"
 DASHBOARD_PORT = int(os.environ.get("E2E_DASHBOARD_PORT", "8265"))
 DASHBOARD = f"http://127.0.0.1:{DASHBOARD_PORT}"
@@ -55,30 +87,57 @@ SERVE_PORT = int(os.environ.get("E2E_SERVE_PORT", "8000"))
 METRICS_PORT = int(os.environ.get("E2E_METRICS_PORT", "8080"))
 RUNTIME_ENV = {"excludes": [".venv", ".git", ".work", "demo-work", ".gpu", ".whl", "out", ".gl"]}
 SPEC = {"num_steps": 3, "topk": 1, "num_draft_tokens": 4}
-MAX_NEW_TOKENS = int(os.environ.get("E2E_MAX_NEW_TOKENS", "160" if MODE == "gpu" else "24"))
+MAX_NEW_TOKENS = int(knob("E2E_MAX_NEW_TOKENS", gpu=160, ds=128, cpu=24))
 REGEN_ACTORS = int(os.environ.get("E2E_REGEN_ACTORS", "1"))
-REGEN_BATCH = int(os.environ.get("E2E_REGEN_BATCH", "256" if MODE == "gpu" else "4"))
-REGEN_IN_FLIGHT = int(os.environ.get("E2E_REGEN_IN_FLIGHT", "13" if MODE == "gpu" else "2"))
+REGEN_BATCH = int(knob("E2E_REGEN_BATCH", gpu=256, cpu=4))
+REGEN_IN_FLIGHT = int(knob("E2E_REGEN_IN_FLIGHT", gpu=13, ds=8, cpu=2))
 """regen batches per engine actor at once: their requests share SGLang's running batch (no tail between batches);
-13 x 256 holds every one of the 3,200 prompts, as the offline reference's one call does"""
+13 x 256 holds every one of the 3,200 prompts (DeepseekV3: 8 x 256, its 2,048), as the offline reference's one call
+does"""
 REGEN_MEM_FRACTION = float(os.environ.get("E2E_REGEN_MEM_FRACTION", "0.75"))
-ACCEPT_PROMPTS = int(os.environ.get("E2E_ACCEPT_PROMPTS", "64" if MODE == "gpu" else "4"))
+ACCEPT_PROMPTS = int(knob("E2E_ACCEPT_PROMPTS", gpu=64, ds=32, cpu=4))
 """prompts per set for the served accept length: unseen records vs the trainer's held-out regen prompts"""
-BENCH_PROMPTS = int(os.environ.get("E2E_BENCH_PROMPTS", "40" if MODE == "gpu" else "6"))
+BENCH_PROMPTS = int(knob("E2E_BENCH_PROMPTS", gpu=40, kimi=16, small=24, cpu=6))
 """held-out prompts in the bench (the first of heldout.jsonl; the served accept length's unseen set starts with them)"""
-TRAIN_PROMPTS = int(os.environ.get("E2E_TRAIN_PROMPTS", "3200" if MODE == "gpu" else "24"))
-TRAIN_AFTER_CUT = int(os.environ.get("E2E_TRAIN_AFTER_CUT", "800" if MODE == "gpu" else "4"))
+BENCH_MAX_NEW_TOKENS = int(knob("E2E_BENCH_MAX_NEW_TOKENS", gpu=128, kimi=96, cpu=16))
+BENCH_CEILING = knob("E2E_BENCH_CEILING", gpu=1, ds=0, cpu=0) == "1"
+"""the bench's third engine (every draft token accepted); off for DeepseekV3 (one more 44 GB engine start)"""
+OFFLINE_REF = knob("E2E_OFFLINE_REF", gpu=1, ds=0, cpu=0) == "1"
+"""SGLang's own offline Engine.generate on the regen prompts (regen's yardstick); off for DeepseekV3: one more engine
+start and every regen prompt generated twice"""
+TRAIN_PROMPTS = int(knob("E2E_TRAIN_PROMPTS", gpu=3200, ds=2048, cpu=24))
+TRAIN_AFTER_CUT = int(knob("E2E_TRAIN_AFTER_CUT", gpu=800, cpu=4))
 """up to this many of them from records after the stand-in's pre-training cut (conversations it never saw, the kind
 the bench's held-out prompts are; the bench's own prompts stay out)"""
-TTT_STEPS = int(os.environ.get("E2E_TTT_STEPS", "4" if MODE == "gpu" else "3"))
+TTT_STEPS = int(knob("E2E_TTT_STEPS", gpu=4, cpu=3))
 """The served chain drafts 3 tokens (3-1-4), so TTT unrolls 4 steps: steps the engine never drafts cost time only."""
+EPOCHS = int(knob("E2E_EPOCHS", gpu=4, kimi=3, cpu=2))
+LEARNING_RATE = float(knob("E2E_LR", gpu=5e-4, kimi=3e-4, cpu=1e-3))
+"""3e-4 for the Kimi-width drafter (hidden 7168, 1.2B trainable parameters), 5e-4 at hidden 4096"""
 TRAIN_WORKERS = int(os.environ.get("E2E_TRAIN_WORKERS", "1"))
 CAPTURE = os.environ.get("E2E_CAPTURE", "generation")  # regen's hidden states: recorded while generating, or prefill
+FALLBACK_CAPTURE = knob("E2E_FALLBACK_CAPTURE", gpu="generation", ds="prefill", cpu="generation", cpu_ds="prefill")
+STORAGE_DTYPE = knob("E2E_STORAGE_DTYPE", gpu="bfloat16", kimi="float8_e4m3fn", cpu="bfloat16",
+                     cpu_ds="float8_e4m3fn")
+"""regen's hidden-state storage: fp8 (4H + 4 bytes a token) for the Kimi widths, bf16 (8H) elsewhere"""
+DRAFT_SHAPE = os.environ.get("E2E_DRAFT_SHAPE", "llama")
+"""the drafter's layer: llama (LlamaForCausalLMEagle3, the default) or mla (Eagle3DeepseekV2ForCausalLM; MLA targets)"""
+if DRAFT_SHAPE not in ("llama", "mla") or (DRAFT_SHAPE == "mla" and not DEEPSEEK):
+    raise SystemExit(f"E2E_DRAFT_SHAPE={DRAFT_SHAPE!r}: llama, or mla with E2E_ARCH=deepseek_v3")
+DS_EXPERTS = (int(knob("E2E_DS_ROUTED_EXPERTS", ds=4, gpu=0, cpu=0)),
+              int(knob("E2E_DS_EXPERTS_PER_TOKEN", ds=4, gpu=0, cpu=0)))
+"""DeepseekV3 on the GPU: routed experts in the wide stand-in and experts chosen per token (the recommended H200
+build, 4 and 4: 44.3 GB at Kimi's widths); the CPU run keeps the tiny preset's"""
+PRETRAIN_STEPS = knob("E2E_PRETRAIN_STEPS", gpu="", kimi=400, small=600, cpu="")
+PRETRAIN_MAX_S = knob("E2E_PRETRAIN_MAX_S", gpu=330, kimi=210, small=180, cpu="")
 
 TINY_STANDIN = {  # CPU smoke shape: same code path, seconds instead of minutes
     "vocab_size": 800, "hidden_size": 64, "num_layers": 4, "num_heads": 4, "intermediate_size": 128, "seq_len": 64,
     "batch_size": 4, "train_steps": 30, "warmup_steps": 5, "tokenizer_chats": 300, "heldout_records": 60,
     "wide": {"hidden_size": 128, "num_layers": 8, "num_heads": 8, "num_kv_heads": 4, "intermediate_size": 256},
+}
+TINY_DEEPSEEK_OVERRIDES = {  # on top of --preset tiny: 8 wide layers (distinct default taps [2, 4, 5]), more chats
+    "num_layers": 3, "train_steps": 30, "tokenizer_chats": 300, "heldout_records": 60, "wide": {"num_layers": 8},
 }
 
 
@@ -100,9 +159,11 @@ def sh(cmd: list[str] | str, *, timeout: float = 600, check: bool = False, env: 
     return res
 
 
-def job_submit(job_id: str, *entrypoint: str, wait: bool = True, timeout: float = 900) -> subprocess.CompletedProcess:
+def job_submit(job_id: str, *entrypoint: str, wait: bool = True, timeout: float = 900,
+               env_vars: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    runtime_env = {**RUNTIME_ENV, **({"env_vars": env_vars} if env_vars else {})}
     cmd = ["ray", "job", "submit", "--address", DASHBOARD, "--submission-id", job_id, "--working-dir", str(ROOT),
-           "--runtime-env-json", json.dumps(RUNTIME_ENV), "--entrypoint-num-cpus", "0.25",
+           "--runtime-env-json", json.dumps(runtime_env), "--entrypoint-num-cpus", "0.25",
            *([] if wait else ["--no-wait"]), "--", *entrypoint]
     return sh(cmd, timeout=timeout, log_name=f"job-{job_id}")
 
@@ -138,21 +199,42 @@ def gpu() -> bool:
 
 # --------------------------------------------------------------------------------------------------------- steps
 def step_standin() -> dict[str, Any]:
-    """Pre-train the small model on the ShareGPT dump and grow it to the 8B-class shape (GPU) / a tiny shape (CPU)."""
+    """Pre-train the small model on the ShareGPT dump and grow it: Llama-3-8B's shape or, with E2E_ARCH=deepseek_v3,
+    Kimi-K2.5's widths (E2E_DS_PRESET=small: hidden 4096) on the GPU; a tiny shape of the same arch on the CPU."""
     dump = os.environ.get("E2E_SHAREGPT") or str(WORK / "data" / "ShareGPT_V3_unfiltered_cleaned_split.json")
     cmd = [sys.executable, "-m", "eaglenest.cli", "standin-target", str(STANDIN), "--sharegpt", dump,
-           "--device", "cuda" if gpu() else "cpu"]
+           "--device", "cuda" if gpu() else "cpu", "--arch", ARCH]
     cmd += ["--train-prompts", str(TRAIN_PROMPTS), "--train-after-cut", str(TRAIN_AFTER_CUT)]
     if gpu():
-        if os.environ.get("E2E_PRETRAIN_STEPS"):
-            cmd += ["--steps", os.environ["E2E_PRETRAIN_STEPS"]]
-        cmd += ["--max-seconds", os.environ.get("E2E_PRETRAIN_MAX_S", "330")]
+        if DEEPSEEK:
+            cmd += ["--preset", DS_PRESET, "--routed-experts", str(DS_EXPERTS[0]),
+                    "--experts-per-token", str(DS_EXPERTS[1])]
+        if PRETRAIN_STEPS:
+            cmd += ["--steps", PRETRAIN_STEPS]
+        cmd += ["--max-seconds", PRETRAIN_MAX_S]
+    elif DEEPSEEK:
+        cmd += ["--preset", "tiny", "--spec-json", json.dumps(TINY_DEEPSEEK_OVERRIDES), "--heldout-prompts", "8"]
     else:
         cmd += ["--spec-json", json.dumps(TINY_STANDIN), "--heldout-prompts", "8"]
-    res = sh(cmd, timeout=1200, log_name="standin", check=True)
+    res = sh(cmd, timeout=1800, log_name="standin", check=True)
     report = json.loads((STANDIN / "standin.json").read_text())
     report["log_tail"] = res.stdout[-1500:]
     return report
+
+
+def target_facts() -> dict[str, Any]:
+    """What the rest of the loop needs from the stand-in's config.json (nothing arch-specific is assumed): widths,
+    depth, default taps, and for DeepseekV3 its MLA/MoE widths."""
+    from eaglenest.contracts.target import TargetSpec
+    from eaglenest.targets import default_aux_taps
+
+    ts = TargetSpec.read(MODEL)
+    out = {"architecture": ts.architecture, "arch": ts.arch.name, "hidden_size": ts.hidden_size,
+           "num_layers": ts.num_layers, "vocab_size": ts.vocab_size, "taps": default_aux_taps(ts.num_layers),
+           "attention": ts.arch.attention, "generation_capture_verified": ts.arch.generation_capture}
+    raw = json.loads((MODEL / "config.json").read_text())
+    out["widths"] = ts.arch.widths(raw)
+    return out
 
 
 SCHEDULER_LOG = {"log_level": os.environ.get("E2E_SGLANG_LOG_LEVEL", "info"), "decode_log_interval": 10}
@@ -179,15 +261,29 @@ def scheduler_pace(text: str) -> dict[str, Any] | None:
             "full_batch_running_reqs": max(n for n, _, _ in full) if full else None}
 
 
+REGEN_FAIL_FIRST = os.environ.get("E2E_REGEN_FAIL_FIRST") == "1"
+"""a test of the fallback: regen's first job gets a config its engine actor refuses in its constructor, as the SGLang
+engine refuses ``capture: generation`` on a target whose record does not verify it (on the GPU the same check,
+through ``tp_size: 2``; on the CPU ``engine: sglang``), so the second job (the fallback config) runs"""
+
+
 def write_configs() -> dict[str, Any]:
-    """The run's eaglenest config, next to the stand-in."""
+    """The run's eaglenest config, next to the stand-in; everything arch-specific follows its config.json."""
     import yaml
 
+    facts = target_facts()
     sglang = {"mem_fraction_static": 0.55, "context_length": 2048, "capture_mem_fraction_static": 0.5,
               "capture_max_tokens": 32768, "capture": CAPTURE,
               "concurrent_generate": os.environ.get("E2E_CONCURRENT_GENERATE", "1") == "1",
               "capture_writers": int(os.environ.get("E2E_CAPTURE_WRITERS", "1")),
               "capture_ring_gib": float(os.environ.get("E2E_CAPTURE_RING_GIB", "4"))}
+    if DEEPSEEK:
+        # the bench, eagle_forced and serve engines run batch <= 8: decode graphs up to 16 requests, not SGLang's
+        # default ladder (each captured graph replays 61 MLA + MoE layers: tens of seconds per 44 GB engine start)
+        sglang["extra_args"] = {"cuda_graph_max_bs": 16}
+    drafter: dict[str, Any] = {"draft_vocab_size": 32000 if gpu() else 256}
+    if DRAFT_SHAPE != "llama":
+        drafter["draft_shape"] = DRAFT_SHAPE  # MLA widths: the target's (train.drafter's shape_kwargs)
     cfg = {
         "target": {"model": str(MODEL), "engine": "sglang" if gpu() else "hf", "device": "cuda" if gpu() else "cpu",
                    "dtype": "bfloat16" if gpu() else "float32", **({"sglang": sglang} if gpu() else {})},
@@ -202,15 +298,16 @@ def write_configs() -> dict[str, Any]:
             "num_cpus_per_actor": 8 if gpu() else 0.5,  # placing ~1 GB/s of states takes a few cores
             "num_gpus_per_actor": 1 if gpu() else 0,
             "max_tokens": 8192,  # prompts are <= 192 tokens; the original answers are long but replaced
+            "storage_dtype": STORAGE_DTYPE,
             "rows_per_shard": 128 if gpu() else 8,
         },
         "train": {
-            "drafter": {"draft_vocab_size": 32000 if gpu() else 256},
+            "drafter": drafter,
             "ttt_steps": TTT_STEPS,
             "batch_size": 8 if gpu() else 4,
             "max_seq_len": 512 if gpu() else 128,
-            "epochs": int(os.environ.get("E2E_EPOCHS", "4" if gpu() else "2")),
-            "learning_rate": 5e-4 if gpu() else 1e-3,
+            "epochs": EPOCHS,
+            "learning_rate": LEARNING_RATE,
             "warmup_ratio": 0.03,
             "eval_fraction": 0.05,
             "eval_every": 200 if gpu() else 10,
@@ -223,25 +320,69 @@ def write_configs() -> dict[str, Any]:
             "run_name": "standin-drafter",
         },
         "bench": {"prompts": str(PROMPTS / "heldout.jsonl"), "num_prompts": BENCH_PROMPTS,
-                  "max_new_tokens": 128 if gpu() else 16, "repeats": 2, "sweep": [SPEC]},
+                  "max_new_tokens": BENCH_MAX_NEW_TOKENS, "repeats": 2, "sweep": [SPEC]},
         "serve": {"drafter": str(EXPORT), "spec": SPEC, "port": SERVE_PORT,
                   "num_gpus_per_replica": 1 if gpu() else 0, "self_test_min_accept_length": 1.2,
                   "max_prompt_tokens": 1024, "max_tokens_limit": 256},
     }
     CONFIG.write_text(yaml.safe_dump(cfg, sort_keys=False))
     if gpu():
-        # host memory for all 13 batches in flight, prewarmed while the engine starts (256 prompt tokens assumed
-        # per sample: ~3.5 GB a batch of 256 at 160 new tokens and 32 KiB a token)
-        cfg["target"]["sglang"] = {**sglang, "mem_fraction_static": REGEN_MEM_FRACTION, "capture_host_gib": 48,
-                                   "extra_args": SCHEDULER_LOG}
-    REGEN_CONFIG.write_text(yaml.safe_dump(cfg, sort_keys=False))
-    # the fallback: the proven paths (states placed after generation, through chunk files, three writers)
-    cfg["target"]["sglang"] = {**cfg["target"].get("sglang", {}), "capture_host_gib": 0.001, "capture_ring_gib": 0,
-                               "capture_writers": 3}
+        # host memory for all the batches in flight, prewarmed while the engine starts (256 prompt tokens assumed per
+        # sample: Llama ~3.5 GB a batch of 256 at 160 new tokens and 32 KiB a token, 13 batches in 48 GiB; DeepseekV3
+        # 56 KiB a token: 32 GiB, since the host also holds the 44 GB model's page cache and BULK's /dev/shm files,
+        # and what does not fit is placed after its batch's generation)
+        cfg["target"]["sglang"] = {**sglang, "mem_fraction_static": REGEN_MEM_FRACTION,
+                                   "capture_host_gib": 32 if DEEPSEEK else 48, "extra_args": SCHEDULER_LOG}
+    first = json.loads(json.dumps(cfg))
+    if REGEN_FAIL_FIRST and gpu():  # check_generation_capture refuses it before the engine starts
+        first["target"]["sglang"].update(capture="generation", tp_size=2)
+    elif REGEN_FAIL_FIRST:
+        first["target"].update(engine="sglang", device="cuda")  # no SGLang here: refused in the same constructor
+    REGEN_CONFIG.write_text(yaml.safe_dump(first, sort_keys=False))
+    if FALLBACK_CAPTURE == "prefill" and gpu():
+        # a teacher-forced prefill after generation, by a second copy of the model in the engine actor: the generation
+        # engine's share leaves the copy room for its weights (44.3 GB at Kimi's widths) and its prefill batches
+        cfg["target"]["sglang"] = {**cfg["target"]["sglang"], "capture": "prefill", "mem_fraction_static": 0.45,
+                                   "capture_mem_fraction_static": 0.85,
+                                   "capture_max_tokens": 8192 if DEEPSEEK else 32768,
+                                   **({"disable_cuda_graph": True} if DEEPSEEK else {})}
+    elif gpu():  # the proven paths of capture during generation (states placed after generation, chunk files)
+        cfg["target"]["sglang"] = {**cfg["target"]["sglang"], "capture_host_gib": 0.001, "capture_ring_gib": 0,
+                                   "capture_writers": 3}
     REGEN_FALLBACK_CONFIG.write_text(yaml.safe_dump(cfg, sort_keys=False))
-    return {"config": str(CONFIG), "regen_config": str(REGEN_CONFIG), "max_new_tokens": MAX_NEW_TOKENS,
-            "regen_batch": REGEN_BATCH, "regen_in_flight": REGEN_IN_FLIGHT,
-            "regen_mem_fraction_static": REGEN_MEM_FRACTION if gpu() else None}
+    return {"config": str(CONFIG), "regen_config": str(REGEN_CONFIG), "fallback_config": str(REGEN_FALLBACK_CONFIG),
+            "arch": ARCH, "ds_preset": DS_PRESET if DEEPSEEK and gpu() else None, "target": facts,
+            "draft_shape": DRAFT_SHAPE, "capture": CAPTURE, "fallback_capture": FALLBACK_CAPTURE,
+            "storage_dtype": STORAGE_DTYPE, "bulk_dir": str(BULK), "max_new_tokens": MAX_NEW_TOKENS,
+            "regen_batch": REGEN_BATCH, "regen_in_flight": REGEN_IN_FLIGHT, "epochs": EPOCHS,
+            "bench_prompts": BENCH_PROMPTS, "bench_ceiling": BENCH_CEILING, "offline_ref": OFFLINE_REF,
+            "regen_mem_fraction_static": REGEN_MEM_FRACTION if gpu() else None,
+            "hidden_states": hidden_state_estimate(facts["hidden_size"]), "space": free_space()}
+
+
+def hidden_state_estimate(hidden: int) -> dict[str, Any]:
+    """The shards' hidden-state bytes this run will write: every stored token (prompt + answer) holds 3 aux states
+    and the final one (8H bytes in bf16, 4H + 4 in fp8); answers assumed 90% of max_new_tokens (the Llama runs:
+    143 of 160), prompts as rendered."""
+    from eaglenest.contracts.shards import hidden_bytes_per_token
+
+    ids = _train_prompt_ids()
+    tokens = sum(len(x) for x in ids) + int(0.9 * MAX_NEW_TOKENS * len(ids))
+    return {"prompts": len(ids), "mean_prompt_tokens": round(sum(len(x) for x in ids) / max(len(ids), 1), 1),
+            "tokens_estimate": tokens,
+            "bytes_per_token": {d: hidden_bytes_per_token(hidden, d) for d in ("bfloat16", "float8_e4m3fn")},
+            "bytes_estimate": {d: tokens * hidden_bytes_per_token(hidden, d) for d in ("bfloat16", "float8_e4m3fn")},
+            "gb_estimate": {d: round(tokens * hidden_bytes_per_token(hidden, d) / 1e9, 2)
+                            for d in ("bfloat16", "float8_e4m3fn")},
+            "storage_dtype": STORAGE_DTYPE}
+
+
+def free_space() -> dict[str, float]:
+    """Free GB where the run writes: the work folder (the stand-in) and BULK (shards, training, export)."""
+    import shutil
+
+    BULK.mkdir(parents=True, exist_ok=True)
+    return {str(p): round(shutil.disk_usage(p).free / 1e9, 1) for p in dict.fromkeys((WORK, BULK))}
 
 
 def step_configs() -> dict[str, Any]:
@@ -286,6 +427,9 @@ def step_offline_ref() -> dict[str, Any]:
     """SGLang's own offline Engine.generate on the regen prompts, all in one call (engine start excluded)."""
     if not gpu():
         return {"skipped": "needs SGLang (GPU)"}
+    if not OFFLINE_REF:
+        return {"skipped": "E2E_OFFLINE_REF=0 (DeepseekV3's default: one more engine start and every regen prompt "
+                           "generated twice); regen's figures then stand alone"}
     from eaglenest.config import load_config
     from eaglenest.engines.sglang.args import engine_kwargs
     from eaglenest.engines.sglang.engine import sglang_symbol
@@ -424,9 +568,12 @@ def step_regen() -> dict[str, Any]:
     t0 = time.time()
     res, logs = _regen_job("e2e-regen", REGEN_CONFIG)
     first_attempt = None
-    if res.returncode != 0 and gpu():  # keep the loop's data: the slower, proven placement, resuming the same folder
-        first_attempt = {"rc": res.returncode, "error": _errors(logs), "seconds": round(time.time() - t0, 1)}
-        print(f"regen failed (rc {res.returncode}); again with states placed after generation", flush=True)
+    if res.returncode != 0 and (gpu() or REGEN_FAIL_FIRST):  # keep the loop's data, resuming the same folder:
+        # Llama, the slower proven placement; DeepseekV3, the prefill capture (capture: generation refused or failed)
+        first_attempt = {"rc": res.returncode, "error": _errors(logs), "seconds": round(time.time() - t0, 1),
+                         "fallback_capture": FALLBACK_CAPTURE}
+        print(f"regen failed (rc {res.returncode}); again with the fallback config (capture {FALLBACK_CAPTURE})",
+              flush=True)
         res, logs = _regen_job("e2e-regen-fallback", REGEN_FALLBACK_CONFIG)
     wall = time.time() - t0
     manifest = json.loads((REGEN_OUT / "manifest.json").read_text()) if (REGEN_OUT / "manifest.json").is_file() else {}
@@ -469,8 +616,13 @@ def step_regen() -> dict[str, Any]:
 
 def step_train() -> dict[str, Any]:
     t0 = time.time()
+    env = None
+    if BULK != WORK:  # Ray Train's worker writes each checkpoint to a temporary folder before it is copied to
+        tmp = BULK / "tmp"  # TRAIN_OUT: 14 GB at Kimi's widths, which the disk beside the stand-in may not hold
+        tmp.mkdir(parents=True, exist_ok=True)
+        env = {"TMPDIR": str(tmp)}
     res = job_submit("e2e-train", "eaglenest", "train", "--config", str(CONFIG), "--data", str(REGEN_OUT),
-                     "--output", str(TRAIN_OUT), timeout=1500)
+                     "--output", str(TRAIN_OUT), timeout=1500, env_vars=env)
     logs = job_logs("e2e-train")
     (RESULTS / "logs" / "job-e2e-train-logs.log").write_text(logs[-300_000:])
     metrics = []
@@ -502,7 +654,7 @@ def step_preflight() -> dict[str, Any]:
 
 def step_bench() -> dict[str, Any]:
     out = RESULTS / "bench"
-    extra = ["--ceiling", "--no-drift-check"] if gpu() else []
+    extra = (["--ceiling"] if BENCH_CEILING else []) + (["--no-drift-check"] if gpu() else [])
     res = sh([sys.executable, "-m", "eaglenest.cli", "bench", "--config", str(CONFIG), "--drafter", str(EXPORT),
               "--batch-size", "1,8", "--output", str(out), *extra], timeout=1200, log_name="bench")
     return {"status": "ok" if res.returncode == 0 else "error",
@@ -582,20 +734,23 @@ def regen_summary(regen: dict[str, Any]) -> str:
     if not steady or not whole:
         steady_text = "no batch timeline in the manifest"
     elif steady.get("seconds", 0) >= STEADY_MIN_SHARE * whole.get("seconds", 0):
-        steady_text = (f"steady {regen.get('steady_tokens_per_s')} tok/s = {regen.get('steady_vs_offline')}x over "
-                       f"{steady.get('seconds')} s")
+        vs = f" = {regen.get('steady_vs_offline')}x" if regen.get("steady_vs_offline") is not None else ""
+        steady_text = f"steady {regen.get('steady_tokens_per_s')} tok/s{vs} over {steady.get('seconds')} s"
     else:
         steady_text = (f"no steady window (one wave: the window after the first batch ended is {steady.get('seconds')}"
                        f" s of {whole.get('seconds')} s), so the whole run is the figure")
     if regen.get("generate_only_vs_offline") is not None:
         steady_text += f"; generation only, one batch in flight: {regen['generate_only_vs_offline']}x"
-    return (f"regen: {regen.get('samples')} samples, {regen.get('tokens')} tokens; vs offline Engine.generate "
-            f"{regen.get('offline_engine_generate_tokens_per_s')} tok/s: whole run (first batch start to last batch "
-            f"end, engine start excluded) {regen.get('whole_run_tokens_per_s')} tok/s = "
-            f"{regen.get('whole_run_vs_offline')}x; {steady_text}; {REGEN_IN_FLIGHT} batches of {REGEN_BATCH} in "
-            f"flight; Ray Data progress lines in job logs: {regen.get('ray_data_progress_lines_in_job_logs')}; capture "
-            f"placement {run.get('capture_placement')}; the whole run's window split (seconds to the last generation's "
-            f"return, seconds after it): {regen.get('whole_run_split')}")
+    offline = regen.get("offline_engine_generate_tokens_per_s")
+    whole_vs = f" = {regen.get('whole_run_vs_offline')}x" if offline is not None else ""
+    return (f"regen: {regen.get('samples')} samples, {regen.get('tokens')} tokens ({regen.get('bytes_per_token')} "
+            f"hidden-state bytes a token); vs offline Engine.generate "
+            f"{f'{offline} tok/s' if offline is not None else '(not run: E2E_OFFLINE_REF=0)'}: whole run (first "
+            f"batch start to last batch end, engine start excluded) {regen.get('whole_run_tokens_per_s')} tok/s"
+            f"{whole_vs}; {steady_text}; {REGEN_IN_FLIGHT} batches of {REGEN_BATCH} in flight; Ray Data progress "
+            f"lines in job logs: {regen.get('ray_data_progress_lines_in_job_logs')}; capture placement "
+            f"{run.get('capture_placement')}; the whole run's window split (seconds to the last generation's return, "
+            f"seconds after it): {regen.get('whole_run_split')}")
 
 
 def eaglenest_series(body: str) -> list[str]:
@@ -655,10 +810,30 @@ def served_accept_lengths(client: Any) -> dict[str, Any]:
     return out
 
 
+def drafter_widths() -> dict[str, Any]:
+    """What the seed's bug swaps, from the files: the exported drafter's ``fc`` input (3 aux states of the target:
+    21504 at Kimi's widths, 12288 at Llama-3-8B's) against the single final state ``EAGLE`` feeds it (hidden: 7168 /
+    4096), and its aux layers as the export wrote them (the engine's convention) next to the physical taps."""
+    from safetensors import safe_open
+
+    hidden = int(json.loads((MODEL / "config.json").read_text())["hidden_size"])
+    fc_in = None
+    for f in sorted(EXPORT.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as st:
+            for k in st.keys():  # noqa: SIM118 - safe_open has keys(), not iteration
+                if k.split(".")[-2:] == ["fc", "weight"]:
+                    fc_in = int(st.get_slice(k).get_shape()[1])
+    exp = json.loads((EXPORT / "config.json").read_text())
+    return {"target_hidden": hidden, "drafter_fc_input": fc_in, "fc_input_is_3x_hidden": fc_in == 3 * hidden,
+            "eagle_feeds": hidden, "drafter_architecture": (exp.get("architectures") or ["?"])[0],
+            "export_aux_layer_ids": (exp.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids"),
+            "physical_taps": load("configs").get("target", {}).get("taps")}
+
+
 def step_eagle_forced() -> dict[str, Any]:
     """The seed's bug outside eaglenest: the trained EAGLE-3 drafter through raw sglang.Engine under ``EAGLE``."""
     if not gpu():
-        return {"skipped": "needs SGLang (GPU)"}
+        return {"skipped": "needs SGLang (GPU)", "widths": drafter_widths() if EXPORT.is_dir() else None}
     from transformers import AutoTokenizer
 
     from benchmarks.gpu_sglang import forced_eagle_accept_length
@@ -671,7 +846,7 @@ def step_eagle_forced() -> dict[str, Any]:
     acc = forced_eagle_accept_length(str(MODEL), load_config(CONFIG).target.sglang, EXPORT, prompts, 96)
     # EAGLE3 on the same kind of prompts: the bench step
     return {"EAGLE": {"accept_length": round(acc, 3), "prompts": len(prompts), "sglang_accepted_launch": True},
-            "preflight_refusal": load("preflight").get("eagle_refusal")}
+            "widths": drafter_widths(), "preflight_refusal": load("preflight").get("eagle_refusal")}
 
 
 def step_jobs() -> dict[str, Any]:
@@ -721,23 +896,44 @@ def run_step(name: str) -> int:
 
 
 # -------------------------------------------------------------------------------------------------------- summary
+def _count(n: float) -> str:
+    """A parameter count as the summary prints it: 7.24B, 220M, 0.31M."""
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.0f}M" if n >= 1e7 else f"{n / 1e6:.2f}M"
+
+
 def summarize() -> dict[str, Any]:
     s = {name: load(name) for name in STEPS}
     bench, regen = s["bench"], s["regen"]
-    lines = [f"== eaglenest GPU end to end ({MODE}) {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}"]
+    label = ARCH + (f", preset {DS_PRESET}" if DEEPSEEK and gpu() else "")
+    lines = [f"== eaglenest GPU end to end ({MODE}, {label}) {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}"]
     for name, rec in s.items():
         if rec:
             lines.append(f"-- {name}: {rec.get('status')} in {rec.get('seconds')} s"
                          + (f" ({rec.get('skipped')})" if rec.get("skipped") else "")
                          + (f": {rec.get('error', '')[:300]}" if rec.get("status") == "error" else ""))
-    st = s["standin"]
+    st, cf = s["standin"], s["configs"]
     if st.get("pretrain"):
-        lines.append(f"stand-in: {st['wide']['base_parameters'] / 1e6:.0f}M pre-trained {st['pretrain']['steps']} "
-                     f"steps in {st['pretrain']['seconds']} s ({st['pretrain']['tokens_per_s']} tok/s, final loss "
-                     f"{st['pretrain']['final_loss']}), grown to {st['wide']['parameters'] / 1e9:.2f}B; "
-                     f"preservation max |dlogit| {st['preservation']['max_abs_logit_diff']:.3g}, top-1 "
-                     f"{st['preservation']['top1_agreement']:.4f}; dump: {st['dump_read']['records']} records "
+        pres = st["preservation"]
+        pad = (f", pad-id probability at most {pres['pad_mass_max']:.3g} ({pres.get('pad_argmax_tokens')} argmax)"
+               if "pad_mass_max" in pres else "")
+        lines.append(f"stand-in ({st.get('arch', 'llama')}): {_count(st['wide']['base_parameters'])} pre-trained "
+                     f"{st['pretrain']['steps']} steps in {st['pretrain']['seconds']} s "
+                     f"({st['pretrain']['tokens_per_s']} tok/s, final loss {st['pretrain']['final_loss']}), grown to "
+                     f"{_count(st['wide']['parameters'])}"
+                     + (f" ({_count(st['wide']['active_per_token'])} active per token, "
+                        f"{st['size']['bytes'] / 1e9:.3g} GB)" if st.get("size") else "")
+                     + f"; preservation max |dlogit| {pres['max_abs_logit_diff']:.3g}, top-1 "
+                     f"{pres['top1_agreement']:.4f}{pad}; dump: {st['dump_read']['records']} records "
                      f"({st['dump_read']['damage'] or 'intact'})")
+    if cf.get("target"):
+        t, hs = cf["target"], cf.get("hidden_states") or {}
+        lines.append(f"target: {t['architecture']}, hidden {t['hidden_size']}, {t['num_layers']} layers, vocab "
+                     f"{t['vocab_size']}, taps {t['taps']} (physical), {t['attention']} attention; capture "
+                     f"{cf.get('capture')} (fallback {cf.get('fallback_capture')}; capture during generation verified "
+                     f"for this arch: {t['generation_capture_verified']}); drafter shape {cf.get('draft_shape')}; "
+                     f"hidden states {cf.get('storage_dtype')} in {cf.get('bulk_dir')}, estimated "
+                     f"{(hs.get('gb_estimate') or {}).get(cf.get('storage_dtype'))} GB for {hs.get('tokens_estimate')} "
+                     f"tokens; free GB {cf.get('space')}")
     if regen:
         lines.append(regen_summary(regen))
         ours, theirs = regen.get("scheduler_pace") or {}, load("offline_ref").get("scheduler_pace") or {}
@@ -755,8 +951,11 @@ def summarize() -> dict[str, Any]:
                          f"{rec_ab['vs_offline']}x of the offline engine; decode pace with the running batch full "
                          f"{mine} tok/s; {rec_ab.get('capture')}")
         if regen.get("first_attempt_failed"):
-            lines.append(f"regen's first attempt FAILED (the figures above are the fallback's, states placed after "
-                         f"generation): {regen['first_attempt_failed']}")
+            fb = regen["first_attempt_failed"]
+            how = ("the prefill capture" if fb.get("fallback_capture") == "prefill"
+                   else "states placed after generation")
+            lines.append(f"regen's first attempt FAILED in {fb.get('seconds')} s (the figures above are the "
+                         f"fallback's, {how}): {fb.get('error', '')[:600]}")
     for label, key in (("bench (trained drafter, greedy)", "batch"), ("ceiling (every draft token accepted)",
                                                                          "ceiling_batch")):
         for bs in (1, 8):
@@ -766,10 +965,16 @@ def summarize() -> dict[str, Any]:
                              f"{r['spec_tok_per_s']} tok/s = {r['speedup']}x, accept length {r['accept_length']}, "
                              f"identical outputs {r['identical_outputs_fraction']}")
     ef = s["eagle_forced"]
+    w = ef.get("widths") or {}
+    widths = (f"the drafter's fc reads {w.get('drafter_fc_input')} = 3 x {w.get('target_hidden')} (aux layers "
+              f"{w.get('physical_taps')} physical, {w.get('export_aux_layer_ids')} as exported), EAGLE feeds it the "
+              f"{w.get('eagle_feeds')}-dim final state") if w else ""
     if ef.get("EAGLE"):
         lines.append(f"seed's bug: raw SGLang under EAGLE, same drafter and held-out prompts: accept length "
-                     f"{ef['EAGLE']['accept_length']} (EAGLE3 in the bench above); eaglenest preflight: "
+                     f"{ef['EAGLE']['accept_length']} (EAGLE3 in the bench above); {widths}; eaglenest preflight: "
                      f"{ef.get('preflight_refusal')}")
+    elif widths:
+        lines.append(f"seed's bug (not run here: needs SGLang): {widths}")
     sv = s["serve"]
     if sv.get("stream"):
         lines.append(f"serve job: healthy after {sv.get('seconds_to_healthy')} s; stream TTFT "

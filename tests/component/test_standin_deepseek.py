@@ -183,6 +183,31 @@ def test_kimi_widths_sizes_and_sglang_keys():
     assert NEVER_ROUTED_BIAS < -10
 
 
+def test_small_preset_widths_taps_and_size(capsys):
+    """``--preset small``: hidden 4096, 32 layers (taps [2, 16, 29]), Kimi's MLA head dims and ranks, every width
+    grown 4x from the small model (so every rescale is a power of two); 13.3 GB with 4 experts, 4 per token."""
+    from eaglenest.cli import main
+    from eaglenest.contracts.target import TargetSpec
+    from eaglenest.engines.standin_deepseek import SMALL_DEEPSEEK, _Vocab, size_report, small_config, with_experts
+    from eaglenest.targets import default_aux_taps
+
+    spec = with_experts(SMALL_DEEPSEEK, 4, 4)
+    cfg = widen_deepseek_config(small_config(spec, _Vocab(32000)).to_dict(), spec.wide)
+    for k, v in dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, q_lora_rank=1536,
+                     kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, vocab_size=163840,
+                     moe_intermediate_size=2048, n_routed_experts=4, num_experts_per_tok=4).items():
+        assert cfg[k] == v, k
+    for k in ("hidden_size", "q_lora_rank", "kv_lora_rank"):
+        assert cfg[k] == 4 * getattr(spec, k), k
+    assert cfg["num_attention_heads"] == 4 * spec.num_heads
+    ts = TargetSpec.from_config(cfg)
+    assert ts.arch.name == "deepseek_v3" and default_aux_taps(ts.num_layers) == [2, 16, 29]
+    assert 13e9 < size_report(spec)["bytes"] < 13.6e9
+    assert main(["standin-target", "unused", "--arch", "deepseek_v3", "--preset", "small", "--routed-experts", "4",
+                 "--experts-per-token", "4", "--size-only"]) == 0
+    assert "13.3 GB" in capsys.readouterr().out
+
+
 def test_tiny_deepseek_build_on_cpu_end_to_end(tmp_path, capsys):
     """``eaglenest standin-target --arch deepseek_v3 --preset tiny`` on the CPU: pre-training on the padded vocabulary,
     the shard-by-shard write with its layer-by-layer check, and a folder transformers and TargetSpec read."""
