@@ -6,7 +6,7 @@ K-step TTT forward (drafter.ttt), backward, gradient clipping and a fused AdamW 
 under bf16 autocast on GPU. Inputs are synthetic (random hidden states); throughput does not depend on the values.
 
     # the GPU acceptance run: both draft shapes at Kimi-K2.5 widths, side by side, with the per-kernel breakdown
-    # (~2-3 min on an H200, most of it torch.compile; peak ~45 GB, see "Memory" below)
+    # (~2-3 min on an H200, most of it torch.compile; peak ~40 GB, see "Memory" below)
     python benchmarks/train_step.py --device cuda --preset kimi --draft-shape both --profile --json train_step.json
     # the Llama-shaped head alone (the figure BENCHMARKS.md tracks; reference/training.md §3.5)
     python benchmarks/train_step.py --device cuda --preset kimi --json train_step.json
@@ -56,11 +56,15 @@ fwd x1 + bwd x2; and the teacher head (fwd only). tests/unit/test_train_step_ben
 torch's FlopCounterMode on a real step. The reference is a square GEMM in the same dtype (bf16 on GPU, fp32 on CPU);
 the "model-shaped" GEMM (tokens x 2H @ 2H x the attention input projections' outputs) is reported per shape.
 
-Memory at the kimi preset (B 1 x T 2048, K 7; estimate): Llama shape 1.19B trainable parameters, fp32 masters +
-gradients + AdamW moments 19 GB, frozen fp32 embedding 4.7 GB, teacher head (bf16) 2.3 GB, autocast's bf16 weight
-copies 2.4 GB, saved activations of the 7 TTT steps ~8-10 GB (per token and step ~0.6 MB: the 2H attention input,
-q/k/v, the MLP's 3 x 18432, the logits), the teacher's [T, 163840] logits 0.7 GB transient: ~40 GB peak. The MLA
-shape (0.89B trainable) is ~5 GB less. Both fit one H200 (141 GB) with room; ``both`` frees the first shape first.
+Memory at the kimi preset (B 1 x T 2048, K 7; estimate, the run prints the measured peak): Llama shape 1.19B
+trainable parameters: fp32 masters + gradients + AdamW moments 19.1 GB, frozen fp32 embedding 4.7 GB, teacher head
+(bf16) 2.3 GB, autocast's bf16 weight copies 2.4 GB; tensors saved for the backward of the 7 TTT steps ~8.8 GB
+(counted on the meta device with saved-tensor hooks: ~5.5 GB outside the attention with the compiled loss, plus
+FlexAttention's q, packed keys/values, output and log-sum-exp, 3.4 GB); transients (the teacher's [T, 163840]
+logits, bf16 gradient sums) ~3 GB: ~40 GB peak. MLA shape (0.90B trainable): ~36 GB. Both fit one H200 (141 GB)
+several times over, so the preset's batch stays 1 x 2048 (the figures stay comparable with BENCHMARKS.md's);
+``both`` frees the first shape before building the second. Activations grow linearly with B x T: T 8192 (the Kimi
+training config's max_seq_len) adds ~27 GB.
 
 Needs torch, pydantic (the eaglenest package imports its config) and this repository; no Ray, no transformers. On the
 H200 image, which lacks pydantic, source `.gpu/bin/install.sh` first.

@@ -132,3 +132,38 @@ def test_categories_by_name_and_region() -> None:
     assert c("aten::add_", None, None) == "elementwise"
     assert c("eaglenest:forward", None, "forward") == "other"
     assert c("sm90_xmma_gemm_bf16bf16_bf16f32", None, None) == "matmul"
+
+
+def test_cuda_breakdown_counts_kernels_once_and_follows_backward_nodes() -> None:
+    """The CUDA path on synthetic profiler events: kernel time per launching op, GPU annotation spans dropped."""
+    from types import SimpleNamespace as E
+
+    from torch.autograd import DeviceType
+
+    def op(name, parent=None, kernels=(), seq=-1, annotation=False):
+        return E(name=name, cpu_parent=parent, sequence_nr=seq, device_type=DeviceType.CPU, is_async=False,
+                 is_user_annotation=annotation, self_cpu_time_total=1.0,
+                 kernels=[E(name=n, duration=d) for n, d in kernels])
+
+    fwd = op("eaglenest:forward", kernels=[("eaglenest:forward", 300.0)], annotation=True)
+    norm = op("eaglenest:norm", fwd, annotation=True)
+    node = "autograd::engine::evaluate_function: "
+    bwd_mul, bwd_t = op(node + "MulBackward0", seq=6), op(node + "TBackward0", seq=5)
+    opt = op("eaglenest:optimizer", annotation=True)
+    events = [
+        fwd, norm, bwd_mul, bwd_t, opt,
+        op("aten::mm", fwd, [("sm90_xmma_gemm_bf16", 100.0)], seq=5),
+        op("aten::mul", norm, [("vectorized_elementwise_kernel", 10.0)], seq=6),
+        op("aten::mul", bwd_mul, [("vectorized_elementwise_kernel", 20.0)]),
+        op("aten::add_", bwd_t, [("vectorized_elementwise_kernel", 5.0)]),
+        op("aten::_fused_adamw_", opt, [("fused_adamw_kernel", 50.0)]),
+        E(name="eaglenest:forward", device_type=DeviceType.CUDA, is_async=False, is_user_annotation=True,
+          time_range=E(elapsed_us=lambda: 300.0)),
+    ]
+    res = step_profile.breakdown(events, steps=1, step_s=500e-6, cuda=True)
+    ms = {c: v["ms"] for c, v in res["categories"].items()}
+    assert ms == pytest.approx({"matmul": 0.1, "attention": 0.0, "softmax+CE": 0.0, "norms": 0.03,
+                                "elementwise": 0.005, "optimizer": 0.05, "other": 0.0})
+    assert res["backward_ms"]["norms"] == pytest.approx(0.02) and res["weight_grad_sums_ms"] == pytest.approx(0.005)
+    assert res["idle_ms"] == pytest.approx(0.5 - 0.185)
+    assert res["top_kernels"][0] == {"name": "sm90_xmma_gemm_bf16", "ms": pytest.approx(0.1), "calls": 1.0}
