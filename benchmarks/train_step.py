@@ -42,6 +42,12 @@ shards reach it, ``contracts.shards.fp8_parts`` of the same random states), and 
 back to back, and reports fp8's fraction of the matmul minus bf16's in points (``fp8_vs_bf16``) with the two
 first-step losses on the same initial weights.
 
+RMSNorm (``--rmsnorm``, a candidate measured without touching the training code): ``eager`` is the drafter's own
+RMSNorm (fp32 ops, ~10 passes over each [T, H] input forward and more backward); ``fused`` patches every RMSNorm's
+forward, for this run only, to one ``F.rms_norm`` over the same fp32 values (torch's fused CUDA kernel, forward and
+backward), rounded once to the input dtype as before; ``both`` measures each, and the first-step comparison on the
+same initial weights shows how far the two agree.
+
 Per-kernel breakdown (``--profile``, benchmarks/step_profile.py): after the timed steps, torch.profiler over
 ``--profile-steps`` more steps of each configuration; time per op category (matmul / attention / softmax+CE / norms
 / elementwise / optimizer / other, plus the GPU's idle time) in ms and % of the step, the top ops, the GEMMs' and the
@@ -82,6 +88,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch._dynamo.utils import counters
 
@@ -93,6 +100,7 @@ from step_profile import CATEGORIES, format_breakdown, label, profile_step  # no
 from eaglenest.drafter.batch import Batch  # noqa: E402
 from eaglenest.drafters.eagle3.config import DRAFT_SHAPES, DrafterModelConfig  # noqa: E402
 from eaglenest.drafters.eagle3.model import Eagle3Drafter  # noqa: E402
+from eaglenest.drafters.eagle3.norm import RMSNorm  # noqa: E402
 from eaglenest.drafters.eagle3.ttt import TeacherHead, TTTObjective, resolve_attention, resolve_loss  # noqa: E402
 from eaglenest.drafters.vocab import VocabMapping  # noqa: E402
 
@@ -200,13 +208,31 @@ def fp8_stored(x: torch.Tensor, states: int, device: torch.device) -> tuple[torc
     return values.view(b, t, width).to(device), exps.view(b, t, states).to(device)
 
 
+_EAGER_RMSNORM = RMSNorm.forward
+
+
+def _fused_rmsnorm(self: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+    """RMSNorm.forward's function (fp32 in, one rounding to the input dtype) as one ``F.rms_norm`` call."""
+    return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)
+
+
+def use_rmsnorm(kind: str) -> None:
+    """Every RMSNorm's forward from now on: ``eager`` (drafters.eagle3.norm's own) or ``fused``."""
+    RMSNorm.forward = _EAGER_RMSNORM if kind == "eager" else _fused_rmsnorm
+
+
+def run_name(r: dict) -> str:
+    return "+".join([r["draft_shape"], r["attention"], r["loss_kernel"], r["hidden_storage"]]
+                    + ([] if r["rmsnorm"] == "eager" else ["fused-rmsnorm"]))
+
+
 def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-30))
 
 
 def measure_shape(shape: str, p: dict, args: argparse.Namespace, device: torch.device, compute: torch.dtype,
                   mapping: VocabMapping, teacher: TeacherHead, stored: dict[str, Batch],
-                  configs: list[tuple[str, str, str]], steps: int) -> tuple[list[dict], dict]:
+                  configs: list[tuple[str, str, str, str]], steps: int) -> tuple[list[dict], dict]:
     """Every kernel configuration of one draft shape: (runs, the shape's facts). The drafter and its optimizer are
     freed when this returns."""
     k_steps, t, b = args.ttt_steps, p["seq_len"], p["batch"]
@@ -264,8 +290,9 @@ def measure_shape(shape: str, p: dict, args: argparse.Namespace, device: torch.d
     first: dict[tuple[str, str, str], dict] = {}
     ref_loss: dict[str, torch.Tensor] = {}
     ref_grads: dict[str, list[torch.Tensor]] = {}
-    for attention, loss_kernel, storage in configs:
+    for attention, loss_kernel, storage, norm in configs:
         objective.attention, objective.loss_kernel = attention, loss_kernel
+        use_rmsnorm(norm)
         opt.zero_grad(set_to_none=True)
         sync(device)
         t0 = time.perf_counter()
@@ -273,12 +300,12 @@ def measure_shape(shape: str, p: dict, args: argparse.Namespace, device: torch.d
             loss0 = one_step(storage, update=False)
             sync(device)
         except NotImplementedError as e:  # e.g. FlexAttention has no backward on CPU
-            first[(attention, loss_kernel, storage)] = {"skipped": str(e)}
+            first[(attention, loss_kernel, storage, norm)] = {"skipped": str(e)}
             print(f"  {shape}: {attention} attention + {loss_kernel} loss ({storage}): skipped ({e})")
             opt.zero_grad(set_to_none=True)
             continue
         except Exception as e:  # reported; the other configurations still run
-            first[(attention, loss_kernel, storage)] = {"failed": failed("first step", e)}
+            first[(attention, loss_kernel, storage, norm)] = {"failed": failed("first step", e)}
             print(f"error: {shape} {attention}+{loss_kernel} ({storage}) failed: {e}", file=sys.stderr)
             continue
         info: dict = {"first_step_s": time.perf_counter() - t0, "first_loss": float(loss0)}
@@ -291,20 +318,21 @@ def measure_shape(shape: str, p: dict, args: argparse.Namespace, device: torch.d
             info["vs_first_config"] = {"loss_rel_diff": rel_diff(loss0, ref_loss[storage]),
                                        "max_grad_rel_diff": diffs[worst], "max_grad_rel_diff_param": named[worst][0]}
             del grads
-        first[(attention, loss_kernel, storage)] = info
+        first[(attention, loss_kernel, storage, norm)] = info
     opt.zero_grad(set_to_none=True)
     del ref_grads
 
     # 2. per configuration: warm-up, timed steps, one synchronised step for the phase breakdown, the profile
     flops = step_flops(drafter, teacher.weight, b, t, k_steps)
     runs = []
-    for attention, loss_kernel, storage in configs:
+    for attention, loss_kernel, storage, norm in configs:
         head = {"draft_shape": shape, "attention": attention, "loss_kernel": loss_kernel, "hidden_storage": storage,
-                **first[(attention, loss_kernel, storage)]}
+                "rmsnorm": norm, **first[(attention, loss_kernel, storage, norm)]}
         if "skipped" in head or "failed" in head:
             runs.append(head)
             continue
         objective.attention, objective.loss_kernel = attention, loss_kernel
+        use_rmsnorm(norm)
         try:
             for _ in range(args.warmup):
                 one_step(storage)
@@ -372,6 +400,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hidden-storage", choices=["bf16", "fp8", "both"], default="bf16",
                     help="hidden states the step starts from: bf16, or fp8 payload + exponents dequantised in the "
                          "step; both = each, measured side by side")
+    ap.add_argument("--rmsnorm", choices=["eager", "fused", "both"], default="eager",
+                    help="the drafter's RMSNorm: eager (the training code's) or fused (F.rms_norm on the same fp32 "
+                         "values: a candidate, patched in for this run only); both = each, measured side by side")
     ap.add_argument("--steps", type=int, default=None, help="timed steps (default 6 on cuda, 3 on cpu)")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps after the first (compiling) step")
     ap.add_argument("--profile", action="store_true",
@@ -393,8 +424,9 @@ def main(argv: list[str] | None = None) -> int:
     attentions = ["manual", "flex"] if args.attention == "both" else [resolve_attention(args.attention, device)]
     losses = ["eager", "compiled"] if args.loss == "both" else [resolve_loss(args.loss, device)]
     storages = ["bf16", "fp8"] if args.hidden_storage == "both" else [args.hidden_storage]
-    configs = list(itertools.product(attentions, losses, storages))
-    default_config = (resolve_attention("auto", device), resolve_loss("auto", device), storages[0])
+    norms = ["eager", "fused"] if args.rmsnorm == "both" else [args.rmsnorm]
+    configs = list(itertools.product(attentions, losses, storages, norms))
+    default_config = (resolve_attention("auto", device), resolve_loss("auto", device), storages[0], norms[0])
 
     mapping, teacher, compute = build_teacher(p, device, seed=0)
     g = torch.Generator(device="cpu").manual_seed(1)
@@ -413,13 +445,16 @@ def main(argv: list[str] | None = None) -> int:
 
     runs: list[dict] = []
     facts: dict[str, dict] = {}
-    for shape in shapes:
-        shape_runs, facts[shape] = measure_shape(shape, p, args, device, compute, mapping, teacher, stored, configs,
-                                                 steps)
-        runs += shape_runs
-        gc.collect()  # the shape's drafter, gradients and optimizer state go before the next shape is built
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+    try:
+        for shape in shapes:
+            shape_runs, facts[shape] = measure_shape(shape, p, args, device, compute, mapping, teacher, stored,
+                                                     configs, steps)
+            runs += shape_runs
+            gc.collect()  # the shape's drafter, gradients and optimizer state go before the next shape is built
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    finally:
+        use_rmsnorm("eager")
     ok = [r for r in runs if "step_s" in r]
     if not ok:
         print("error: no configuration could run", file=sys.stderr)
@@ -437,13 +472,14 @@ def main(argv: list[str] | None = None) -> int:
             prof["matmul_fraction_of_reference"] = prof["matmul_tflops"] / ref if prof["matmul_tflops"] else None
             prof["step_ms_for_70pct"] = 1e3 * run["model_tflop_per_step"] / (0.7 * ref)
     main_run = next((r for r in ok if r["draft_shape"] == shapes[0]
-                     and (r["attention"], r["loss_kernel"], r["hidden_storage"]) == default_config),
+                     and (r["attention"], r["loss_kernel"], r["hidden_storage"], r["rmsnorm"]) == default_config),
                     [r for r in ok if r["draft_shape"] == ok[0]["draft_shape"]][-1])
     main_facts = facts[main_run["draft_shape"]]
     fp8_vs_bf16 = []
     for r8 in (r for r in ok if r["hidden_storage"] == "fp8"):
         r16 = next((r for r in ok if r["hidden_storage"] == "bf16" and (r["draft_shape"], r["attention"],
-                    r["loss_kernel"]) == (r8["draft_shape"], r8["attention"], r8["loss_kernel"])), None)
+                    r["loss_kernel"], r["rmsnorm"]) == (r8["draft_shape"], r8["attention"], r8["loss_kernel"],
+                                                        r8["rmsnorm"])), None)
         if r16 is not None:
             fp8_vs_bf16.append({
                 "draft_shape": r8["draft_shape"], "attention": r8["attention"], "loss_kernel": r8["loss_kernel"],
@@ -465,6 +501,7 @@ def main(argv: list[str] | None = None) -> int:
         "attention": main_run["attention"],
         "loss_kernel": main_run["loss_kernel"],
         "hidden_storage": main_run["hidden_storage"],
+        "rmsnorm": main_run["rmsnorm"],
         "step_s": main_run["step_s"],
         "tokens_per_s": main_run["tokens_per_s"],
         "model_tflop_per_step": main_facts["model_tflop_per_step"],
@@ -481,10 +518,8 @@ def main(argv: list[str] | None = None) -> int:
         "shapes": facts,
         "runs": runs,
         "fp8_vs_bf16": fp8_vs_bf16,
-        "skipped": {f"{r['draft_shape']}+{r['attention']}+{r['loss_kernel']}+{r['hidden_storage']}": r["skipped"]
-                    for r in runs if "skipped" in r},
-        "failed": {f"{r['draft_shape']}+{r['attention']}+{r['loss_kernel']}+{r['hidden_storage']}": r["failed"]
-                   for r in runs if "failed" in r},
+        "skipped": {run_name(r): r["skipped"] for r in runs if "skipped" in r},
+        "failed": {run_name(r): r["failed"] for r in runs if "failed" in r},
     }
     print(f"TTT train step on {res['device']}, {res['dtype']}: H {p['hidden']}, {p['heads']} heads, "
           f"I {p['intermediate']}, Vd {p['draft_vocab']}, V {p['vocab']}, B {b} x T {t}, K {k_steps}")
@@ -500,7 +535,7 @@ def main(argv: list[str] | None = None) -> int:
     for run in runs:
         star = "*" if run is main_run else " "
         name = f"{run['draft_shape']:>5}: {run['attention']:>6} attention + {run['loss_kernel']:>8} loss, " \
-               f"{run['hidden_storage']} hidden"
+               f"{run['hidden_storage']} hidden" + (f", {run['rmsnorm']} RMSNorm" if len(norms) > 1 else "")
         if "step_s" not in run:
             print(f"  {name}: {'skipped' if 'skipped' in run else 'FAILED'} "
                   f"({run.get('skipped') or run.get('failed')})")
@@ -516,8 +551,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"max grad rel diff {v['max_grad_rel_diff']:.2e} ({v['max_grad_rel_diff_param']})")
             tol = 5e-2 if compute == torch.bfloat16 else 1e-4
             if v["loss_rel_diff"] > tol or v["max_grad_rel_diff"] > tol:
-                print(f"warning: {run['draft_shape']} {run['attention']}+{run['loss_kernel']} "
-                      f"({run['hidden_storage']}) disagrees with the first configuration beyond {tol:g}",
+                print(f"warning: {run_name(run)} disagrees with the first configuration beyond {tol:g}",
                       file=sys.stderr)
         prof = run.get("profile")
         if prof is not None:
@@ -528,8 +562,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"the reference), attention {at or 0:.3g} TFLOP/s; 70% of the reference needs a step of "
                   f"{prof['step_ms_for_70pct']:.1f} ms (now {run['step_s'] * 1e3:.1f} ms)")
         if run["recompiled_while_timed"]:
-            print(f"warning: torch.compile recompiled during the timed steps of {run['draft_shape']} "
-                  f"{run['attention']}+{run['loss_kernel']}; its time includes compilation", file=sys.stderr)
+            print(f"warning: torch.compile recompiled during the timed steps of {run_name(run)}; its time includes "
+                  "compilation", file=sys.stderr)
         if not math.isfinite(run["loss"]):
             print("warning: the loss is not finite", file=sys.stderr)
     for c in fp8_vs_bf16:
@@ -550,13 +584,16 @@ def main(argv: list[str] | None = None) -> int:
 def summary_table(runs: list[dict], ref: float) -> str:
     """One line per measured run: the shapes side by side (and, with --profile, each one's op categories)."""
     profiled = all("profile" in r for r in runs)
-    head = (f"  {'shape':<6}{'attention + loss':<20}{'hidden':<8}{'step ms':>9}{'tokens/s':>10}{'TFLOP/step':>12}"
+    kernels = [r["attention"] + " + " + r["loss_kernel"] + ("" if r["rmsnorm"] == "eager" else " + fused norm")
+               for r in runs]
+    w = max(20, *(len(k) + 2 for k in kernels))
+    head = (f"  {'shape':<6}{'attention + loss':<{w}}{'hidden':<8}{'step ms':>9}{'tokens/s':>10}{'TFLOP/step':>12}"
             f"{'TFLOP/s':>9}{'fraction':>10}")
     if profiled:
         head += "".join(f"{c[:7]:>9}" for c in (*CATEGORIES, "idle")) + "  (% of step)"
     lines = [f"summary (fraction of the {ref:.4g} TFLOP/s matmul reference):", head]
-    for r in runs:
-        line = (f"  {r['draft_shape']:<6}{r['attention'] + ' + ' + r['loss_kernel']:<20}{r['hidden_storage']:<8}"
+    for r, k in zip(runs, kernels, strict=True):
+        line = (f"  {r['draft_shape']:<6}{k:<{w}}{r['hidden_storage']:<8}"
                 f"{r['step_s'] * 1e3:>9.1f}{r['tokens_per_s']:>10.0f}{r['model_tflop_per_step']:>12.3f}"
                 f"{r['achieved_tflops']:>9.2f}{r['fraction_of_matmul']:>10.1%}")
         if profiled:

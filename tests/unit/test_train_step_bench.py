@@ -167,3 +167,28 @@ def test_cuda_breakdown_counts_kernels_once_and_follows_backward_nodes() -> None
     assert res["backward_ms"]["norms"] == pytest.approx(0.02) and res["weight_grad_sums_ms"] == pytest.approx(0.005)
     assert res["idle_ms"] == pytest.approx(0.5 - 0.185)
     assert res["top_kernels"][0] == {"name": "sm90_xmma_gemm_bf16", "ms": pytest.approx(0.1), "calls": 1.0}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_rmsnorm_candidate_is_the_drafters_rmsnorm(dtype: torch.dtype) -> None:
+    from eaglenest.drafters.eagle3.norm import RMSNorm
+
+    norm = RMSNorm(64, 1e-6)
+    with torch.no_grad():
+        norm.weight.add_(0.3 * torch.randn(64))
+    x = torch.randn(5, 7, 64).to(dtype)
+    outs = []
+    try:
+        for kind in ("eager", "fused"):
+            train_step.use_rmsnorm(kind)
+            norm.weight.grad = None
+            xi = x.clone().requires_grad_(True)
+            y = norm(xi)
+            (y.float() * torch.linspace(-1, 1, 64)).sum().backward()
+            outs.append((y, xi.grad, norm.weight.grad))
+    finally:
+        train_step.use_rmsnorm("eager")
+    assert RMSNorm.forward is train_step._EAGER_RMSNORM
+    for a, b in zip(*outs, strict=True):
+        assert a.dtype == b.dtype
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
