@@ -349,12 +349,17 @@ def measure_shape(shape: str, p: dict, args: argparse.Namespace, device: torch.d
             peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
             timing = {"dequant": 0.0, "teacher": 0.0, "forward": 0.0, "backward": 0.0, "optimizer": 0.0}
             one_step(storage, timing)  # not in the throughput
-            prof = (profile_step(lambda s=storage: one_step(s, labels=True), drafter, device, args.profile_steps)
-                    if args.profile else None)
         except Exception as e:  # reported; the other configurations still run
             runs.append({**head, "failed": failed("timed steps", e)})
             print(f"error: {shape} {attention}+{loss_kernel} ({storage}) failed: {e}", file=sys.stderr)
             continue
+        prof = profile_error = None
+        if args.profile:
+            try:
+                prof = profile_step(lambda s=storage: one_step(s, labels=True), drafter, device, args.profile_steps)
+            except Exception as e:  # the timing stands; the breakdown is reported missing
+                profile_error = failed("profile", e)
+                print(f"error: the profile of {shape} {attention}+{loss_kernel} failed: {e}", file=sys.stderr)
         run = {
             **head,
             "step_s": step_s,
@@ -366,6 +371,8 @@ def measure_shape(shape: str, p: dict, args: argparse.Namespace, device: torch.d
             "peak_memory_gib": peak,
             "recompiled_while_timed": recompiled,
         }
+        if profile_error is not None:
+            run["profile_error"] = profile_error
         if prof is not None:
             cats = prof["categories"]
             for key, cat, part in (("matmul_tflops", "matmul", flops["linear"] + flops["teacher"]),
@@ -578,7 +585,7 @@ def main(argv: list[str] | None = None) -> int:
     print(summary_table(ok, ref))
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=2) + "\n")
-    return 1 if res["failed"] else 0
+    return 1 if res["failed"] or any("profile_error" in r for r in runs) else 0
 
 
 def summary_table(runs: list[dict], ref: float) -> str:
