@@ -297,6 +297,11 @@ def _check_layers(report: PreflightReport, d: DrafterExport, t: TargetSpec, engi
 
     def ids_fix() -> str:
         try:
+            validate_aux_layer_ids(physical or [], n)
+        except LayerIdError:  # no config ids can give layers this target does not have (or 2 instead of 3)
+            return (f"train a drafter on 3 layers of this target (default {_default(n)}), or serve this one with the "
+                    f"target it was trained on (layers {physical}, {where})")
+        try:
             ids = engine_layer_ids(physical or [], engine="sglang", architecture=t.architecture, num_layers=n)
         except LayerIdError:
             return "re-export the drafter for this target with eaglenest export"
