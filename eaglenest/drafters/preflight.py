@@ -114,12 +114,14 @@ class PreflightReport:
         return self
 
 
-def derive_algorithm(drafter: DrafterExport, requested: str | None = None) -> str:
+def derive_algorithm(drafter: DrafterExport, requested: str | None = None, *,
+                     target_hidden_size: int | None = None) -> str:
     """The engine algorithm comes from the checkpoint (``eaglenest.drafters.registry``): an EAGLE-3 drafter is served
     with EAGLE3, always.
 
     Raises SpeculativeConfigError for a drafter no registered algorithm exports, and for a drafter under an engine
-    algorithm that would silently misuse it (SGLang accepts EAGLE for an EAGLE-3 checkpoint).
+    algorithm that would silently misuse it (SGLang accepts EAGLE for an EAGLE-3 checkpoint); that message gives the
+    state widths the drafter would get and the ones it needs (``target_hidden_size``, else the drafter's own record).
     """
     algo = algorithm_for_architecture(drafter.architecture)
     if algo is None:
@@ -135,9 +137,24 @@ def derive_algorithm(drafter: DrafterExport, requested: str | None = None) -> st
                                      f"use {algo.sglang_algorithm} (or leave it unset: it is derived from the drafter)")
     raise SpeculativeConfigError(
         f"the drafter is an {algo.title} checkpoint ({drafter.architecture}) but the algorithm is {requested}: "
-        f"{wrong[requested]}",
+        f"{wrong[requested]}{_state_widths(drafter, requested, target_hidden_size)}",
         f"use --algorithm {algo.sglang_algorithm} / serve.spec.algorithm: {algo.sglang_algorithm} (or leave it "
         f"unset: it is derived from the drafter)")
+
+
+def _state_widths(drafter: DrafterExport, requested: str, target_hidden_size: int | None) -> str:
+    """What a wrong engine algorithm feeds this drafter, in numbers: the target's final hidden state (H wide) instead
+    of the 3 aux layers its ``fc`` fuses (3 x H). Empty when no width is known."""
+    cfg = drafter.config
+    h = int(target_hidden_size or cfg.get("target_hidden_size") or cfg.get("hidden_size") or 0)
+    if not h:
+        return ""
+    physical, _ = drafter.recorded_physical_ids()
+    layers = f" of layers {physical}" if physical else ""
+    fc = drafter.shape("fc.weight")
+    takes = f"its fc.weight {fc} takes" if fc else "its fc takes"
+    return (f"; in numbers: under {requested} the drafter would get {h}-wide states instead of the 3 x {h} = "
+            f"{3 * h}-wide aux states{layers} {takes}")
 
 
 # ---------------------------------------------------------------------------------------------------------- checks
@@ -188,7 +205,7 @@ def run_preflight(
     if d.sidecar_error:
         report.add("sidecar", False, d.sidecar_error, "re-export the drafter with eaglenest.drafter.export")
 
-    _check_algorithm(report, d, algorithm)
+    _check_algorithm(report, d, algorithm, t.hidden_size if t is not None else None)
     _check_structure(report, d)
     if d.tensors:
         check_tensors(report, d)
@@ -205,9 +222,10 @@ def run_preflight(
     return report
 
 
-def _check_algorithm(report: PreflightReport, d: DrafterExport, requested: str | None) -> None:
+def _check_algorithm(report: PreflightReport, d: DrafterExport, requested: str | None,
+                     target_hidden_size: int | None) -> None:
     try:
-        derived = derive_algorithm(d, requested)
+        derived = derive_algorithm(d, requested, target_hidden_size=target_hidden_size)
     except SpeculativeConfigError as e:
         report.add("algorithm", False, e.message, e.fix)
         return
@@ -278,6 +296,11 @@ def _check_layers(report: PreflightReport, d: DrafterExport, t: TargetSpec, engi
     captured = engine_captured_layers(config_ids, engine="sglang", architecture=t.architecture, num_layers=n)
 
     def ids_fix() -> str:
+        try:
+            validate_aux_layer_ids(physical or [], n)
+        except LayerIdError:  # no config ids can give layers this target does not have (or 2 instead of 3)
+            return (f"train a drafter on 3 layers of this target (default {_default(n)}), or serve this one with the "
+                    f"target it was trained on (layers {physical}, {where})")
         try:
             ids = engine_layer_ids(physical or [], engine="sglang", architecture=t.architecture, num_layers=n)
         except LayerIdError:

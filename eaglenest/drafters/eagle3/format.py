@@ -63,8 +63,8 @@ __all__ = ["ARCHITECTURE", "ARCHITECTURES", "CONFIG", "FC_NORM_WEIGHTS", "MLA_AR
            "MLA_REQUIRED_DRAFT_WEIGHTS", "MODEL_TYPES", "OPTIONAL_TENSORS", "REQUIRED_DRAFT_WEIGHTS",
            "REQUIRED_TENSORS", "SIDECAR", "WEIGHTS", "DrafterExport", "DrafterFormatError", "ExportError",
            "draft_shape_of", "expected_shapes", "hf_config", "read_drafter", "read_export_config",
-           "required_draft_weights", "required_tensors", "validate_tensors", "vocab_mapping_problems",
-           "write_export"]
+           "required_draft_weights", "required_tensors", "sidecar_record", "validate_tensors",
+           "vocab_mapping_problems", "write_export"]
 
 
 class ExportError(ValueError):
@@ -207,6 +207,27 @@ def validate_tensors(tensors: Mapping[str, torch.Tensor], cfg: DrafterModelConfi
 
 
 # --------------------------------------------------------------------------------------------------------- write
+def sidecar_record(cfg: DrafterModelConfig, fmt: Format, dtype: str, *, includes_embedding: bool) -> dict[str, Any]:
+    """The sidecar :func:`write_export` writes next to config.json (physical ids, target shape, drafter config)."""
+    return {
+        "format": fmt,
+        SIDECAR_ID_KEYS[0]: list(cfg.aux_layer_ids),
+        "config_aux_layer_ids": config_layer_ids(cfg, fmt),
+        "layer_id_convention": (f"SGLang's rule for {cfg.target_architecture or 'Llama-style'} targets"
+                                if fmt == "sglang" else "physical (vLLM)"),
+        "target_architecture": cfg.target_architecture,
+        "algorithm": cfg.algorithm,
+        "target": cfg.target,
+        "target_num_layers": cfg.target_num_layers,
+        "target_hidden_size": cfg.target_hidden_size,
+        "target_vocab_size": cfg.vocab_size,
+        "draft_vocab_size": cfg.draft_vocab_size,
+        "dtype": dtype,
+        "includes_embedding": includes_embedding,
+        "drafter_config": cfg.to_dict(),
+    }
+
+
 def write_export(
     tensors: Mapping[str, torch.Tensor],
     cfg: DrafterModelConfig,
@@ -222,30 +243,14 @@ def write_export(
 
     if dtype not in DTYPE_NAMES:
         raise ExportError(f"unknown dtype {dtype!r}; use one of {sorted(DTYPE_NAMES)}")
-    config_ids = config_layer_ids(cfg, fmt)  # validates fmt and the ids for this target
+    config_layer_ids(cfg, fmt)  # validates fmt and the ids for this target before anything is written
     validate_tensors(tensors, cfg)
     td = getattr(torch, dtype)
     out_tensors = {
         k: (v.to(td) if v.is_floating_point() else v).detach().to("cpu").contiguous() for k, v in tensors.items()
     }
-    sidecar = {
-        "format": fmt,
-        SIDECAR_ID_KEYS[0]: list(cfg.aux_layer_ids),
-        "config_aux_layer_ids": config_ids,
-        "layer_id_convention": (f"SGLang's rule for {cfg.target_architecture or 'Llama-style'} targets"
-                                if fmt == "sglang" else "physical (vLLM)"),
-        "target_architecture": cfg.target_architecture,
-        "algorithm": cfg.algorithm,
-        "target": cfg.target,
-        "target_num_layers": cfg.target_num_layers,
-        "target_hidden_size": cfg.target_hidden_size,
-        "target_vocab_size": cfg.vocab_size,
-        "draft_vocab_size": cfg.draft_vocab_size,
-        "dtype": dtype,
-        "includes_embedding": "embed_tokens.weight" in out_tensors,
-        "drafter_config": cfg.to_dict(),
-        **(extra_sidecar or {}),
-    }
+    sidecar = {**sidecar_record(cfg, fmt, dtype, includes_embedding="embed_tokens.weight" in out_tensors),
+               **(extra_sidecar or {})}
     out = Path(output_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
