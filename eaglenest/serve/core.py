@@ -48,6 +48,17 @@ class Outcome:
     logprobs: list[tuple[int, float, list[tuple[int, float]]]] = field(default_factory=list)
 
 
+def model_created(*paths: str | None) -> int:
+    """``created`` in /v1/models: the first local folder's modification time, so every replica (and every restart)
+    reports the same value; the process's start only when nothing is local."""
+    import os
+
+    for p in paths:
+        if p and os.path.exists(p):
+            return int(os.stat(p).st_mtime)
+    return now()
+
+
 class ServerCore:
     """Request handling independent of Ray Serve's plumbing: one per replica."""
 
@@ -58,7 +69,7 @@ class ServerCore:
         self.model_name = s.model_name
         self.api_key = resolve_api_key(api_key, s.api_key)
         self.drafter = drafter
-        self.created = now()
+        self.created = model_created(drafter, cfg.target.model)
         self.admission = Admission(s.max_concurrent_requests)
         self.shutting_down = False
         self.drain = Drain()
