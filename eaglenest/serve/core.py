@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections import deque
 from collections.abc import AsyncIterator
@@ -51,8 +52,6 @@ class Outcome:
 def model_created(*paths: str | None) -> int:
     """``created`` in /v1/models: the first local folder's modification time, so every replica (and every restart)
     reports the same value; the process's start only when nothing is local."""
-    import os
-
     for p in paths:
         if p and os.path.exists(p):
             return int(os.stat(p).st_mtime)
