@@ -4,6 +4,7 @@
         --sweep 2-1-3,3-1-4,4-3-8 --output out/bench
     eaglenest bench --config configs/demo.yaml            # target + bench sections (bench.drafter or serve.drafter)
     eaglenest bench ... --engine sglang                   # same command shape on SGLang (GPU)
+    eaglenest bench ... --drafter llama=out/a/export --drafter mla=out/b/export   # two drafters, one baseline
 
 Prints tok/s, accept length and speedup per config, the best config, and says plainly when speculation loses.
 Writes ``bench.json``, ``bench.md`` and ``bench.png`` into the output folder. ``--fail-if-slower`` exits 1 when no
@@ -21,7 +22,9 @@ from pathlib import Path
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default=None, help="eaglenest YAML (target + bench sections); flags override it")
     p.add_argument("--target", default=None, help="'tiny', a local HF model folder or a hub id")
-    p.add_argument("--drafter", default=None, help="drafter export folder")
+    p.add_argument("--drafter", action="append", default=None, metavar="[LABEL=]PATH",
+                   help="drafter export folder; give it several times (optionally LABEL=PATH) to compare drafters "
+                        "against one baseline in one run (configs are then named LABEL:steps-topk-tokens)")
     p.add_argument("--prompts", default=None, help="JSONL of prompts ({'messages': [...], 'domain': ...})")
     p.add_argument("--engine", choices=["hf", "sglang"], default=None, help="default: target.engine of the config")
     p.add_argument("--sweep", default=None,
@@ -75,15 +78,18 @@ def run(args: argparse.Namespace) -> int:
     updates = {k: v for k, v in {"model": args.target, "device": args.device, "dtype": args.dtype,
                                  "engine": args.engine}.items() if v is not None}
     tc = tc.model_copy(update=updates)
-    drafter = args.drafter or cfg.resolve(bc.drafter) or cfg.resolve(cfg.serve.drafter)
+    given = args.drafter or [x for x in (cfg.resolve(bc.drafter) or cfg.resolve(cfg.serve.drafter),) if x]
     prompts_path = args.prompts or cfg.resolve(bc.prompts)
-    if not drafter or not prompts_path:
+    if not given or not prompts_path:
         print("eaglenest bench: give --drafter and --prompts (or bench.drafter / bench.prompts in --config)",
               file=sys.stderr)
         return 2
-    if not Path(drafter).is_dir():
-        print(f"eaglenest bench: drafter folder {drafter} does not exist", file=sys.stderr)
+    try:
+        drafters = parse_drafters(given)
+    except ValueError as e:
+        print(f"eaglenest bench: {e}", file=sys.stderr)
         return 2
+    drafter = drafters[None] if list(drafters) == [None] else drafters
     try:
         sweep = parse_sweep(args.sweep) if args.sweep else list(bc.sweep)
         records = load_prompts(prompts_path, args.num_prompts or bc.num_prompts)
@@ -113,7 +119,9 @@ def run(args: argparse.Namespace) -> int:
     out_dir = args.output or cfg.resolve(bc.output)
     wins = True
     for report in reports:
-        report.update({"target": tc.model, "drafter": str(drafter), "prompts": str(prompts_path)})
+        report.update({"target": tc.model, "prompts": str(prompts_path),
+                       "drafter": str(drafter) if isinstance(drafter, (str, Path)) else None,
+                       "drafters": {str(k): str(v) for k, v in drafters.items()}})
         print(report_markdown(report))
         if out_dir:
             out = Path(out_dir)
@@ -121,7 +129,8 @@ def run(args: argparse.Namespace) -> int:
             stem = "bench" if len(reports) == 1 else f"bench-bs{report['batch_size']}"
             (out / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
             (out / f"{stem}.md").write_text(report_markdown(report))
-            plot_bench(report, out / f"{stem}.png")
+            if report["configs"]:  # every config failed: the report says why, there is nothing to plot
+                plot_bench(report, out / f"{stem}.png")
             print(f"wrote {out / stem}.json, .md, .png")
         if not report["speculation_wins"]:
             print(f"batch {report['batch_size']}: {report['verdict']}", file=sys.stderr)
@@ -129,6 +138,26 @@ def run(args: argparse.Namespace) -> int:
     if not wins and args.fail_if_slower:
         return 1
     return 0
+
+
+def parse_drafters(items: list[str]) -> dict[str | None, str]:
+    """``["a/export"]`` -> ``{None: "a/export"}``; several -> ``{label: folder}``, each ``LABEL=PATH`` or a bare
+    folder labelled by its name (its parent's name for an ``export`` folder). Folders must exist, labels differ."""
+    pairs: list[tuple[str, str]] = []
+    for item in items:
+        label, sep, path = item.partition("=")
+        if not sep or Path(item).is_dir():
+            p = Path(item)
+            label, path = (p.parent.name if p.name == "export" else p.name), item
+        if not Path(path).is_dir():
+            raise ValueError(f"drafter folder {path} does not exist")
+        pairs.append((label, path))
+    if len(pairs) == 1 and "=" not in items[0]:
+        return {None: pairs[0][1]}
+    labels = [label for label, _ in pairs]
+    if len(set(labels)) != len(labels):
+        raise ValueError(f"drafter labels must differ, got {labels}; name them with LABEL=PATH")
+    return dict(pairs)
 
 
 def parse_batch_sizes(text: str) -> list[int]:
@@ -148,8 +177,8 @@ def _run_sglang(tc, drafter, records, sweep, common):
     from eaglenest.speculative.bench import run_bench_batches
     from eaglenest.speculative.evaluate import prompt_ids
 
-    def factory(spec):
-        return SGLangEngine(tc) if spec is None else SGLangEngine.speculative(tc, str(drafter), spec)
+    def factory(spec, drafter_dir):
+        return SGLangEngine(tc) if spec is None else SGLangEngine.speculative(tc, str(drafter_dir), spec)
 
     probe = SGLangEngine(tc)  # tokenizer + chat template only; the engine itself starts lazily
     prompts = [prompt_ids(probe.tokenizer, r) for r in records]

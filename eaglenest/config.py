@@ -221,6 +221,9 @@ class TrainConfig(Section):
     num_workers: int = Field(1, ge=1)
     use_gpu: bool = False
     cpus_per_worker: float = Field(1.0, gt=0)
+    gpus_per_worker: float = Field(
+        1.0, gt=0, le=1, description="with use_gpu: the share of one GPU a worker reserves in Ray (e.g. 0.5 to train "
+        "two drafters, say both draft shapes of one target, side by side on one GPU; each still uses one device)")
     eval_fraction: float = Field(0.1, ge=0, lt=1)
     eval_every: int = Field(50, ge=1)
     eval_max_samples: int | None = Field(256, ge=1, description="held-out samples per evaluation (None = all)")

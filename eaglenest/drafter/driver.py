@@ -95,7 +95,7 @@ def train_drafter(cfg: EaglenestConfig, data_dir: str | Path | None, output_dir:
 
     resources = {"CPU": tc.cpus_per_worker}
     if tc.use_gpu:
-        resources["GPU"] = 1
+        resources["GPU"] = tc.gpus_per_worker
     online_cfg = None
     if inputs.online is not None:
         online_cfg = {k: v for k, v in inputs.online.items() if k != "tracker"}

@@ -8,7 +8,11 @@ median baseline tok/s. Greedy outputs of every config are checked against the ba
 
 The SGLang engine (``engine="sglang"``) starts one ``sglang.Engine`` per variant (a GPU rarely holds several), runs
 them one after another and runs the baseline again at the end to show drift; accept length comes from SGLang's own
-per-request ``spec_verify_ct``. It needs a GPU and ``pip install eaglenest[gpu]``.
+per-request ``spec_verify_ct``. It needs a GPU and ``pip install eaglenest[gpu]``. A variant whose engine fails to
+start or run is reported under ``failed`` with its error; the others are still measured.
+
+Several drafters (e.g. the Llama-shaped and the MLA draft shape of one target) can be benchmarked in one run against
+one baseline: pass ``drafter`` as a ``{label: drafter}`` mapping; each config is then named ``label:steps-topk-tokens``.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import contextlib
 import os
 import statistics
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -61,6 +65,10 @@ class VariantStats:
     rounds: list[_Run] = field(default_factory=list)
     ceiling: bool = False
     """every draft token accepted (SGLang only): its speed is the bound for this shape, its text is meaningless"""
+    drafter: str | None = None
+    """the drafter's label (None: the baseline, or the only drafter of a one-drafter bench)"""
+    error: str | None = None
+    """why this variant has no measurement (its engine failed to start or to run)"""
 
     def tok_per_s(self) -> list[float]:
         return [r.completion_tokens / r.seconds if r.seconds > 0 else 0.0 for r in self.rounds]
@@ -147,13 +155,13 @@ def run_bench(
     engine: str = "hf",
     warmup: int = 1,
     progress: bool = True,
-    sglang_factory: Callable[[SpecConfig | None], Any] | None = None,
+    sglang_factory: Callable[[SpecConfig | None, Any], Any] | None = None,
 ) -> dict[str, Any]:
     """Baseline vs every spec config on the same prompts; returns the report dict (see :func:`report_markdown`).
 
     ``target``: an ``HFEngine`` (engine "hf"). ``drafter``: an ``Eagle3Drafter``, a ``DraftModel`` or an export
-    folder. For engine "sglang", ``sglang_factory(spec_or_None)`` returns a started ``SGLangEngine`` (None =
-    baseline).
+    folder, or a ``{label: drafter}`` mapping to compare several. For engine "sglang", ``sglang_factory(spec,
+    drafter)`` returns an ``SGLangEngine`` (``spec`` None = baseline; ``drafter`` one of the given drafters).
     """
     return run_bench_batches(target, drafter, prompts, sweep, batch_sizes=[batch_size],
                              max_new_tokens=max_new_tokens, repeats=repeats, temperature=temperature, engine=engine,
@@ -173,7 +181,7 @@ def run_bench_batches(
     engine: str = "hf",
     warmup: int = 1,
     progress: bool = True,
-    sglang_factory: Callable[[SpecConfig | None], Any] | None = None,
+    sglang_factory: Callable[[SpecConfig | None, Any], Any] | None = None,
     ceiling: bool = False,
     drift_check: bool = True,
 ) -> list[dict[str, Any]]:
@@ -194,16 +202,17 @@ def run_bench_batches(
     prompts = [list(p) for p in prompts]
     if ceiling and engine != "sglang":
         raise ValueError("the ceiling run needs the sglang engine (it uses SGLang's own acceptance simulation)")
-    per_bs = {bs: [VariantStats(BASELINE, None)] + [VariantStats(spec_label(s), s) for s in sweep]
-              + ([VariantStats(spec_label(s) + " ceiling", s, ceiling=True) for s in sweep] if ceiling else [])
-              for bs in batch_sizes}
+    drafters = dict(drafter) if isinstance(drafter, Mapping) else {None: drafter}
+    if not drafters:
+        raise ValueError("no drafter to benchmark")
+    per_bs = {bs: _variants(sweep, list(drafters), ceiling) for bs in batch_sizes}
     if engine == "hf":
         for bs in batch_sizes:
-            _bench_hf(target, drafter, prompts, per_bs[bs], sampling, repeats, bs, warmup, progress)
+            _bench_hf(target, drafters, prompts, per_bs[bs], sampling, repeats, bs, warmup, progress)
     elif engine == "sglang":
         if sglang_factory is None:
             raise ValueError("engine 'sglang' needs sglang_factory (see eaglenest.bench_cli for the launcher)")
-        _bench_sglang(sglang_factory, prompts, per_bs, sampling, repeats, warmup, progress, drift_check)
+        _bench_sglang(sglang_factory, drafters, prompts, per_bs, sampling, repeats, warmup, progress, drift_check)
     else:
         raise ValueError(f"unknown engine {engine!r}; allowed: hf, sglang")
     kernel = None
@@ -215,17 +224,33 @@ def run_bench_batches(
                     num_prompts=len(prompts), linear_kernel=kernel) for bs in batch_sizes]
 
 
-def _bench_hf(target, drafter, prompts, variants, sampling, repeats, batch_size, warmup, progress) -> None:
+def _variants(sweep: Sequence[SpecConfig], labels: list[str | None], ceiling: bool) -> list[VariantStats]:
+    """The baseline, then every (drafter, config), then the ceilings: one :class:`VariantStats` each. With one
+    unnamed drafter a config is named ``steps-topk-tokens``; with several, ``label:steps-topk-tokens``."""
+    def name(label: str | None, s: SpecConfig) -> str:
+        return spec_label(s) if label is None else f"{label}:{spec_label(s)}"
+
+    out = [VariantStats(BASELINE, None)]
+    out += [VariantStats(name(d, s), s, drafter=d) for d in labels for s in sweep]
+    if ceiling:
+        out += [VariantStats(name(d, s) + " ceiling", s, ceiling=True, drafter=d) for d in labels for s in sweep]
+    return out
+
+
+def _bench_hf(target, drafters, prompts, variants, sampling, repeats, batch_size, warmup, progress) -> None:
     from eaglenest.speculative import BaselineDecoder, SpecDecoder
 
-    if isinstance(drafter, (str, Path)):
-        from eaglenest.drafters.eagle3.model import load_drafter
+    loaded = {}
+    for label, d in drafters.items():
+        if isinstance(d, (str, Path)):
+            from eaglenest.drafters.eagle3.model import load_drafter
 
-        drafter = load_drafter(drafter, device=target.device, dtype=target.dtype)
+            d = load_drafter(d, device=target.device, dtype=target.dtype)
+        loaded[label] = d
     runners: dict[str, Runner] = {}
     for v in variants:
         dec = (BaselineDecoder.from_engine(target) if v.spec is None
-               else SpecDecoder.from_engine(target, drafter, v.spec))
+               else SpecDecoder.from_engine(target, loaded[v.drafter], v.spec))
         runners[v.name] = hf_runner(dec, batch_size)
     groups = [prompts[i:i + batch_size] for i in range(0, len(prompts), batch_size)]
     for v in variants:  # warm-up: allocator, kernels, caches
@@ -254,16 +279,20 @@ def _bench_hf(target, drafter, prompts, variants, sampling, repeats, batch_size,
     bar.close()
 
 
-def _bench_sglang(factory, prompts, per_bs: dict[int, list[VariantStats]], sampling, repeats, warmup,
+def _bench_sglang(factory, drafters, prompts, per_bs: dict[int, list[VariantStats]], sampling, repeats, warmup,
                   progress, drift_check: bool = True) -> None:
-    """One engine per variant, measured at every batch size; the baseline may run again at the end (drift)."""
+    """One engine per variant, measured at every batch size; the baseline may run again at the end (drift). A
+    variant whose engine fails is recorded with its error (at every batch size) and the next one runs: one drafter
+    that SGLang cannot load must not cost the measurements of the others. A failing baseline still raises."""
     sizes = list(per_bs)
-    names = [(v.spec, v.ceiling) for v in per_bs[sizes[0]]] + ([(None, False)] if drift_check else [])
+    first = per_bs[sizes[0]]
+    names = [(v.spec, v.ceiling, v.drafter) for v in first] + ([(None, False, None)] if drift_check else [])
     ends = {bs: VariantStats(BASELINE + "_end", None) for bs in sizes}
     bar = _bar(len(names) * repeats * len(sizes), progress, "bench sglang")
-    for i, (spec, ceiling) in enumerate(names):
-        eng = factory(spec)
+    for i, (spec, ceiling, label) in enumerate(names):
+        eng = None
         try:
+            eng = factory(spec, None if spec is None else drafters[label])
             # the engine starts lazily: start it now, inside the environment its scheduler process must inherit
             with _environment(CEILING_ENV, str(spec.num_draft_tokens) if ceiling else None):
                 eng.generate_ids(prompts[:1], SamplingParams(max_new_tokens=1))
@@ -275,8 +304,17 @@ def _bench_sglang(factory, prompts, per_bs: dict[int, list[VariantStats]], sampl
                 for _ in range(repeats):
                     v.rounds.append(run(prompts, sampling))
                     bar.update(1)
+        except Exception as e:  # noqa: BLE001 - recorded in the report; the baseline's failure is raised below
+            if spec is None and i == 0:
+                raise
+            for bs in sizes:
+                v = ends[bs] if i >= len(per_bs[bs]) else per_bs[bs][i]
+                v.rounds.clear()
+                v.error = f"{type(e).__name__}: {e}"[:2000]
+            bar.update(repeats * len(sizes))
         finally:
-            eng.close()
+            if eng is not None:
+                eng.close()
     bar.close()
     for bs in sizes:
         if ends[bs].rounds:
@@ -320,7 +358,10 @@ def _report(variants: list[VariantStats], **meta: Any) -> dict[str, Any]:
     base = variants[0]
     base_tps = base.median_tok_per_s()
     rows = []
+    failed = [{"config": v.name, "drafter": v.drafter, "error": v.error} for v in variants[1:] if v.error]
     for v in variants[1:]:
+        if v.error:
+            continue
         tps = v.median_tok_per_s()
         ratios = [s / b for s, b in zip(v.tok_per_s(), base.tok_per_s(), strict=False) if b > 0]
         greedy_match, identical = None, None
@@ -344,6 +385,7 @@ def _report(variants: list[VariantStats], **meta: Any) -> dict[str, Any]:
             "outputs_match_baseline": greedy_match,
             "identical_outputs_fraction": identical,
             "ceiling": v.ceiling,
+            "drafter": v.drafter,
         })
     real = [r for r in rows if not r["ceiling"]]
     best = max(real, key=lambda r: r["speedup"]) if real else None
@@ -358,6 +400,7 @@ def _report(variants: list[VariantStats], **meta: Any) -> dict[str, Any]:
                      **({"tok_per_s_end": statistics.median(
                          [r.completion_tokens / r.seconds for r in end if r.seconds > 0])} if end else {})},
         "configs": rows,
+        "failed": failed,
         "best": best,
         "speculation_wins": bool(best and best["speedup"] > 1.0),
         "verdict": verdict(best),
@@ -400,6 +443,8 @@ def report_markdown(report: dict[str, Any], title: str = "Speculative decoding b
             match, mark = "n/a (every draft accepted)", " (bound)"
         lines.append(f"| {r['config']}{mark} | {r['tok_per_s']:.1f} | {r['accept_length']:.2f} | "
                      f"{r['speedup']:.2f}x | {share} | {match} |")
+    for f in report.get("failed") or []:
+        lines.append(f"| {f['config']} | failed | | | | {f['error'][:200]} |")
     lines += ["", f"**Verdict:** {report['verdict']}", ""]
     return "\n".join(lines)
 
@@ -412,6 +457,8 @@ def plot_bench(report: dict[str, Any], path: str | Path) -> Path:
     import matplotlib.pyplot as plt
 
     rows = report["configs"]
+    if not rows:
+        raise ValueError("nothing to plot: every speculative config failed (see the report's 'failed')")
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
     names = [r["config"] for r in rows]
     colors = ["tab:green" if r["speedup"] > 1 else "tab:red" for r in rows]
