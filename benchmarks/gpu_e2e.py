@@ -8,6 +8,7 @@ bug (the trained drafter forced through raw ``sglang.Engine`` under ``EAGLE``).
 
     python benchmarks/gpu_e2e.py step NAME      # one step; its record goes to $E2E_WORK/results/steps/NAME.json
     python benchmarks/gpu_e2e.py summary        # results/summary.json + summary.txt from every step's record
+    python benchmarks/gpu_e2e.py order          # phase B's step names, in the order the runner takes them
 
 ``E2E_MODE=cpu`` runs the same flow on this CPU with the transformers engine and a tiny stand-in (no SGLang steps):
 the check that the glue works before GPU time is spent.
@@ -61,6 +62,13 @@ def knob(name: str, **defaults: Any) -> str:
     raise KeyError(f"{name}: no default for profile {PROFILE}")
 
 
+DRAFT_SHAPE = knob("E2E_DRAFT_SHAPE", gpu="llama", ds="both", cpu="llama", cpu_ds="both")
+"""the drafter's layer: llama (LlamaForCausalLMEagle3), mla (Eagle3DeepseekV2ForCausalLM; MLA targets) or both (MLA
+targets' default: two drafters trained side by side on the same shards, each on half a GPU in Ray, benchmarked against
+one baseline in one run; the faster at batch 1 is served)"""
+if DRAFT_SHAPE not in ("llama", "mla", "both") or (DRAFT_SHAPE != "llama" and not DEEPSEEK):
+    raise SystemExit(f"E2E_DRAFT_SHAPE={DRAFT_SHAPE!r}: llama, or mla / both with E2E_ARCH=deepseek_v3")
+DRAFT_SHAPES = ["llama", "mla"] if DRAFT_SHAPE == "both" else [DRAFT_SHAPE]
 WORK = Path(os.environ.get("E2E_WORK", "/tmp/e2e"))
 RESULTS = WORK / "results"
 STANDIN = WORK / "standin"
@@ -79,8 +87,11 @@ BULK = Path(knob("E2E_BULK_DIR", kimi="/dev/shm/eaglenest-e2e", gpu=WORK, cpu_ds
 Kimi-width stand-in takes 44.3 GB of the 64 GiB disk, so that run keeps them in the host's /dev/shm (128 GB there);
 the CPU DeepseekV3 run uses a folder of its own to exercise the same plumbing"""
 REGEN_OUT = BULK / "regen"
-TRAIN_OUT = BULK / "train"
-EXPORT = TRAIN_OUT / "export"
+TRAIN_OUTS = {shape: BULK / ("train" if len(DRAFT_SHAPES) == 1 else f"train-{shape}") for shape in DRAFT_SHAPES}
+"""one training run (and export) per draft shape"""
+EXPORTS = {shape: out / "export" for shape, out in TRAIN_OUTS.items()}
+EXPORT = EXPORTS["llama" if "llama" in EXPORTS else DRAFT_SHAPES[0]]
+"""the drafter of the seed's bug check (the Llama-shaped head: the seed's drafter class) and the default one"""
 DASHBOARD_PORT = int(os.environ.get("E2E_DASHBOARD_PORT", "8265"))
 DASHBOARD = f"http://127.0.0.1:{DASHBOARD_PORT}"
 SERVE_PORT = int(os.environ.get("E2E_SERVE_PORT", "8000"))
@@ -97,14 +108,27 @@ does"""
 REGEN_MEM_FRACTION = float(os.environ.get("E2E_REGEN_MEM_FRACTION", "0.75"))
 ACCEPT_PROMPTS = int(knob("E2E_ACCEPT_PROMPTS", gpu=64, ds=32, cpu=4))
 """prompts per set for the served accept length: unseen records vs the trainer's held-out regen prompts"""
-BENCH_PROMPTS = int(knob("E2E_BENCH_PROMPTS", gpu=40, kimi=16, small=24, cpu=6))
+BENCH_BATCHES = knob("E2E_BENCH_BATCHES", gpu="1,8", ds="1,8,32", cpu="1,8")
+"""the bench's batch sizes (every engine starts once and is measured at each)"""
+BENCH_PROMPTS = int(knob("E2E_BENCH_PROMPTS", gpu=40, kimi=32, small=32, cpu=8))
 """held-out prompts in the bench (the first of heldout.jsonl; the served accept length's unseen set starts with them)"""
-BENCH_MAX_NEW_TOKENS = int(knob("E2E_BENCH_MAX_NEW_TOKENS", gpu=128, kimi=96, cpu=16))
+BENCH_MAX_NEW_TOKENS = int(knob("E2E_BENCH_MAX_NEW_TOKENS", gpu=128, kimi=64, cpu=16))
 BENCH_CEILING = knob("E2E_BENCH_CEILING", gpu=1, ds=0, cpu=0) == "1"
 """the bench's third engine (every draft token accepted); off for DeepseekV3 (one more 44 GB engine start)"""
-OFFLINE_REF = knob("E2E_OFFLINE_REF", gpu=1, ds=0, cpu=0) == "1"
-"""SGLang's own offline Engine.generate on the regen prompts (regen's yardstick); off for DeepseekV3: one more engine
-start and every regen prompt generated twice"""
+OFFLINE_REF = knob("E2E_OFFLINE_REF", gpu=1, cpu=0) == "1"
+"""SGLang's own offline Engine.generate on the regen prompts (regen's yardstick); for DeepseekV3 it runs last, and
+only when the run's budget has room for it (one more 44 GB engine start and every regen prompt generated again)"""
+BUDGET_S = float(knob("E2E_BUDGET_S", gpu=0, kimi=1500, small=1500, cpu=0))
+"""the runner's seconds (from its start, ``E2E_START``) within which it must finish: a step in :data:`OPTIONAL_S`
+is skipped when fewer seconds than its estimate are left (0: no budget)"""
+OPTIONAL_S = {"offline_ref": float(knob("E2E_OFFLINE_REF_S", gpu=120, kimi=200, small=120, cpu=0)),
+              "offline_recording": 120.0, "train_step": float(knob("E2E_TRAIN_STEP_S", gpu=240, cpu=0))}
+"""the steps the budget may skip, with the seconds each is expected to take"""
+STEP_ORDER = (["jit_wait", "configs", "ray_start", "regen", "train", "preflight", "bench", "eagle_forced", "serve",
+               "jobs", "train_step", "offline_ref", "offline_recording"] if DEEPSEEK else
+              ["configs", "offline_ref", "offline_recording", "ray_start", "regen", "train", "preflight",
+               "eagle_forced", "bench", "serve", "jobs"])
+"""phase B's steps in order: DeepseekV3 measures what its issue needs first and the optional yardstick last"""
 TRAIN_PROMPTS = int(knob("E2E_TRAIN_PROMPTS", gpu=3200, ds=2048, cpu=24))
 TRAIN_AFTER_CUT = int(knob("E2E_TRAIN_AFTER_CUT", gpu=800, cpu=4))
 """up to this many of them from records after the stand-in's pre-training cut (conversations it never saw, the kind
@@ -120,10 +144,6 @@ FALLBACK_CAPTURE = knob("E2E_FALLBACK_CAPTURE", gpu="generation", ds="prefill", 
 STORAGE_DTYPE = knob("E2E_STORAGE_DTYPE", gpu="bfloat16", kimi="float8_e4m3fn", cpu="bfloat16",
                      cpu_ds="float8_e4m3fn")
 """regen's hidden-state storage: fp8 (4H + 4 bytes a token) for the Kimi widths, bf16 (8H) elsewhere"""
-DRAFT_SHAPE = os.environ.get("E2E_DRAFT_SHAPE", "llama")
-"""the drafter's layer: llama (LlamaForCausalLMEagle3, the default) or mla (Eagle3DeepseekV2ForCausalLM; MLA targets)"""
-if DRAFT_SHAPE not in ("llama", "mla") or (DRAFT_SHAPE == "mla" and not DEEPSEEK):
-    raise SystemExit(f"E2E_DRAFT_SHAPE={DRAFT_SHAPE!r}: llama, or mla with E2E_ARCH=deepseek_v3")
 DS_EXPERTS = (int(knob("E2E_DS_ROUTED_EXPERTS", ds=4, gpu=0, cpu=0)),
               int(knob("E2E_DS_EXPERTS_PER_TOKEN", ds=4, gpu=0, cpu=0)))
 """DeepseekV3 on the GPU: routed experts in the wide stand-in and experts chosen per token (the recommended H200
@@ -222,6 +242,53 @@ def step_standin() -> dict[str, Any]:
     return report
 
 
+JIT_WARM = knob("E2E_JIT_WARM", ds=1, gpu=0, cpu=0) == "1"
+"""DeepseekV3 on the GPU: compile SGLang's kernels for the stand-in's widths in the background during phase A
+(benchmarks/gpu_jit_warm.py), so regen's, the bench's and serve's engine starts find them compiled"""
+JIT_WARM_PID = WORK / "jit-warm.pid"
+
+
+def step_jit_warm() -> dict[str, Any]:
+    """Start benchmarks/gpu_jit_warm.py in the background (its own process group; :func:`step_jit_wait` ends it)."""
+    if not (gpu() and DEEPSEEK and JIT_WARM):
+        return {"skipped": "DeepseekV3 on the GPU only (E2E_JIT_WARM=0 turns it off)"}
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "gpu_jit_warm.py"), "--preset", DS_PRESET, "--routed-experts",
+           str(DS_EXPERTS[0]), "--experts-per-token", str(DS_EXPERTS[1]), "--work", str(WORK / "jitwarm"),
+           "--max-bs", str(max(int(b) for b in BENCH_BATCHES.split(",")))]
+    log = open(RESULTS / "logs" / "jit-warm.log", "w")  # noqa: SIM115 - the process outlives this step
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT)
+    JIT_WARM_PID.write_text(str(proc.pid))
+    return {"pid": proc.pid, "cmd": " ".join(cmd)}
+
+
+def running(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie nobody reaped yet has ended: an orphan's parent may be a container's init)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def step_jit_wait() -> dict[str, Any]:
+    """Wait for the warm-up (at most ``E2E_JIT_WAIT_S``), then end it: regen's engine needs the GPU to itself."""
+    if not JIT_WARM_PID.is_file():
+        return {"skipped": "no warm-up was started"}
+    pid, t0 = int(JIT_WARM_PID.read_text()), time.time()
+    wait_s = float(os.environ.get("E2E_JIT_WAIT_S", "45"))
+    while time.time() - t0 < wait_s and running(pid):
+        time.sleep(1)
+    finished = not running(pid)
+    for sig in (signal.SIGTERM, signal.SIGKILL):  # its engines' scheduler processes are in its group too
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pid, sig)
+            time.sleep(3)
+    JIT_WARM_PID.unlink()
+    report = WORK / "jitwarm" / "warm.json"
+    lines = [ln for ln in (RESULTS / "logs" / "jit-warm.log").read_text().splitlines() if "[jit warm]" in ln]
+    return {"finished_before_phase_b": finished, "waited_s": round(time.time() - t0, 1),
+            "report": json.loads(report.read_text()) if report.is_file() else None, "log": lines[-8:]}
+
+
 def target_facts() -> dict[str, Any]:
     """What the rest of the loop needs from the stand-in's config.json (nothing arch-specific is assumed): widths,
     depth, default taps, and for DeepseekV3 its MLA/MoE widths."""
@@ -278,12 +345,10 @@ def write_configs() -> dict[str, Any]:
               "capture_writers": int(os.environ.get("E2E_CAPTURE_WRITERS", "1")),
               "capture_ring_gib": float(os.environ.get("E2E_CAPTURE_RING_GIB", "4"))}
     if DEEPSEEK:
-        # the bench, eagle_forced and serve engines run batch <= 8: decode graphs up to 16 requests, not SGLang's
+        # the bench, eagle_forced and serve engines run batch <= 32: decode graphs up to 32 requests, not SGLang's
         # default ladder (each captured graph replays 61 MLA + MoE layers: tens of seconds per 44 GB engine start)
-        sglang["extra_args"] = {"cuda_graph_max_bs": 16}
+        sglang["extra_args"] = {"cuda_graph_max_bs": max(int(b) for b in BENCH_BATCHES.split(","))}
     drafter: dict[str, Any] = {"draft_vocab_size": 32000 if gpu() else 256}
-    if DRAFT_SHAPE != "llama":
-        drafter["draft_shape"] = DRAFT_SHAPE  # MLA widths: the target's (train.drafter's shape_kwargs)
     cfg = {
         "target": {"model": str(MODEL), "engine": "sglang" if gpu() else "hf", "device": "cuda" if gpu() else "cpu",
                    "dtype": "bfloat16" if gpu() else "float32", **({"sglang": sglang} if gpu() else {})},
@@ -326,6 +391,13 @@ def write_configs() -> dict[str, Any]:
                   "max_prompt_tokens": 1024, "max_tokens_limit": 256},
     }
     CONFIG.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    for shape in DRAFT_SHAPES:  # each shape's training run: its drafter layer, run name and share of the GPU
+        tc = json.loads(json.dumps(cfg))
+        tc["train"]["drafter"]["draft_shape"] = shape  # MLA widths: the target's (train.drafter's shape_kwargs)
+        tc["train"]["run_name"] = f"standin-drafter-{shape}"
+        if gpu() and len(DRAFT_SHAPES) > 1:
+            tc["train"]["gpus_per_worker"] = round(1 / len(DRAFT_SHAPES), 3)
+        train_config(shape).write_text(yaml.safe_dump(tc, sort_keys=False))
     if gpu():
         # host memory for all the batches in flight, prewarmed while the engine starts (256 prompt tokens assumed per
         # sample: Llama ~3.5 GB a batch of 256 at 160 new tokens and 32 KiB a token, 13 batches in 48 GiB; DeepseekV3
@@ -352,12 +424,18 @@ def write_configs() -> dict[str, Any]:
     REGEN_FALLBACK_CONFIG.write_text(yaml.safe_dump(cfg, sort_keys=False))
     return {"config": str(CONFIG), "regen_config": str(REGEN_CONFIG), "fallback_config": str(REGEN_FALLBACK_CONFIG),
             "arch": ARCH, "ds_preset": DS_PRESET if DEEPSEEK and gpu() else None, "target": facts,
-            "draft_shape": DRAFT_SHAPE, "capture": CAPTURE, "fallback_capture": FALLBACK_CAPTURE,
+            "draft_shape": DRAFT_SHAPE, "draft_shapes": DRAFT_SHAPES, "bench_batches": BENCH_BATCHES,
+            "capture": CAPTURE, "fallback_capture": FALLBACK_CAPTURE,
             "storage_dtype": STORAGE_DTYPE, "bulk_dir": str(BULK), "max_new_tokens": MAX_NEW_TOKENS,
             "regen_batch": REGEN_BATCH, "regen_in_flight": REGEN_IN_FLIGHT, "epochs": EPOCHS,
             "bench_prompts": BENCH_PROMPTS, "bench_ceiling": BENCH_CEILING, "offline_ref": OFFLINE_REF,
             "regen_mem_fraction_static": REGEN_MEM_FRACTION if gpu() else None,
             "hidden_states": hidden_state_estimate(facts["hidden_size"]), "space": free_space()}
+
+
+def train_config(shape: str) -> Path:
+    """The config one draft shape's training job runs with (the run's config with that shape's train section)."""
+    return WORK / f"e2e-train-{shape}.yaml"
 
 
 def hidden_state_estimate(hidden: int) -> dict[str, Any]:
@@ -428,7 +506,7 @@ def step_offline_ref() -> dict[str, Any]:
     if not gpu():
         return {"skipped": "needs SGLang (GPU)"}
     if not OFFLINE_REF:
-        return {"skipped": "E2E_OFFLINE_REF=0 (DeepseekV3's default: one more engine start and every regen prompt "
+        return {"skipped": "E2E_OFFLINE_REF=0 (one more engine start and every regen prompt "
                            "generated twice); regen's figures then stand alone"}
     from eaglenest.config import load_config
     from eaglenest.engines.sglang.args import engine_kwargs
@@ -502,25 +580,29 @@ def step_offline_recording() -> dict[str, Any]:
 
 
 def _bench_rows(out: Path) -> dict[str, Any]:
-    rows = {}
-    for bs in (1, 8):
+    """Per batch size: the first config as ``batch_{bs}`` (one drafter) and each drafter's as ``batch_{bs}_{shape}``,
+    the ceiling as ``ceiling_batch_{bs}``; failed configs under ``failed_{bs}``."""
+    rows: dict[str, Any] = {}
+    for bs in [int(b) for b in BENCH_BATCHES.split(",")]:
         p = out / f"bench-bs{bs}.json"
-        if p.is_file():
-            r = json.loads(p.read_text())
-            c = r["configs"][0]
-            ceil = next((x for x in r["configs"] if x.get("ceiling")), None)
-            if ceil:
-                rows[f"ceiling_batch_{bs}"] = {"spec_tok_per_s": round(ceil["tok_per_s"], 1),
-                                               "speedup": round(ceil["speedup"], 3),
-                                               "accept_length": round(ceil["accept_length"], 3),
-                                               "baseline_tok_per_s": round(r["baseline"]["tok_per_s"], 1),
-                                               "identical_outputs_fraction": None}
-            rows[f"batch_{bs}"] = {"baseline_tok_per_s": round(r["baseline"]["tok_per_s"], 1),
-                                   "baseline_end_tok_per_s": round(r["baseline"].get("tok_per_s_end", 0), 1),
-                                   "spec_tok_per_s": round(c["tok_per_s"], 1), "speedup": round(c["speedup"], 3),
-                                   "accept_length": round(c["accept_length"], 3),
-                                   "accept_length_per_prompt": c.get("accept_length_per_prompt"),
-                                   "identical_outputs_fraction": c["identical_outputs_fraction"]}
+        if not p.is_file():
+            continue
+        r = json.loads(p.read_text())
+        base = {"baseline_tok_per_s": round(r["baseline"]["tok_per_s"], 1),
+                "baseline_end_tok_per_s": round(r["baseline"].get("tok_per_s_end", 0), 1)}
+        for c in r["configs"]:
+            row = {**base, "spec_tok_per_s": round(c["tok_per_s"], 1), "speedup": round(c["speedup"], 3),
+                   "accept_length": round(c["accept_length"], 3),
+                   "accept_length_per_prompt": c.get("accept_length_per_prompt"),
+                   "identical_outputs_fraction": c["identical_outputs_fraction"], "drafter": c.get("drafter")}
+            if c.get("ceiling"):
+                rows.setdefault(f"ceiling_batch_{bs}", {**row, "identical_outputs_fraction": None})
+            else:
+                rows.setdefault(f"batch_{bs}", row)
+                if c.get("drafter"):
+                    rows[f"batch_{bs}_{c['drafter']}"] = row
+        if r.get("failed"):
+            rows[f"failed_{bs}"] = r["failed"]
     return rows
 
 
@@ -535,7 +617,9 @@ def step_ray_start() -> dict[str, Any]:
         args += ["--num-gpus", str(int(os.environ.get("E2E_NUM_GPUS", "1")))]
     else:  # a shared CPU box: ports of our own so another Ray on it is never touched
         ports = json.loads(os.environ.get("E2E_RAY_PORTS", "{}"))
-        args += [f"--{k}={v}" for k, v in ports.items()] + ["--num-cpus=2"]
+        # logical CPUs: two training jobs side by side (two shapes) each hold a worker and a driver, and Ray Data's
+        # read tasks need a whole CPU each: 2 would leave them none (a smoke test, oversubscribed on purpose)
+        args += [f"--{k}={v}" for k, v in ports.items()] + [f"--num-cpus={2 * len(DRAFT_SHAPES)}"]
     log = open(RESULTS / "logs" / "ray-head.log", "w")  # noqa: SIM115 - the head outlives this step
     head = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True, cwd=ROOT)
     (WORK / "ray-head.pid").write_text(str(head.pid))
@@ -614,52 +698,110 @@ def step_regen() -> dict[str, Any]:
     }
 
 
+def train_job_id(shape: str) -> str:
+    return "e2e-train" if len(DRAFT_SHAPES) == 1 else f"e2e-train-{shape}"
+
+
 def step_train() -> dict[str, Any]:
+    """``eaglenest train`` as a Ray job per draft shape, submitted together (each worker reserves 1/n of the GPU in
+    Ray, so the jobs run side by side on the same shards), then waited for."""
     t0 = time.time()
     env = None
     if BULK != WORK:  # Ray Train's worker writes each checkpoint to a temporary folder before it is copied to
-        tmp = BULK / "tmp"  # TRAIN_OUT: 14 GB at Kimi's widths, which the disk beside the stand-in may not hold
+        tmp = BULK / "tmp"  # the run's folder: 14 GB at Kimi's widths, which the disk beside the stand-in may not hold
         tmp.mkdir(parents=True, exist_ok=True)
         env = {"TMPDIR": str(tmp)}
-    res = job_submit("e2e-train", "eaglenest", "train", "--config", str(CONFIG), "--data", str(REGEN_OUT),
-                     "--output", str(TRAIN_OUT), timeout=1500, env_vars=env)
-    logs = job_logs("e2e-train")
-    (RESULTS / "logs" / "job-e2e-train-logs.log").write_text(logs[-300_000:])
-    metrics = []
-    mfile = TRAIN_OUT / "metrics.jsonl"
-    if mfile.is_file():
-        metrics = [json.loads(x) for x in mfile.read_text().splitlines() if x.strip()]
-    evals = [m for m in metrics if any(k.startswith("eval") for k in m)]
-    return {"status": "ok" if res.returncode == 0 else "error",
-            "error": None if res.returncode == 0 else _errors(logs),
-            "rc": res.returncode, "job_succeeded": "succeeded" in res.stdout,
-            "wall_seconds": round(time.time() - t0, 1),
+    for shape in DRAFT_SHAPES:
+        res = job_submit(train_job_id(shape), "eaglenest", "train", "--config", str(train_config(shape)), "--data",
+                         str(REGEN_OUT), "--output", str(TRAIN_OUTS[shape]), wait=False, timeout=300, env_vars=env)
+        if res.returncode != 0:
+            raise RuntimeError(f"ray job submit ({shape}) exited {res.returncode}: {res.stderr[-2000:]}")
+    status: dict[str, str] = {}
+    while time.time() - t0 < 1800:
+        status = {shape: job_status(train_job_id(shape)) for shape in DRAFT_SHAPES}
+        if all(v in ("SUCCEEDED", "FAILED", "STOPPED") for v in status.values()):
+            break
+        time.sleep(10)
+    runs = {}
+    for shape in DRAFT_SHAPES:
+        logs = job_logs(train_job_id(shape))
+        (RESULTS / "logs" / f"job-{train_job_id(shape)}-logs.log").write_text(logs[-300_000:])
+        metrics = []
+        mfile = TRAIN_OUTS[shape] / "metrics.jsonl"
+        if mfile.is_file():
+            metrics = [json.loads(x) for x in mfile.read_text().splitlines() if x.strip()]
+        evals = [m for m in metrics if m.get("kind") == "eval"]
+        ok = status.get(shape) == "SUCCEEDED"
+        runs[shape] = {"status": "ok" if ok else "error", "job_status": status.get(shape),
+                       "error": None if ok else _errors(logs), "export": str(EXPORTS[shape]),
+                       "exported": (EXPORTS[shape] / "config.json").is_file(),
+                       "last_metrics": metrics[-1] if metrics else None, "last_eval": evals[-1] if evals else None,
+                       "log_tail": logs[-1500:]}
+    failed = [shape for shape, r in runs.items() if r["status"] != "ok"]
+    return {"status": "error" if len(failed) == len(runs) else "ok",
+            "error": "; ".join(f"{shape}: {runs[shape]['error']}" for shape in failed) or None,
+            "wall_seconds": round(time.time() - t0, 1), "runs": runs, "shapes_failed": failed,
+            # the single-shape record's keys, for the summary and older readers
             "export": str(EXPORT), "exported": (EXPORT / "config.json").is_file(),
-            "last_metrics": metrics[-1] if metrics else None, "last_eval": evals[-1] if evals else None,
-            "log_tail": logs[-2000:]}
+            "last_eval": runs[DRAFT_SHAPES[0]]["last_eval"]}
+
+
+def trained_exports() -> dict[str, Path]:
+    """The draft shapes whose training exported a drafter."""
+    return {shape: path for shape, path in EXPORTS.items() if (path / "config.json").is_file()}
 
 
 def step_preflight() -> dict[str, Any]:
+    """``eaglenest preflight`` of every trained drafter: EAGLE3 passes, EAGLE is refused (with the numbers)."""
     engine = "sglang" if gpu() else "hf"
-    ok = sh([sys.executable, "-m", "eaglenest.cli", "preflight", "--target", str(MODEL), "--drafter", str(EXPORT),
-             "--engine", engine], timeout=300, log_name="preflight-eagle3")
-    bad = sh([sys.executable, "-m", "eaglenest.cli", "preflight", "--target", str(MODEL), "--drafter", str(EXPORT),
-              "--engine", engine, "--algorithm", "EAGLE"], timeout=300, log_name="preflight-eagle")
-    refusal = [ln for ln in (bad.stdout + bad.stderr).splitlines() if "EAGLE" in ln][:3]
-    return {"status": "ok" if ok.returncode == 0 and bad.returncode != 0 else "error",
-            "error": None if ok.returncode == 0 else (ok.stdout + ok.stderr)[-1500:],
-            "eagle3_rc": ok.returncode, "eagle3_output_tail": (ok.stdout + ok.stderr)[-800:],
-            "eagle_rc": bad.returncode, "eagle_refused": bad.returncode != 0, "eagle_refusal": refusal}
+    out: dict[str, Any] = {}
+    for shape, export in trained_exports().items():
+        base = [sys.executable, "-m", "eaglenest.cli", "preflight", "--target", str(MODEL), "--drafter", str(export),
+                "--engine", engine]
+        ok = sh(base, timeout=300, log_name=f"preflight-eagle3-{shape}")
+        bad = sh(base + ["--algorithm", "EAGLE"], timeout=300, log_name=f"preflight-eagle-{shape}")
+        out[shape] = {"eagle3_rc": ok.returncode, "eagle3_output_tail": (ok.stdout + ok.stderr)[-800:],
+                      "eagle_rc": bad.returncode, "eagle_refused": bad.returncode != 0,
+                      "eagle_refusal": [ln for ln in (bad.stdout + bad.stderr).splitlines() if "EAGLE" in ln][:3],
+                      "error": None if ok.returncode == 0 else (ok.stdout + ok.stderr)[-1500:]}
+    good = bool(out) and all(r["eagle3_rc"] == 0 and r["eagle_refused"] for r in out.values())
+    first = out.get("llama") or next(iter(out.values()), {})
+    return {"status": "ok" if good else "error",
+            "error": None if good else "; ".join(f"{k}: {v['error'] or 'EAGLE not refused'}" for k, v in out.items()
+                                                  if v["eagle3_rc"] != 0 or not v["eagle_refused"]) or "no drafter",
+            "shapes": out, "eagle_refusal": first.get("eagle_refusal")}
 
 
 def step_bench() -> dict[str, Any]:
+    """``eaglenest bench``: the baseline and every trained drafter (3-1-4) at each batch size, in one run."""
     out = RESULTS / "bench"
     extra = (["--ceiling"] if BENCH_CEILING else []) + (["--no-drift-check"] if gpu() else [])
-    res = sh([sys.executable, "-m", "eaglenest.cli", "bench", "--config", str(CONFIG), "--drafter", str(EXPORT),
-              "--batch-size", "1,8", "--output", str(out), *extra], timeout=1200, log_name="bench")
+    drafters = [f"{shape}={path}" for shape, path in trained_exports().items()]
+    if not drafters:
+        raise RuntimeError("no trained drafter to benchmark")
+    res = sh([sys.executable, "-m", "eaglenest.cli", "bench", "--config", str(CONFIG),
+              *[a for d in drafters for a in ("--drafter", d)], "--batch-size", BENCH_BATCHES, "--output", str(out),
+              *extra], timeout=1500, log_name="bench")
+    rows = _bench_rows(out)
     return {"status": "ok" if res.returncode == 0 else "error",
             "error": None if res.returncode == 0 else res.stderr[-2000:],
-            "rc": res.returncode, **_bench_rows(out), "stdout_tail": res.stdout[-3000:]}
+            "rc": res.returncode, **rows, "winner": bench_winner(rows), "stdout_tail": res.stdout[-3000:]}
+
+
+def bench_winner(rows: dict[str, Any]) -> str | None:
+    """The draft shape the rest of the run serves: the faster at batch 1 (ties: the first shape)."""
+    best = None
+    for shape in DRAFT_SHAPES:
+        r = rows.get(f"batch_1_{shape}") or (rows.get("batch_1") if len(DRAFT_SHAPES) == 1 else None)
+        if r and (best is None or r["speedup"] > best[1]):
+            best = (shape, r["speedup"])
+    return best[0] if best else None
+
+
+def served_export() -> Path:
+    """The bench's winner's drafter, else the default one."""
+    winner = load("bench").get("winner")
+    return EXPORTS.get(winner, EXPORT) if winner else EXPORT
 
 
 def step_serve() -> dict[str, Any]:
@@ -667,9 +809,11 @@ def step_serve() -> dict[str, Any]:
     from openai import OpenAI
 
     rec: dict[str, Any] = {}
-    res = job_submit("e2e-serve", "eaglenest", "serve", "--config", str(CONFIG), "--drafter", str(EXPORT),
+    served = served_export()
+    res = job_submit("e2e-serve", "eaglenest", "serve", "--config", str(CONFIG), "--drafter", str(served),
                      "--port", str(SERVE_PORT), wait=False, timeout=300)
     rec["submit_rc"] = res.returncode
+    rec["drafter"] = str(served)
     t0 = time.time()
     try:
         healthy = False
@@ -741,12 +885,14 @@ def regen_summary(regen: dict[str, Any]) -> str:
                        f" s of {whole.get('seconds')} s), so the whole run is the figure")
     if regen.get("generate_only_vs_offline") is not None:
         steady_text += f"; generation only, one batch in flight: {regen['generate_only_vs_offline']}x"
-    offline = regen.get("offline_engine_generate_tokens_per_s")
-    whole_vs = f" = {regen.get('whole_run_vs_offline')}x" if offline is not None else ""
+    # DeepseekV3 runs the offline yardstick after regen: its figure is read here, not from regen's record
+    offline = regen.get("offline_engine_generate_tokens_per_s") or load("offline_ref").get("tokens_per_s")
+    whole_tps = regen.get("whole_run_tokens_per_s")
+    whole_vs = f" = {whole_tps / offline:.3f}x" if offline and whole_tps else ""
     return (f"regen: {regen.get('samples')} samples, {regen.get('tokens')} tokens ({regen.get('bytes_per_token')} "
             f"hidden-state bytes a token); vs offline Engine.generate "
-            f"{f'{offline} tok/s' if offline is not None else '(not run: E2E_OFFLINE_REF=0)'}: whole run (first "
-            f"batch start to last batch end, engine start excluded) {regen.get('whole_run_tokens_per_s')} tok/s"
+            f"{f'{offline} tok/s' if offline is not None else '(not run)'}: whole run (first "
+            f"batch start to last batch end, engine start excluded) {whole_tps} tok/s"
             f"{whole_vs}; {steady_text}; {REGEN_IN_FLIGHT} batches of {REGEN_BATCH} in flight; Ray Data progress "
             f"lines in job logs: {regen.get('ray_data_progress_lines_in_job_logs')}; capture placement "
             f"{run.get('capture_placement')}; the whole run's window split (seconds to the last generation's return, "
@@ -849,6 +995,24 @@ def step_eagle_forced() -> dict[str, Any]:
             "widths": drafter_widths(), "preflight_refusal": load("preflight").get("eagle_refusal")}
 
 
+TRAIN_STEP = knob("E2E_TRAIN_STEP", kimi=1, gpu=0, cpu=0) == "1"
+
+
+def step_train_step() -> dict[str, Any]:
+    """Optional, at Kimi's widths: ``benchmarks/train_step.py`` for both draft shapes with the per-kernel breakdown
+    and the fused-RMSNorm candidate (the training step's fraction of the bf16 matmul peak, measured in one process)."""
+    if not (gpu() and TRAIN_STEP):
+        return {"skipped": "E2E_TRAIN_STEP=1 (the kimi preset's default) on the GPU"}
+    out = RESULTS / "train_step.json"
+    res = sh([sys.executable, str(ROOT / "benchmarks" / "train_step.py"), "--device", "cuda", "--preset", "kimi",
+              "--draft-shape", "both", "--rmsnorm", "both", "--profile", "--json", str(out)], timeout=900,
+             log_name="train_step")
+    rec = json.loads(out.read_text()) if out.is_file() else {}
+    return {"status": "ok" if res.returncode == 0 else "error", "rc": res.returncode,
+            "error": None if res.returncode == 0 else (res.stderr or res.stdout)[-2000:],
+            "summary_tail": res.stdout[-4000:], "result": rec}
+
+
 def step_jobs() -> dict[str, Any]:
     """What the dashboard's job API lists (the user's view of the run)."""
     jobs = http_json(f"{DASHBOARD}/api/jobs/")
@@ -869,20 +1033,34 @@ def step_ray_stop() -> dict[str, Any]:
 
 
 STEPS: dict[str, Callable[[], dict[str, Any]]] = {
-    "standin": step_standin, "configs": step_configs, "offline_ref": step_offline_ref,
+    "jit_warm": step_jit_warm, "jit_wait": step_jit_wait, "standin": step_standin, "configs": step_configs,
+    "offline_ref": step_offline_ref,
     "offline_recording": step_offline_recording,
     "ray_start": step_ray_start, "regen": step_regen, "train": step_train, "preflight": step_preflight,
     "bench": step_bench, "serve": step_serve, "eagle_forced": step_eagle_forced, "jobs": step_jobs,
+    "train_step": step_train_step,
     "ray_stop": step_ray_stop,
 }
+
+
+def budget_left() -> float | None:
+    """Seconds the runner has left (None: no budget)."""
+    if not BUDGET_S or not os.environ.get("E2E_START"):
+        return None
+    return BUDGET_S - (time.time() - float(os.environ["E2E_START"]))
 
 
 def run_step(name: str) -> int:
     (RESULTS / "steps").mkdir(parents=True, exist_ok=True)
     (RESULTS / "logs").mkdir(parents=True, exist_ok=True)
     t0 = time.time()
+    left = budget_left()
     try:
-        rec = STEPS[name]()
+        if name in OPTIONAL_S and left is not None and left < OPTIONAL_S[name]:
+            rec = {"skipped": f"the run's budget (E2E_BUDGET_S={BUDGET_S:.0f}) has {left:.0f} s left, the step needs "
+                              f"~{OPTIONAL_S[name]:.0f} s"}
+        else:
+            rec = STEPS[name]()
         rec.setdefault("status", "ok")
     except Exception as e:  # noqa: BLE001 - one record per step, whatever failed; later steps still run
         rec = {"status": "error", "error": f"{type(e).__name__}: {e}"[-3000:],
@@ -956,14 +1134,26 @@ def summarize() -> dict[str, Any]:
                    else "states placed after generation")
             lines.append(f"regen's first attempt FAILED in {fb.get('seconds')} s (the figures above are the "
                          f"fallback's, {how}): {fb.get('error', '')[:600]}")
-    for label, key in (("bench (trained drafter, greedy)", "batch"), ("ceiling (every draft token accepted)",
-                                                                         "ceiling_batch")):
-        for bs in (1, 8):
-            r = bench.get(f"{key}_{bs}")
+    sizes = [int(b) for b in (cf.get("bench_batches") or BENCH_BATCHES).split(",")]
+    shapes = cf.get("draft_shapes") or DRAFT_SHAPES
+    keyed = [(f"bench ({shape} drafter, greedy)", f"batch_{{bs}}_{shape}") for shape in shapes] if len(shapes) > 1 \
+        else [("bench (trained drafter, greedy)", "batch_{bs}")]
+    for label, key in keyed + [("ceiling (every draft token accepted)", "ceiling_batch_{bs}")]:
+        for bs in sizes:
+            r = bench.get(key.format(bs=bs))
             if r:
                 lines.append(f"{label} batch {bs}: baseline {r['baseline_tok_per_s']} tok/s, spec "
                              f"{r['spec_tok_per_s']} tok/s = {r['speedup']}x, accept length {r['accept_length']}, "
                              f"identical outputs {r['identical_outputs_fraction']}")
+    for bs in sizes:
+        for f in bench.get(f"failed_{bs}") or []:
+            lines.append(f"bench batch {bs}: {f['config']} FAILED: {str(f['error'])[:300]}")
+    if bench.get("winner"):
+        lines.append(f"served drafter (the bench's faster at batch 1): {bench['winner']}")
+    for shape, r in (s["train"].get("runs") or {}).items():
+        ev = r.get("last_eval") or {}
+        acc = {k: round(v, 3) for k, v in ev.items() if k.startswith(("acc_", "sim_"))}
+        lines.append(f"train ({shape}): {r.get('job_status')}, last held-out eval {acc}")
     ef = s["eagle_forced"]
     w = ef.get("widths") or {}
     widths = (f"the drafter's fc reads {w.get('drafter_fc_input')} = 3 x {w.get('target_hidden')} (aux layers "
@@ -983,6 +1173,11 @@ def summarize() -> dict[str, Any]:
     for name, r in (sv.get("accept_length_by_prompt_set") or {}).items():
         lines.append(f"served EAGLE3 accept length, {name}: {r['accept_length']} over {r['prompts']} prompts "
                      f"({r['completion_tokens']} tokens)")
+    for r in (s["train_step"].get("result") or {}).get("runs") or []:
+        if "step_s" in r:
+            lines.append(f"train step at Kimi's widths ({r.get('draft_shape')}, rmsnorm {r.get('rmsnorm')}): "
+                         f"{1e3 * r['step_s']:.1f} ms, {r['tokens_per_s']:.0f} tok/s, "
+                         f"{r.get('fraction_of_matmul', 0):.1%} of the matmul")
     if s["jobs"].get("jobs"):
         jobs = s["jobs"]["jobs"]
         lines.append("dashboard job API: " + ", ".join(f"{j['submission_id']}={j['status']}" for j in jobs))
@@ -998,6 +1193,9 @@ def main(argv: list[str]) -> int:
         return run_step(argv[1])
     if argv and argv[0] == "summary":
         summarize()
+        return 0
+    if argv and argv[0] == "order":
+        print(" ".join(STEP_ORDER))
         return 0
     print(__doc__)
     return 2

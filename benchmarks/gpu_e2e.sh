@@ -49,13 +49,18 @@
 # 6.6B, 13.3 GB: the whole loop in a shorter session (~15 min). Everything arch-specific in gpu_e2e.py (taps, widths,
 # drafter, the EAGLE check's 7168-vs-21504 widths, labels) is read from the stand-in's config.json. Defaults that
 # differ for deepseek_v3 (any E2E_* above still overrides): 2,048 regen prompts (8 batches of 256 in flight), 128 new
-# tokens, capture generation with a PREFILL fallback (capture during generation on DeepseekV3 is refused until its GPU
-# check flips targets.deepseek_v3's generation_capture; the refused first job ends in its engine actor's constructor,
-# before any weights load, ~30 s; E2E_CAPTURE=prefill skips it), no offline reference and no ceiling engine (each is one
-# more 44 GB engine start), 32 accept prompts per set, SGLang decode graphs up to batch 16 (cuda_graph_max_bs) for
-# bench/serve; kimi: 3 epochs, lr 3e-4, 16 bench prompts x 96 tokens, pre-training 400 steps (at most 210 s),
-# fp8 hidden states (E2E_STORAGE_DTYPE) with shards, training run, export and the train job's TMPDIR in
-# /dev/shm/eaglenest-e2e (E2E_BULK_DIR); small: 4 epochs, 24 bench prompts x 128, 600 steps (180 s), bf16, on disk.
+# tokens, capture during generation (verified for DeepseekV3 on the H200) with a prefill fallback; E2E_DRAFT_SHAPE=both:
+# a Llama-shaped and an MLA drafter trained side by side (two Ray jobs, half a GPU each, same shards), benchmarked
+# against one baseline in one `eaglenest bench` (--drafter llama=... --drafter mla=...) at batch 1, 8 and 32
+# (E2E_BENCH_BATCHES; SGLang decode graphs up to the largest), the faster at batch 1 served; the EAGLE check on the
+# Llama-shaped one (the seed's drafter class); no ceiling engine; 32 accept prompts per set; E2E_JIT_WARM=1:
+# benchmarks/gpu_jit_warm.py compiles SGLang's kernels for the stand-in's widths (a random 5-layer model of the same
+# widths and random drafters of both shapes) in the background during phase A, ended before regen (E2E_JIT_WAIT_S);
+# the order puts the optional steps last (jobs, then train_step.py at Kimi's widths for both shapes with the
+# per-kernel breakdown (E2E_TRAIN_STEP), then SGLang's offline reference), each run only if E2E_BUDGET_S (1,500 s
+# of runner time) leaves room for it. kimi: 3 epochs, lr 3e-4, 32 bench prompts x 64 tokens, pre-training 400 steps
+# (at most 210 s), fp8 hidden states (E2E_STORAGE_DTYPE) with shards, training runs, exports and the train jobs'
+# TMPDIR in /dev/shm/eaglenest-e2e (E2E_BULK_DIR); small: 4 epochs, 32 bench prompts x 128, 600 steps (180 s), bf16.
 #
 # DeepseekV3 at Kimi's widths (kimi, 4 / 4) on one H200, estimated (no run yet; measure and correct):
 #   hidden states: (3 x 7168 + 7168) x 2 = 57,344 B a token in bf16, 28,676 B in fp8 (4H + 4). 2,048 samples x
@@ -78,6 +83,8 @@
 #   carries ~2 min: ~22-23 min of the 25. The small preset: ~875 s (13.3 GB engine starts ~55 s, ~3 ms decode steps).
 #   Device calls: call 1 `E2E_ARCH=deepseek_v3 bash benchmarks/gpu_e2e.sh --phase1` (returns after the stand-in,
 #   ~6 min), then `--phase2` calls as below until the summary prints (two for kimi: the runner needs ~14 min more).
+#   With both draft shapes: train ~250 (two jobs side by side), bench ~380 (3 engine starts, batch 1/8/32), so ~1,450
+#   before the optional steps; E2E_BUDGET_S keeps the runner within 1,500 s.
 set -uo pipefail
 ROOT=${E2E_ROOT:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)}  # the runner runs from a copy: E2E_ROOT
 cd "$ROOT"
@@ -148,6 +155,7 @@ esac
 
 # ---------------------------------------------------------------------------------------------------- the runner
 START=$(date +%s)
+export E2E_START=$START  # the budget's clock (E2E_BUDGET_S), from the runner's start
 # a runner that ends early (an error in this script, a kill) still stops the Ray head it started
 trap '[ -f "$E2E_WORK/ray-head.pid" ] && kill -TERM -- "-$(cat "$E2E_WORK/ray-head.pid")" 2>/dev/null' EXIT
 mkdir -p "$E2E_WORK/bin" "$E2E_WORK/results/logs" "$E2E_WORK/data"
@@ -180,6 +188,7 @@ if [ -z "${E2E_SHAREGPT:-}" ]; then
   fi
 fi
 
+step jit_warm  # DeepseekV3 on the GPU: SGLang's kernels compiled in the background meanwhile (gpu_jit_warm.py)
 step standin
 touch "$E2E_WORK/phaseA.done"
 echo "== phase A done at +$(( $(date +%s) - START )) s"
@@ -197,8 +206,8 @@ fi
 # knobs decided between the calls (e.g. E2E_CONCURRENT_GENERATE=0 after a failed smoke test) reach the config here
 # shellcheck disable=SC1091
 [ -f "$E2E_WORK/overrides.env" ] && { cat "$E2E_WORK/overrides.env"; source "$E2E_WORK/overrides.env"; }
-# the EAGLE collapse right after preflight: the step an earlier run lost to the device budget, at the end of the list
-for s in configs offline_ref offline_recording ray_start regen train preflight eagle_forced bench serve jobs; do
+# the order is gpu_e2e.py's (DeepseekV3: the optional offline yardstick last, within E2E_BUDGET_S)
+for s in $(python3 benchmarks/gpu_e2e.py order); do
   step "$s"
 done
 python3 benchmarks/gpu_e2e.py summary

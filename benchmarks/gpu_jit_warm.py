@@ -1,0 +1,154 @@
+"""Compile SGLang's kernels for a DeepseekV3 stand-in's widths while the stand-in itself is still being built.
+
+A fresh device machine compiles SGLang's JIT kernels (sgl-kernel's, Triton's fused-MoE and MLA attention kernels, each
+specialised on the model's widths) at the first engine start that needs them: a minute or more of a 30-minute device
+session, paid on the run's critical path. ``benchmarks/gpu_e2e.sh`` runs this script in the background during its
+phase A (the stand-in's pre-training and widening), so the compiled kernels are in the caches (``TRITON_CACHE_DIR``,
+``TVM_FFI_CACHE_DIR``) when regen starts its engine.
+
+It builds a random DeepseekV3 with the stand-in's exact widths (hidden, MLA ranks and head dims, experts, vocabulary)
+but only ``--layers`` layers (a few GB), random drafters of both draft shapes for it, and starts SGLang the ways the
+run will: plain (prefill, decode and the decode graphs up to the bench's batch), and EAGLE3 with each drafter
+(draft, verify with its tree mask, their graphs). Its outputs are discarded; only the caches matter. The engines take
+little GPU memory (``max_total_tokens`` caps the KV pool), so pre-training on the same GPU is unaffected.
+
+    python3 benchmarks/gpu_jit_warm.py --preset default --routed-experts 4 --experts-per-token 4 --work /tmp/jitwarm
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def warm_config(preset: str, routed: int | None, per_token: int | None, layers: int) -> dict[str, Any]:
+    """The stand-in's wide config.json (the same builder as ``standin-target --arch deepseek_v3``), cut to
+    ``layers`` layers: every width a kernel is specialised on is the run's."""
+    from eaglenest.engines.standin_deepseek import DEEPSEEK_PRESETS, _Vocab, small_config, with_experts
+    from eaglenest.engines.widen_deepseek import widen_deepseek_config
+
+    spec = with_experts(DEEPSEEK_PRESETS[preset], routed, per_token)
+    cfg = widen_deepseek_config(small_config(spec, _Vocab(spec.vocab_size)).to_dict(), spec.wide)
+    cfg["num_hidden_layers"] = layers
+    cfg["torch_dtype"] = "bfloat16"
+    return cfg
+
+
+def build_target(cfg: dict[str, Any], folder: Path, device: str) -> Path:
+    """A random-weight DeepseekV3ForCausalLM of ``cfg`` in ``folder`` (safetensors, its config.json as given)."""
+    import torch
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    folder.mkdir(parents=True, exist_ok=True)
+    with torch.device(device):
+        model = DeepseekV3ForCausalLM(DeepseekV3Config(**cfg)).to(torch.bfloat16)
+    model.save_pretrained(folder, safe_serialization=True)
+    (folder / "config.json").write_text(json.dumps(cfg, indent=2))  # the keys SGLang reads that transformers drops
+    return folder
+
+
+def build_drafters(target: Path, work: Path, draft_vocab: int = 32000) -> dict[str, Path]:
+    """A random drafter of each draft shape for ``target`` in eaglenest's SGLang export format."""
+    import torch
+    from safetensors import safe_open
+
+    from eaglenest.contracts.target import TargetSpec
+    from eaglenest.drafter.export import export_drafter
+    from eaglenest.drafter.shape import drafter_model_config
+    from eaglenest.drafters.eagle3.model import Eagle3Drafter
+    from eaglenest.drafters.vocab import build_vocab_mapping
+
+    facts = TargetSpec.read(str(target))
+    n = facts.num_layers  # three distinct taps SGLang's DeepseekV2 rule can express (the first one >= 2)
+    taps = [2, n // 2 + 1, n - 1]
+    tensors: dict[str, torch.Tensor] = {}
+    for f in sorted(target.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as st:
+            for k in st.keys():  # noqa: SIM118 - safe_open has keys(), not iteration
+                if k in ("model.embed_tokens.weight", "lm_head.weight"):
+                    tensors[k] = st.get_tensor(k).float()
+    mapping = build_vocab_mapping(torch.arange(facts.vocab_size, 0, -1, dtype=torch.float64),
+                                  min(draft_vocab, facts.vocab_size))
+    out = {}
+    for shape in ("llama", "mla"):
+        cfg = drafter_model_config(facts, taps, mapping.draft_vocab_size, draft_shape=shape)
+        drafter = Eagle3Drafter(cfg)
+        drafter.init_from_target(tensors["model.embed_tokens.weight"], tensors["lm_head.weight"], mapping.d2t,
+                                 mapping.t2d)
+        out[shape] = export_drafter(drafter, work / f"drafter-{shape}", dtype="bfloat16")
+    return out
+
+
+def warm_engines(target: Path, drafters: dict[str, Path], max_bs: int, log: Any = print) -> list[dict[str, Any]]:
+    """Start SGLang plain and with each drafter (EAGLE3 3-1-4); decode at batch 1 and ``max_bs`` in each."""
+    from eaglenest.config import SGLangEngineConfig, SpecConfig
+    from eaglenest.engines.sglang.args import engine_kwargs
+    from eaglenest.engines.sglang.engine import sglang_symbol
+    from eaglenest.engines.sglang.spec import speculative_engine_kwargs
+
+    cfg = SGLangEngineConfig(mem_fraction_static=0.88, context_length=2048,
+                             extra_args={"cuda_graph_max_bs": max_bs, "max_total_tokens": 65536,
+                                         "skip_tokenizer_init": True})
+    Engine = sglang_symbol("sglang:Engine")
+    records = []
+    for name in ["plain", *drafters]:
+        t0 = time.perf_counter()
+        try:
+            if name == "plain":
+                kw = engine_kwargs(str(target), cfg, dtype="bfloat16")
+            else:
+                kw, _ = speculative_engine_kwargs(str(target), cfg, drafters[name], SpecConfig(), dtype="bfloat16")
+            eng = Engine(**kw)
+            start_s = time.perf_counter() - t0
+            try:
+                for bs in (1, max_bs):
+                    prompts = [[100 + (7 * i + j) % 5000 for j in range(48)] for i in range(bs)]
+                    eng.generate(input_ids=prompts, sampling_params={"temperature": 0.0, "max_new_tokens": 16,
+                                                                     "ignore_eos": True})
+            finally:
+                eng.shutdown()
+            rec = {"engine": name, "start_s": round(start_s, 1), "total_s": round(time.perf_counter() - t0, 1)}
+        except Exception as e:  # noqa: BLE001 - a warm-up that fails costs the run nothing but the compile time
+            rec = {"engine": name, "error": f"{type(e).__name__}: {e}"[:1500],
+                   "total_s": round(time.perf_counter() - t0, 1)}
+        log(f"[jit warm] {json.dumps(rec)}")
+        records.append(rec)
+    return records
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="default", help="standin-target --arch deepseek_v3 preset")
+    p.add_argument("--routed-experts", type=int, default=None)
+    p.add_argument("--experts-per-token", type=int, default=None)
+    p.add_argument("--layers", type=int, default=5, help="layers of the warm-up model (>= 5: three distinct taps)")
+    p.add_argument("--max-bs", type=int, default=32, help="the largest batch the run decodes with CUDA graphs")
+    p.add_argument("--work", default="/tmp/jitwarm")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--build-only", action="store_true", help="build the model and drafters, start no engine")
+    a = p.parse_args(argv)
+    if a.layers < 5:
+        p.error("--layers must be at least 5 (the drafters read three distinct layers, the first at 2)")
+    t0 = time.perf_counter()
+    work = Path(a.work)
+    cfg = warm_config(a.preset, a.routed_experts, a.experts_per_token, a.layers)
+    target = build_target(cfg, work / "target", a.device)
+    drafters = build_drafters(target, work)
+    print(f"[jit warm] built a {a.layers}-layer model and {len(drafters)} drafters in "
+          f"{time.perf_counter() - t0:.1f} s", flush=True)
+    records = [] if a.build_only else warm_engines(target, drafters, a.max_bs)
+    (work / "warm.json").write_text(json.dumps({"engines": records, "seconds": round(time.perf_counter() - t0, 1)},
+                                               indent=2))
+    print(f"[jit warm] done in {time.perf_counter() - t0:.1f} s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
