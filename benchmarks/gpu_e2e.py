@@ -21,6 +21,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -246,6 +247,8 @@ JIT_WARM = knob("E2E_JIT_WARM", ds=1, gpu=0, cpu=0) == "1"
 """DeepseekV3 on the GPU: compile SGLang's kernels for the stand-in's widths in the background during phase A
 (benchmarks/gpu_jit_warm.py), so regen's, the bench's and serve's engine starts find them compiled"""
 JIT_WARM_PID = WORK / "jit-warm.pid"
+JIT_WARM_DIR = Path("/dev/shm/eaglenest-jitwarm")
+"""the warm-up model (~8 GB at Kimi's widths) in host memory: the disk holds the 44 GB stand-in"""
 
 
 def step_jit_warm() -> dict[str, Any]:
@@ -253,7 +256,7 @@ def step_jit_warm() -> dict[str, Any]:
     if not (gpu() and DEEPSEEK and JIT_WARM):
         return {"skipped": "DeepseekV3 on the GPU only (E2E_JIT_WARM=0 turns it off)"}
     cmd = [sys.executable, str(ROOT / "benchmarks" / "gpu_jit_warm.py"), "--preset", DS_PRESET, "--routed-experts",
-           str(DS_EXPERTS[0]), "--experts-per-token", str(DS_EXPERTS[1]), "--work", str(WORK / "jitwarm"),
+           str(DS_EXPERTS[0]), "--experts-per-token", str(DS_EXPERTS[1]), "--work", str(JIT_WARM_DIR),
            "--max-bs", str(max(int(b) for b in BENCH_BATCHES.split(",")))]
     log = open(RESULTS / "logs" / "jit-warm.log", "w")  # noqa: SIM115 - the process outlives this step
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT)
@@ -283,10 +286,12 @@ def step_jit_wait() -> dict[str, Any]:
             os.killpg(pid, sig)
             time.sleep(3)
     JIT_WARM_PID.unlink()
-    report = WORK / "jitwarm" / "warm.json"
+    report = JIT_WARM_DIR / "warm.json"
+    doc = json.loads(report.read_text()) if report.is_file() else None
+    shutil.rmtree(JIT_WARM_DIR, ignore_errors=True)  # host memory the run's shards and checkpoints need
     lines = [ln for ln in (RESULTS / "logs" / "jit-warm.log").read_text().splitlines() if "[jit warm]" in ln]
-    return {"finished_before_phase_b": finished, "waited_s": round(time.time() - t0, 1),
-            "report": json.loads(report.read_text()) if report.is_file() else None, "log": lines[-8:]}
+    return {"finished_before_phase_b": finished, "waited_s": round(time.time() - t0, 1), "report": doc,
+            "log": lines[-8:]}
 
 
 def target_facts() -> dict[str, Any]:
@@ -457,8 +462,6 @@ def hidden_state_estimate(hidden: int) -> dict[str, Any]:
 
 def free_space() -> dict[str, float]:
     """Free GB where the run writes: the work folder (the stand-in) and BULK (shards, training, export)."""
-    import shutil
-
     BULK.mkdir(parents=True, exist_ok=True)
     return {str(p): round(shutil.disk_usage(p).free / 1e9, 1) for p in dict.fromkeys((WORK, BULK))}
 
