@@ -333,6 +333,12 @@ def scheduler_pace(text: str) -> dict[str, Any] | None:
             "full_batch_running_reqs": max(n for n, _, _ in full) if full else None}
 
 
+def bench_engine_extra_args() -> dict[str, Any]:
+    """SGLang settings of the bench's, eagle_forced's and serve's engines on DeepseekV3: decode graphs up to the
+    bench's largest batch (``cuda_graph_max_bs_decode``; 0.5.14 has no ``cuda_graph_max_bs`` field)."""
+    return {"cuda_graph_max_bs_decode": max(int(b) for b in BENCH_BATCHES.split(","))}
+
+
 REGEN_FAIL_FIRST = os.environ.get("E2E_REGEN_FAIL_FIRST") == "1"
 """a test of the fallback: regen's first job gets a config its engine actor refuses in its constructor, as the SGLang
 engine refuses ``capture: generation`` on a target whose record does not verify it (on the GPU the same check,
@@ -352,7 +358,7 @@ def write_configs() -> dict[str, Any]:
     if DEEPSEEK:
         # the bench, eagle_forced and serve engines run batch <= 32: decode graphs up to 32 requests, not SGLang's
         # default ladder (each captured graph replays 61 MLA + MoE layers: tens of seconds per 44 GB engine start)
-        sglang["extra_args"] = {"cuda_graph_max_bs": max(int(b) for b in BENCH_BATCHES.split(","))}
+        sglang["extra_args"] = bench_engine_extra_args()
     drafter: dict[str, Any] = {"draft_vocab_size": 32000 if gpu() else 256}
     cfg = {
         "target": {"model": str(MODEL), "engine": "sglang" if gpu() else "hf", "device": "cuda" if gpu() else "cpu",
@@ -517,7 +523,10 @@ def step_offline_ref() -> dict[str, Any]:
 
     cfg = load_config(REGEN_CONFIG)  # the engine config regen runs with
     prompts = _train_prompt_ids()
-    kw = engine_kwargs(str(MODEL), cfg.target.sglang, dtype="bfloat16")
+    from eaglenest.contracts.target import TargetSpec
+
+    target = TargetSpec.read(MODEL, context_length=cfg.target.sglang.context_length)
+    kw = engine_kwargs(str(MODEL), cfg.target.sglang, dtype="bfloat16", target=target)  # regen's running-request cap
     kw["disable_radix_cache"] = True  # each prompt once; nothing to reuse, as in regen
     Engine = sglang_symbol("sglang:Engine")
     t0 = time.perf_counter()

@@ -86,23 +86,29 @@ def build_drafters(target: Path, work: Path, draft_vocab: int = 32000) -> dict[s
     return out
 
 
+def warm_extra_args(max_bs: int) -> dict[str, Any]:
+    """The warm-up engines' SGLang settings beyond eaglenest's: decode graphs up to ``max_bs``, a KV pool capped so
+    the engine stays small beside the stand-in's pre-training on the same GPU, token ids in (no tokenizer)."""
+    return {"cuda_graph_max_bs_decode": max_bs, "max_total_tokens": 65536, "skip_tokenizer_init": True}
+
+
 def warm_engines(target: Path, drafters: dict[str, Path], max_bs: int, log: Any = print) -> list[dict[str, Any]]:
     """Start SGLang plain and with each drafter (EAGLE3 3-1-4); decode at batch 1 and ``max_bs`` in each."""
     from eaglenest.config import SGLangEngineConfig, SpecConfig
+    from eaglenest.contracts.target import TargetSpec
     from eaglenest.engines.sglang.args import engine_kwargs
     from eaglenest.engines.sglang.engine import sglang_symbol
     from eaglenest.engines.sglang.spec import speculative_engine_kwargs
 
-    cfg = SGLangEngineConfig(mem_fraction_static=0.88, context_length=2048,
-                             extra_args={"cuda_graph_max_bs": max_bs, "max_total_tokens": 65536,
-                                         "skip_tokenizer_init": True})
+    cfg = SGLangEngineConfig(mem_fraction_static=0.88, context_length=2048, extra_args=warm_extra_args(max_bs))
+    facts = TargetSpec.read(str(target), context_length=cfg.context_length)
     Engine = sglang_symbol("sglang:Engine")
     records = []
     for name in ["plain", *drafters]:
         t0 = time.perf_counter()
         try:
             if name == "plain":
-                kw = engine_kwargs(str(target), cfg, dtype="bfloat16")
+                kw = engine_kwargs(str(target), cfg, dtype="bfloat16", target=facts)
             else:
                 kw, _ = speculative_engine_kwargs(str(target), cfg, drafters[name], SpecConfig(), dtype="bfloat16")
             eng = Engine(**kw)

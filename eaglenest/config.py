@@ -163,6 +163,10 @@ class RegenConfig(Section):
         "still runs one batch at a time")
     num_cpus_per_actor: float = Field(0.5, ge=0)
     num_gpus_per_actor: float = Field(0, ge=0)
+    max_engine_restarts: int = Field(
+        3, ge=-1, description="times Ray restarts an engine actor whose process died (and retries its batches) before "
+        "the job fails; -1: without limit. A killed actor comes back and the job carries on, but an engine that dies "
+        "on every batch (a kernel crash) fails the job with its cause instead of restarting forever; rerun to resume")
     min_tokens: int = Field(4, ge=1, description="length filter: shorter samples are quarantined")
     max_tokens: int = Field(2048, ge=16, description="length filter: longer samples are quarantined")
     storage_dtype: Literal["bfloat16", "float16", "float32", "float8_e4m3fn"] = Field(

@@ -63,6 +63,8 @@ class TargetSpec:
     """as config.json writes it (an id or a list); :meth:`eos_token_ids` adds generation_config.json's"""
     dtype: str = "bfloat16"
     """the checkpoint's declared ``torch_dtype`` (bfloat16 when the config names none)"""
+    kv_lora_rank: int = 0
+    """MLA's latent key/value width (DeepseekV3/Kimi: 512; 0 without MLA): the width of its KV cache entries"""
 
     # ------------------------------------------------------------------------------------------------ reading
     @classmethod
@@ -120,6 +122,7 @@ class TargetSpec:
             bos_token_id=tc.get("bos_token_id", raw.get("bos_token_id")),
             eos_token_id=tc.get("eos_token_id", raw.get("eos_token_id")),
             dtype=str(tc.get("torch_dtype") or tc.get("dtype") or raw.get("torch_dtype") or "bfloat16"),
+            kv_lora_rank=int(tc.get("kv_lora_rank") or 0),
         )
 
     @classmethod

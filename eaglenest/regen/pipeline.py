@@ -181,6 +181,10 @@ def _previous_engine_version(out_dir: Path) -> str | None:
     return json.loads(p.read_text()).get("engine_version") if p.is_file() else None
 
 
+class EngineDiedError(RuntimeError):
+    """An engine actor died more often than ``regen.max_engine_restarts`` allows."""
+
+
 def _run_engine_stage(cfg: EaglenestConfig, files: list[str], out_dir: Path, identity: dict[str, Any], tracker: Any,
                       log: Callable[[str], None], interval: float) -> dict[str, int]:
     import ray
@@ -207,6 +211,12 @@ def _run_engine_stage(cfg: EaglenestConfig, files: list[str], out_dir: Path, ide
                           preserve_order=False, use_datasource_v2=False):
             ds = regenerate_dataset(plan_dataset(files), cfg, identity, tracker)
             ds.write_datasink(sink, ray_remote_args={"num_cpus": WRITE_CPUS})
+    except ray.exceptions.RayActorError as e:
+        raise EngineDiedError(
+            f"regen: an engine actor died and was restarted regen.max_engine_restarts={rc.max_engine_restarts} "
+            f"times without finishing its batch, so the job stops here (nothing written is lost: rerun the same "
+            f"command to resume). The engine's own error is in the actor's log above (`ray job logs`); the last "
+            f"death: {str(e).strip()[-1500:]}") from e
     finally:
         stop.set()
         thread.join(timeout=5)
@@ -265,6 +275,9 @@ def regenerate_dataset(plan_rows: Any, cfg: EaglenestConfig, identity: dict[str,
         batch_size=rc.batch_size, batch_format="pyarrow", zero_copy_batch=True,
         compute=_actor_pool(rc.num_actors, rc.batches_in_flight),
         num_cpus=rc.num_cpus_per_actor, num_gpus=rc.num_gpus_per_actor,
+        # Ray Data's default is to restart a dead actor and retry its tasks forever: a deterministic engine crash
+        # then loops with no progress and no error (seen on the H200); bounded, the job fails with the cause
+        max_restarts=rc.max_engine_restarts, max_task_retries=rc.max_engine_restarts,
     )
 
 

@@ -136,3 +136,34 @@ def test_sigkill_mid_run_then_rerun_loses_and_repeats_nothing(ray_session, tmp_p
         assert any(line.split()[:3] == [s["name"], str(len(expected[s["path"]]) - expected[s["path"]].count(
             "capped")), str(expected[s["path"]].count("ok"))] for line in text.splitlines()), s["name"]
     assert "already done" in text
+
+
+def test_an_engine_that_keeps_dying_fails_the_job_with_its_cause(ray_session, tmp_path):
+    """An engine actor that dies on every attempt (on the H200: a kernel crash in SGLang's decode, every restart) must
+    not be restarted forever with no progress: after ``regen.max_engine_restarts`` the job fails and says why and
+    how to resume. Here the actor is SIGKILLed once more than the limit allows."""
+    cfg = yaml.safe_load((REPO / "configs" / "demo.yaml").read_text())
+    cfg["regen"].update(sources_file=str(FIX / "sources.yaml"), output=str(tmp_path / "regen"), max_engine_restarts=1)
+    config = tmp_path / "regen.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+    env = {**os.environ, "RAY_ADDRESS": ray_session.get_runtime_context().gcs_address, "OMP_NUM_THREADS": "1",
+           "PYTHONUNBUFFERED": "1"}
+    log = tmp_path / "run.log"
+    with open(log, "w") as fh:
+        job = subprocess.Popen([str(EAGLENEST), "regen", "--config", str(config)], stdout=fh,
+                               stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        killed: list[int] = []
+        for _ in range(2):  # the first death is restarted (the limit is 1), the second ends the job
+            pid = wait_for(lambda: [p for p, c in children(os.getpid())
+                                    if "MapBatches(EngineActor)" in c and p not in killed], 240,
+                           "a live engine actor", job)[0]
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+        rc = job.wait(timeout=240)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+    text = log.read_text()
+    assert rc != 0, text[-3000:]
+    assert "regen.max_engine_restarts=1" in text and "rerun the same command to resume" in text, text[-3000:]

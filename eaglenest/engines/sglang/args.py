@@ -11,7 +11,9 @@ from typing import Any
 
 from eaglenest.config import SGLangEngineConfig
 from eaglenest.contracts.metrics import accept_length
+from eaglenest.contracts.target import TargetSpec
 from eaglenest.engines.base import FinishReason, Generation, SamplingParams
+from eaglenest.engines.sglang.limits import bound_running_requests
 from eaglenest.targets import ARCHS, arch_for
 
 CAPTURE_MAX_SEQS = 256
@@ -57,10 +59,13 @@ def engine_kwargs(
     dtype: str = "auto",
     seed: int | None = 0,
     trust_remote_code: bool = False,
+    target: TargetSpec | None = None,
 ) -> dict[str, Any]:
     """``sglang.Engine`` kwargs for generation: prefix (radix) caching on, the configured backends, no spec.
 
-    ``extra_args`` come last but may not override what this backend relies on (see ``_PROTECTED``).
+    ``extra_args`` come last but may not override what this backend relies on (see ``_PROTECTED``). ``target``
+    (the model's facts): running requests are bounded where SGLang's kernels need it
+    (:func:`bound_running_requests`).
     """
     kw: dict[str, Any] = {
         "model_path": model_path,
@@ -79,6 +84,8 @@ def engine_kwargs(
     if cfg.disable_cuda_graph:
         kw["disable_cuda_graph"] = True
     _merge_extra(kw, cfg.extra_args)
+    if target is not None:
+        bound_running_requests(kw, target)
     return kw
 
 

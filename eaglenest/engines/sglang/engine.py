@@ -76,9 +76,16 @@ from eaglenest.engines.sglang.args import (
     run_generate,
 )
 from eaglenest.engines.sglang.driver import EngineLoopDriver
+from eaglenest.engines.sglang.limits import check_server_args
 from eaglenest.engines.sglang.recorded import GenerationRecorder
 from eaglenest.engines.sglang.spec import SpeculativeLaunch, speculative_engine_kwargs
-from eaglenest.engines.sglang.symbols import SGLANG_INTERNALS, installed_sglang_version, require_sglang, sglang_symbol
+from eaglenest.engines.sglang.symbols import (
+    SGLANG_INTERNALS,
+    installed_sglang_version,
+    require_sglang,
+    server_arg_fields,
+    sglang_symbol,
+)
 
 if TYPE_CHECKING:
     from eaglenest.engines.sglang.stream import SGLangStreams
@@ -119,7 +126,7 @@ class SGLangEngine(TargetEngine):
                 expected_physical_ids=cfg.aux_layer_ids, dtype=self.dtype, trust_remote_code=cfg.trust_remote_code)
         else:
             kwargs = engine_kwargs(self.model_path, self.engine_cfg, dtype=self.dtype,
-                                   trust_remote_code=cfg.trust_remote_code)
+                                   trust_remote_code=cfg.trust_remote_code, target=self.spec)
         self.recorder: GenerationRecorder | None = None
         self.regen = regen and drafter is None
         """regen's engine (it records, if ``capture: generation``, and runs threads' batches together)"""
@@ -166,6 +173,7 @@ class SGLangEngine(TargetEngine):
             if self._engine is not None:
                 return self._engine
             Engine = sglang_symbol("sglang:Engine")
+            check_server_args(self.engine_kwargs, server_arg_fields(), installed_sglang_version() or "?")
             engine = Engine(**self.engine_kwargs)
             if self.recorder is not None:
                 self.recorder.sink.start()

@@ -70,6 +70,7 @@ def speculative_engine_kwargs(
     """``sglang.Engine`` kwargs for speculative serving, built only after the preflight passed."""
     target = target or TargetSpec.read(model_path, context_length=engine_cfg.context_length)
     launch = speculative_launch(read_drafter(drafter_path), target, spec, expected_physical_ids=expected_physical_ids)
-    kw = engine_kwargs(model_path, engine_cfg, dtype=dtype, seed=seed, trust_remote_code=trust_remote_code)
+    kw = engine_kwargs(model_path, engine_cfg, dtype=dtype, seed=seed, trust_remote_code=trust_remote_code,
+                       target=target)
     kw.update(launch.engine_kwargs())
     return kw, launch

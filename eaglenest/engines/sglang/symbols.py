@@ -56,3 +56,10 @@ def sglang_symbol(name: str) -> Any:
         raise SGLangVersionError(f"sglang {installed_sglang_version()} has no {name}; this backend needs "
                                  f"sglang=={SGLANG_VERSION}")
     return getattr(mod, attr)
+
+
+def server_arg_fields() -> frozenset[str]:
+    """The keyword arguments ``sglang.Engine`` accepts: ``ServerArgs``' dataclass fields."""
+    import dataclasses
+
+    return frozenset(f.name for f in dataclasses.fields(sglang_symbol("sglang.srt.server_args:ServerArgs")))

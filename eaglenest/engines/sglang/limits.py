@@ -1,0 +1,99 @@
+"""What SGLang 0.5.14 accepts, checked before an engine starts: its server arguments, and the decode batch its triton
+MLA kernels can address.
+
+An engine that fails these would fail inside ``sglang.Engine``'s constructor with a bare ``TypeError``, or, worse,
+start and then die mid-run with "an illegal memory access" (a regen job's engine actor restarted by Ray until the job
+is stopped): both were seen on the H200, so both are refused here with the numbers and the fix. Pure functions: no
+sglang import (the field names are passed in), tested on a CPU.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+from collections.abc import Collection, Mapping
+from typing import Any
+
+from eaglenest.contracts.target import TargetSpec
+
+INT32_MAX = 2**31 - 1
+MLA_DECODE_MIN_BLOCK_KV = 32
+"""SGLang 0.5.14 ``triton_backend._MLA_DECODE_MIN_BLOCK_KV``: the fewest KV tokens an MLA decode split covers"""
+TRITON_KV_SPLITS = 8
+"""SGLang 0.5.14's default ``triton_attention_num_kv_splits``"""
+
+
+def mla_triton_kv_splits(context_len: int, sm_count: int = 256, base: int = TRITON_KV_SPLITS,
+                         split_tile_size: int | None = None) -> int:
+    """The KV splits SGLang 0.5.14's triton backend sizes its MLA decode buffers for (``max_kv_splits``): the
+    configured base, raised for MLA to ``min(next_pow2(SMs), next_pow2(ceil(context / 32)))``; a split tile size
+    replaces both by ``ceil(context / tile)``. ``sm_count`` 256 bounds every current GPU (H100/H200: 132 SMs)."""
+    if split_tile_size:
+        return math.ceil(context_len / split_tile_size)
+    if sm_count <= 0:
+        return base
+    return max(base, min(_next_pow2(sm_count), _next_pow2(math.ceil(context_len / MLA_DECODE_MIN_BLOCK_KV))))
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(int(n) - 1, 0).bit_length()
+
+
+def mla_triton_max_running_requests(heads_per_rank: int, kv_lora_rank: int, kv_splits: int) -> int:
+    """The largest decode batch whose partial results SGLang 0.5.14's triton MLA decode can address: its kernels
+    index the fp32 buffer ``[batch, heads, kv_splits, kv_lora_rank]`` with 32-bit ``batch * stride`` offsets
+    (``decode_attention._fwd_kernel_stage2``), so a larger batch reads past the buffer and the engine dies with
+    "an illegal memory access" (seen on the H200: Kimi's widths, context 2048 -> 64 splits, 1,860 requests)."""
+    return INT32_MAX // (heads_per_rank * kv_splits * kv_lora_rank)
+
+
+def bound_running_requests(kw: dict[str, Any], target: TargetSpec, sm_count: int | None = None) -> None:
+    """An MLA target on the triton attention backend: ``max_running_requests`` at most what its decode kernels can
+    address (:func:`mla_triton_max_running_requests`): set when unset, refused with the numbers when larger."""
+    if not target.kv_lora_rank or kw.get("attention_backend", "triton") != "triton":
+        return
+    context = int(kw.get("context_length") or target.context_length or target.max_position_embeddings or 0)
+    tp = int(kw.get("tp_size") or 1)
+    heads = max(1, (target.num_attention_heads or 1) // tp)
+    if sm_count is None:
+        sm_count = _device_sm_count()
+    splits = mla_triton_kv_splits(context, sm_count, int(kw.get("triton_attention_num_kv_splits") or TRITON_KV_SPLITS),
+                                  kw.get("triton_attention_split_tile_size"))
+    cap = mla_triton_max_running_requests(heads, target.kv_lora_rank, splits)
+    asked = kw.get("max_running_requests")
+    if asked is None:
+        kw["max_running_requests"] = cap
+    elif int(asked) > cap:
+        raise ValueError(
+            f"target.sglang.max_running_requests {asked} is more than SGLang's triton MLA decode can address for "
+            f"this target: {heads} heads x {splits} KV splits (context {context}) x kv_lora_rank "
+            f"{target.kv_lora_rank} fp32 partials a request, indexed with 32-bit offsets, allow {cap} requests; "
+            f"more ends in 'an illegal memory access'. Set max_running_requests <= {cap}, a shorter "
+            f"context_length, or extra_args triton_attention_split_tile_size (fewer splits)")
+
+
+def _device_sm_count() -> int:
+    """The current GPU's streaming multiprocessors (256, every current GPU's bound, without one)."""
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return int(torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count)
+    except Exception:  # noqa: BLE001 - a bound is enough
+        pass
+    return 256
+
+
+def unknown_server_args(kw: Mapping[str, Any], fields: Collection[str]) -> list[str]:
+    """Keys of ``kw`` that are not SGLang ``ServerArgs`` fields (``fields``: its dataclass field names)."""
+    return sorted(k for k in kw if k not in fields)
+
+
+def check_server_args(kw: Mapping[str, Any], fields: Collection[str], version: str) -> None:
+    """Refuse launch kwargs SGLang does not know before an engine starts (``Engine(**kw)`` would fail with a bare
+    TypeError inside its constructor), naming the closest field: extra_args are passed through as given."""
+    bad = unknown_server_args(kw, fields)
+    if bad:
+        hints = {k: difflib.get_close_matches(k, list(fields), n=2, cutoff=0.6) for k in bad}
+        said = "; ".join(f"{k}" + (f" (did you mean {' or '.join(v)}?)" if v else "") for k, v in hints.items())
+        raise ValueError(f"sglang {version} has no server argument {said}: fix target.sglang.extra_args")

@@ -1,0 +1,80 @@
+"""What SGLang 0.5.14 accepts, checked before an engine starts (``eaglenest.engines.sglang.limits``).
+
+The numbers are the H200 run's: a DeepseekV3 stand-in at Kimi-K2.5's widths (64 heads, kv_lora_rank 512) at context
+2048 got 64 KV splits, and SGLang's triton MLA decode died with "an illegal memory access" at 1,860 running requests.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from eaglenest.config import SGLangEngineConfig
+from eaglenest.contracts.target import TargetSpec
+from eaglenest.engines.sglang.args import engine_kwargs
+from eaglenest.engines.sglang.limits import (
+    bound_running_requests,
+    check_server_args,
+    mla_triton_kv_splits,
+    mla_triton_max_running_requests,
+)
+
+KIMI_STANDIN = TargetSpec(num_layers=61, hidden_size=7168, vocab_size=163840, architecture="DeepseekV3ForCausalLM",
+                          context_length=2048, max_position_embeddings=2048, num_attention_heads=64,
+                          kv_lora_rank=512)
+LLAMA = TargetSpec(num_layers=32, hidden_size=4096, vocab_size=32000, architecture="LlamaForCausalLM",
+                   context_length=2048, num_attention_heads=32, num_key_value_heads=8, head_dim=128)
+
+
+def test_the_h200_crash_is_past_the_bound():
+    splits = mla_triton_kv_splits(2048, sm_count=132)
+    assert splits == 64  # max(8, min(next_pow2(132) = 256, next_pow2(2048 / 32) = 64))
+    cap = mla_triton_max_running_requests(64, 512, splits)
+    assert cap == 1023 < 1860
+    assert 1023 * 64 * 64 * 512 < 2**31 <= 1024 * 64 * 64 * 512  # the kernel's int32 offset batch * stride
+
+
+def test_kimi_at_tp8_and_its_real_context():
+    splits = mla_triton_kv_splits(262144, sm_count=132)
+    assert splits == 256
+    assert mla_triton_max_running_requests(64 // 8, 512, splits) == 2047
+    assert mla_triton_kv_splits(2048, sm_count=132, split_tile_size=256) == 8
+    assert mla_triton_kv_splits(2048, sm_count=0) == 8 and mla_triton_kv_splits(64, sm_count=132) == 8
+
+
+def test_engine_kwargs_bound_an_mla_target_on_triton():
+    kw = engine_kwargs("m", SGLangEngineConfig(context_length=2048), target=KIMI_STANDIN)
+    assert kw["max_running_requests"] <= 1023  # every current GPU's SM count gives at most this bound
+    bounded = {"attention_backend": "triton", "context_length": 2048}
+    bound_running_requests(bounded, KIMI_STANDIN, sm_count=132)
+    assert bounded["max_running_requests"] == 1023
+    lower = {"attention_backend": "triton", "context_length": 2048, "max_running_requests": 512}
+    bound_running_requests(lower, KIMI_STANDIN, sm_count=132)
+    assert lower["max_running_requests"] == 512  # a smaller setting is kept
+    tp8 = {"attention_backend": "triton", "context_length": 2048, "tp_size": 8}
+    bound_running_requests(tp8, KIMI_STANDIN, sm_count=132)
+    assert tp8["max_running_requests"] == 8191  # 8 heads a rank
+
+
+def test_a_larger_setting_is_refused_with_the_numbers_and_the_fix():
+    with pytest.raises(ValueError) as e:
+        engine_kwargs("m", SGLangEngineConfig(context_length=2048, max_running_requests=4096), target=KIMI_STANDIN)
+    text = str(e.value)
+    assert "4096" in text and "64 heads" in text and "kv_lora_rank 512" in text and "illegal memory access" in text
+    assert "max_running_requests <=" in text and "triton_attention_split_tile_size" in text
+
+
+def test_nothing_changes_without_mla_or_triton():
+    assert "max_running_requests" not in engine_kwargs("m", SGLangEngineConfig(), target=LLAMA)
+    fi = engine_kwargs("m", SGLangEngineConfig(attention_backend="flashinfer", context_length=2048),
+                       target=KIMI_STANDIN)
+    assert "max_running_requests" not in fi
+    assert "max_running_requests" not in engine_kwargs("m", SGLangEngineConfig())  # no target: nothing known
+
+
+def test_unknown_server_arguments_are_refused_with_the_closest_field():
+    fields = {"cuda_graph_max_bs_decode", "cuda_graph_max_bs_prefill", "max_total_tokens", "model_path"}
+    check_server_args({"model_path": "m", "max_total_tokens": 8}, fields, "0.5.14")
+    with pytest.raises(ValueError) as e:
+        check_server_args({"model_path": "m", "cuda_graph_max_bs": 32}, fields, "0.5.14")
+    assert "cuda_graph_max_bs" in str(e.value) and "did you mean cuda_graph_max_bs_decode" in str(e.value)
+    assert "target.sglang.extra_args" in str(e.value)
