@@ -376,6 +376,9 @@ def write_configs() -> dict[str, Any]:
             "max_tokens": 8192,  # prompts are <= 192 tokens; the original answers are long but replaced
             "storage_dtype": STORAGE_DTYPE,
             "rows_per_shard": 128 if gpu() else 8,
+            # a device session has no time for Ray Data's restart loop: a second death of the engine fails the job,
+            # and the fallback config runs (resuming the same folder)
+            "max_engine_restarts": 1,
         },
         "train": {
             "drafter": drafter,
