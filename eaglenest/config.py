@@ -208,6 +208,14 @@ class DrafterConfig(Section):
                 "fc_norm": self.fc_norm, "norm_output": self.norm_output}
 
 
+class MixData(Section):
+    """A regen folder mixed into the training rows (e.g. the original data beside recent traffic)."""
+
+    data: str = Field(description="regen output folder (relative to the config file)")
+    share: float = Field(gt=0, lt=1, description="its share of the training rows: subsampled by a hash of the sample "
+                         "id to share / (1 - all shares) x the --data folder's rows (all of it when it has fewer)")
+
+
 class TrainConfig(Section):
     """TTT training on Ray Train."""
 
@@ -236,6 +244,9 @@ class TrainConfig(Section):
     keep_checkpoints: int = Field(2, ge=1)
     seed: int = 0
     run_name: str = "eaglenest-drafter"
+    init_from: str | None = Field(None, description="drafter export folder a fresh run starts from (its weights, "
+                                  "shape and draft vocab), e.g. the live drafter; relative to the config file")
+    mix: list[MixData] = Field(default_factory=list, description="more regen folders mixed into --data's rows")
     data: Literal["shards", "online"] = Field(
         "shards", description="shards: read a regen folder (--data); online: regenerate and capture while training, "
         "streaming hidden states from the engines to the workers (nothing written; `eaglenest train --online`)")
@@ -284,6 +295,19 @@ class BenchConfig(Section):
 
 
 # ----------------------------------------------------------------------------------------------------------- serve
+class TrafficLogConfig(Section):
+    """Sampled requests and answers written as a native regen source (off until ``path`` is set; docs/OPERATIONS.md,
+    "The flywheel", says what it stores and the privacy trade-off)."""
+
+    path: str | None = Field(None, description="folder of traffic-*.jsonl files (shared storage on a cluster)")
+    sample_rate: float = Field(0.1, ge=0, le=1, description="share of successful requests written")
+    max_bytes: int = Field(10 << 30, ge=4096, description="disk budget of the folder; the oldest files go first")
+    retention_days: float = Field(30, gt=0, description="files older than this are deleted")
+    redact: bool = Field(True, description="emails, phone and card numbers, IP addresses and secret-like strings "
+                         "become [redacted] (such a record is re-tokenized; others keep the served ids)")
+    queue_size: int = Field(1024, ge=1, description="records waiting for the writer; more are dropped and counted")
+
+
 class ServeConfig(Section):
     host: str = Field("127.0.0.1", description="bind address; loopback unless you mean it")
     port: int = Field(8000, ge=1, le=65535)
@@ -332,6 +356,7 @@ class ServeConfig(Section):
         8 * 1024 * 1024, ge=1024, description="larger request bodies are refused with 413 request_too_large before "
                                               "they are parsed"
     )
+    traffic_log: TrafficLogConfig = Field(default_factory=TrafficLogConfig)
 
 
 # ------------------------------------------------------------------------------------------------------------ plan
@@ -358,6 +383,8 @@ class EaglenestConfig(Section):
     bench: BenchConfig = Field(default_factory=BenchConfig)
     serve: ServeConfig = Field(default_factory=ServeConfig)
     plan: PlanConfig = Field(default_factory=PlanConfig)
+    flywheel: dict[str, Any] = Field(default_factory=dict, description="eaglenest flywheel / promote (validated "
+                                     "there: eaglenest.flywheel.settings)")
     base_dir: str = Field(".", description="set by load_config: relative paths in the file resolve against it")
 
     @field_validator("base_dir")

@@ -85,6 +85,14 @@ SERVE = (SERVE_REQUESTS, SERVE_TTFT, SERVE_ITL, SERVE_GENERATED_TOKENS, SERVE_AC
          SERVE_ACCEPT_LENGTH_CURRENT, SERVE_DRAFT_PROPOSED, SERVE_DRAFT_ACCEPTED, SERVE_SPEEDUP, SERVE_HEALTHY,
          SERVE_TOKENS_PER_SECOND)
 
+# ---------------------------------------------------------------------------------------- serve: the traffic log
+SERVE_TRAFFIC_LOGGED = Metric("eaglenest_serve_traffic_logged", "counter",
+                              "sampled requests written to the traffic log (serve.traffic_log)", _MODEL)
+SERVE_TRAFFIC_DROPPED = Metric("eaglenest_serve_traffic_dropped", "counter",
+                               "sampled requests the traffic log dropped instead of delaying them (queue_full, "
+                               "write_error)", ("model", "reason"))
+TRAFFIC = (SERVE_TRAFFIC_LOGGED, SERVE_TRAFFIC_DROPPED)
+
 # --------------------------------------------------------------------------------------------------------- regen
 REGEN_SAMPLES_DONE = Metric("eaglenest_regen_samples_done", "counter", "regen samples written to shards", ("source",))
 REGEN_SAMPLES_QUARANTINED = Metric("eaglenest_regen_samples_quarantined", "counter", "regen samples quarantined",
@@ -106,7 +114,25 @@ TRAIN_LOSS_NONFINITE = Metric("eaglenest_train_loss_nonfinite_total", "counter",
                               "training steps skipped for a non-finite loss", _RUN)
 TRAIN = (TRAIN_LOSS, TRAIN_ACC0, TRAIN_SIM_ACCEPT_LENGTH, TRAIN_LOSS_NONFINITE)
 
-ALL: tuple[Metric, ...] = SERVE + REGEN + TRAIN
+# ------------------------------------------------------------------------------------------------------ flywheel
+_APP = ("app",)
+FLYWHEEL_ACCEPT_LENGTH = Metric("eaglenest_flywheel_accept_length", "gauge",
+                                "the promotion gate's accept length per drafter role (candidate, live) and prompt set "
+                                "(heldout: recent traffic, regression: the original held-out prompts)",
+                                ("app", "role", "set"))
+FLYWHEEL_LIVE_ACCEPT_LENGTH = Metric("eaglenest_flywheel_live_accept_length", "gauge",
+                                     "served accept length after a swap over the watched requests, per phase "
+                                     "(before: the previous drafter's recent requests, after: the new drafter's)",
+                                     ("app", "phase"))
+FLYWHEEL_PROMOTIONS = Metric("eaglenest_flywheel_promotions", "counter", "drafters swapped in after passing the gate",
+                             _APP)
+FLYWHEEL_REFUSALS = Metric("eaglenest_flywheel_refusals", "counter", "candidates the gate refused", _APP)
+FLYWHEEL_ROLLBACKS = Metric("eaglenest_flywheel_rollbacks", "counter",
+                            "swapped-in drafters rolled back by the post-swap watch", _APP)
+FLYWHEEL = (FLYWHEEL_ACCEPT_LENGTH, FLYWHEEL_LIVE_ACCEPT_LENGTH, FLYWHEEL_PROMOTIONS, FLYWHEEL_REFUSALS,
+            FLYWHEEL_ROLLBACKS)
+
+ALL: tuple[Metric, ...] = SERVE + TRAFFIC + REGEN + TRAIN + FLYWHEEL
 """every metric eaglenest emits"""
 
 RAY_SERIES_USED = ("ray_serve_num_http_requests_total", "ray_serve_num_http_error_requests_total",
@@ -119,5 +145,5 @@ def exported_series() -> frozenset[str]:
     return frozenset(s for m in ALL for s in m.exported()) | frozenset(RAY_SERIES_USED)
 
 
-__all__ = ["ALL", "REGEN", "SERVE", "TRAIN", "RAY_SERIES_USED", "Metric", "accept_length", "exported_series",
-           "ray_metric"]
+__all__ = ["ALL", "FLYWHEEL", "REGEN", "SERVE", "TRAFFIC", "TRAIN", "RAY_SERIES_USED", "Metric", "accept_length",
+           "exported_series", "ray_metric"]

@@ -130,9 +130,11 @@ def stop_serve(name: str | None = None, *, drain: bool = True) -> None:
         _STATE["owns_ray"] = False
         return
     serve.shutdown()
+    from eaglenest.serve.live_stats import drop_live_stats
     from eaglenest.serve.vllm_metrics import drop_stores
 
     drop_stores()
+    drop_live_stats()
     if drain:
         clear_drain()
 

@@ -26,11 +26,13 @@ from eaglenest.serve.chat_parsing import ChatFormat
 from eaglenest.serve.drain import RETRY_AFTER_S, Drain
 from eaglenest.serve.gates import Admission, check_api_key, check_model, check_prompt, resolve_api_key
 from eaglenest.serve.jobs import BackendBase, DecodeEvent, Job, SpecStats
+from eaglenest.serve.live_stats import LiveStats
 from eaglenest.serve.logprobs import TokenText
 from eaglenest.serve.metrics import NullMetrics, RequestStats, ServeMetrics
 from eaglenest.serve.openai_protocol import APIError, SamplingRequest, SpecUsage, Usage, error_body, now
 from eaglenest.serve.selftest import SelfTest, run_self_test
 from eaglenest.serve.text import StreamText
+from eaglenest.serve.traffic_log import TrafficLog
 from eaglenest.serve.vllm_metrics import SpecCounters
 
 log = logging.getLogger("eaglenest.serve")
@@ -47,6 +49,8 @@ class Outcome:
     first_token_at: float | None = None
     last_token_at: float | None = None
     logprobs: list[tuple[int, float, list[tuple[int, float]]]] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    """the generated ids (the traffic log's answer)"""
 
 
 def model_created(*paths: str | None) -> int:
@@ -100,6 +104,19 @@ class ServerCore:
         self.spec_counters = SpecCounters(self.model_name, speculative=self.backend.speculative,
                                           positions=cfg.serve.spec.num_steps)
         """vLLM's spec-decode counters (serve.vllm_metrics); the deployment points them at its app's store"""
+        self.live_stats = LiveStats(drafter if self.backend.speculative else None)
+        """per-drafter served accept length (serve.live_stats), for the flywheel's post-swap watch"""
+        self.traffic_log: TrafficLog | None = None
+        if s.traffic_log.path:
+            try:
+                self.traffic_log = TrafficLog(
+                    s.traffic_log, model=self.model_name, drafter=drafter, use_ray_metrics=use_ray_metrics,
+                    decode=lambda ids: self.backend.tokenizer.decode(ids, skip_special_tokens=False),
+                    encode=lambda text: self.backend.tokenizer.encode(text, add_special_tokens=False))
+            except OSError:
+                self.backend.close()
+                raise
+        """sampled requests + answers as a regen source (serve.traffic_log); off unless serve.traffic_log.path"""
         self.run_self_test()
 
     # ---- health
@@ -126,6 +143,7 @@ class ServerCore:
             "speculative": self.backend.speculative, "algorithm": self.backend.algorithm,
             "drafter": self.drafter, "inflight": self.inflight,
             "self_test": self.self_test.to_dict() if self.self_test else None,
+            "traffic_log": self.traffic_log.stats() if self.traffic_log else None,
         }
         if self.healthy:
             return 200, {"status": "ok", **info}
@@ -229,6 +247,7 @@ class ServerCore:
                     out.last_token_at = timed[-1]
                     ids = [t for e in batch for t in e.token_ids]
                     out.completion_tokens += len(ids)
+                    out.token_ids.extend(ids)
                     out.logprobs.extend(lp for e in batch for lp in (e.logprobs or ()))
                     piece = text.feed(ids)
                     if piece:
@@ -259,7 +278,8 @@ class ServerCore:
                      spec=SpecUsage(accept_length=round(out.stats.accept_length, 4),
                                     draft_tokens=out.stats.draft_tokens, accepted_tokens=out.stats.accepted_tokens))
 
-    def record(self, arrived: float, out: Outcome) -> None:
+    def record(self, arrived: float, out: Outcome, *, route: str = "", prompt_ids: list[int] | None = None,
+               sampling: SamplingRequest | None = None) -> None:
         ttft = None if out.first_token_at is None else out.first_token_at - arrived
         decode = 0.0 if out.first_token_at is None else (out.last_token_at or out.first_token_at) - out.first_token_at
         self.metrics.finished(RequestStats(
@@ -268,6 +288,15 @@ class ServerCore:
             accepted_tokens=out.stats.accepted_tokens, speculative=self.backend.speculative,
             verify_steps=out.stats.verify_steps))
         self.spec_counters.record(out.stats)
+        self.live_stats.record(out.stats, out.completion_tokens)
+        if self.traffic_log is not None and prompt_ids is not None and sampling is not None:
+            self.traffic_log.offer(
+                prompt_ids=prompt_ids, answer_ids=out.token_ids, route=route, finish_reason=out.finish_reason,
+                sampling={"temperature": sampling.temperature, "top_p": sampling.top_p,
+                          "max_tokens": sampling.max_tokens, "seed": sampling.seed},
+                spec={"verify_steps": out.stats.verify_steps, "draft_tokens": out.stats.draft_tokens,
+                      "accepted_tokens": out.stats.accepted_tokens, "accept_length": out.stats.accept_length},
+                arrived_at=time.time() - (time.perf_counter() - arrived), ttft_s=ttft)
 
     # ---- lifecycle
     def begin_drain(self, timeout: float | None = None) -> None:
@@ -285,4 +314,6 @@ class ServerCore:
         while self.inflight and time.monotonic() < until:
             time.sleep(0.05)
         self.drain.cancel()
+        if self.traffic_log is not None:
+            self.traffic_log.close()
         self.backend.close()

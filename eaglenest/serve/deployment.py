@@ -133,6 +133,7 @@ class EaglenestDeployment:
         _CORE = self.core
         ctx = serve.get_replica_context()
         self.core.spec_counters.app = ctx.app_name  # one counter store per application, shared by its replicas
+        self.core.live_stats.app = ctx.app_name
         rid = f"{ctx.app_name}#{ctx.replica_id.unique_id}"
         self.drain_watcher = DrainWatcher(rid, self.core.begin_drain, lambda: self.core.inflight,
                                           self.core.drain).start()
@@ -219,8 +220,10 @@ def resolve_drafter(cfg: EaglenestConfig, drafter: str | None) -> str | None:
     return str(p)
 
 
-def make_app(cfg: EaglenestConfig, drafter: str | None = None, *, check: bool = True) -> Any:
-    """The bound Serve application; the preflight runs here first when the target is a local folder."""
+def make_app(cfg: EaglenestConfig, drafter: str | None = None, *, check: bool = True,
+             options: dict[str, Any] | None = None) -> Any:
+    """The bound Serve application; the preflight runs here first when the target is a local folder. ``options``
+    override :func:`deployment_options` (the flywheel's swap: ``max_surge_percent``)."""
     drafter = resolve_drafter(cfg, drafter)
     if check and drafter is not None:
         from eaglenest.drafters.preflight import preflight_for_config
@@ -230,4 +233,5 @@ def make_app(cfg: EaglenestConfig, drafter: str | None = None, *, check: bool = 
         if folder is not None:  # remote targets are checked by the replica once loaded
             preflight_for_config(cfg, drafter, folder=folder).raise_for_failures()
     api_key = resolve_api_key(cfg.serve.api_key)
-    return EaglenestDeployment.options(**deployment_options(cfg)).bind(cfg.model_dump(), drafter, api_key)
+    opts = {**deployment_options(cfg), **(options or {})}
+    return EaglenestDeployment.options(**opts).bind(cfg.model_dump(), drafter, api_key)

@@ -186,7 +186,7 @@ class Routes:
             self.core.release()
             self.core.metrics.request(route, status)
             if status == 200:
-                self.core.record(arrived, out)
+                self.core.record(arrived, out, route=route, prompt_ids=prompt_ids, sampling=sampling)
 
     async def _stream(self, route: str, prompt_ids: list[int], sampling: SamplingRequest, arrived: float,
                       piece_chunks: Any, final_chunks: Any, decode: Any = None) -> AsyncIterator[str]:
@@ -216,7 +216,7 @@ class Routes:
             self.core.release()
             self.core.metrics.request(route, status)
             if status == 200:
-                self.core.record(arrived, out)
+                self.core.record(arrived, out, route=route, prompt_ids=prompt_ids, sampling=sampling)
 
     async def _chat_stream(self, req: ChatCompletionRequest, rid: str, created: int, prompt_ids: list[int],
                            sampling: SamplingRequest, arrived: float,

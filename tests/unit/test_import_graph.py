@@ -19,7 +19,7 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2] / "eaglenest"
-STAGES = ("regen", "drafter", "serve")
+STAGES = ("regen", "drafter", "serve", "flywheel")
 CORE_ENTRY_POINTS = {"eaglenest.cli", "eaglenest.demo"}
 MODULE_STRING = re.compile(r"^eaglenest(\.\w+)+(:\w+)?$")
 
@@ -39,6 +39,7 @@ ALLOWED: dict[str, set[str]] = {
     "regen": _CORE,
     "drafter": {*_CORE, "regen"},
     "serve": _CORE,
+    "flywheel": {*_CORE, "regen", "drafter", "serve"},
 }
 """Which rooms each room may import (a room is a top-level package or module of eaglenest). Rooms not named here
 are entry points (the CLI, ``demo``, the ``*_cli`` modules, the package's own ``__init__``): they may import any."""

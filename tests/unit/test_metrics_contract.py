@@ -59,12 +59,33 @@ def test_training_creates_exactly_the_contract_training_metrics() -> None:
     assert all(x.info["default_tags"] == {"run": "run-1"} for x in vars(m).values())
 
 
-def test_every_contract_metric_is_created_by_some_code() -> None:
+def test_the_traffic_log_creates_exactly_the_contract_traffic_metrics(tmp_path) -> None:
+    from eaglenest.config import TrafficLogConfig
+    from eaglenest.serve.traffic_log import TrafficLog
+
+    log = TrafficLog(TrafficLogConfig(path=str(tmp_path)), model="m", drafter=None, decode=str, encode=list)
+    log.close()
+    assert _created([log.counters.ray_metrics]) == _expected(contract.TRAFFIC)
+
+
+def test_the_flywheel_creates_exactly_the_contract_flywheel_metrics() -> None:
+    from eaglenest.flywheel.metrics import FlywheelMetrics
+
+    assert _created([FlywheelMetrics.create("app")]) == _expected(contract.FLYWHEEL)
+
+
+def test_every_contract_metric_is_created_by_some_code(tmp_path) -> None:
+    from eaglenest.config import TrafficLogConfig
     from eaglenest.drafter.metrics import TrainMetrics
+    from eaglenest.flywheel.metrics import FlywheelMetrics
     from eaglenest.regen.progress import regen_metrics
     from eaglenest.serve.metrics import ServeMetrics
+    from eaglenest.serve.traffic_log import TrafficLog
 
-    created = _created([ServeMetrics("m"), regen_metrics(), TrainMetrics.create("r")])
+    log = TrafficLog(TrafficLogConfig(path=str(tmp_path)), model="m", drafter=None, decode=str, encode=list)
+    log.close()
+    created = _created([ServeMetrics("m"), regen_metrics(), TrainMetrics.create("r"), log.counters.ray_metrics,
+                        FlywheelMetrics.create("a")])
     assert created == _expected(contract.ALL)
     names = [m.name for m in contract.ALL]
     assert len(names) == len(set(names)), "a metric is defined twice"

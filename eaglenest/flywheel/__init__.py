@@ -1,0 +1,1 @@
+"""flywheel: served traffic -> capture -> retrain -> gate -> swap without downtime -> watch and roll back."""
