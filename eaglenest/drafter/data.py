@@ -70,10 +70,20 @@ def is_eval_sample(sample_id: str, fraction: float, seed: int = 0) -> bool:
     return int.from_bytes(digest[:8], "big") / 2.0**64 < fraction
 
 
-def split_table(table: pa.Table, *, fraction: float, seed: int, want_eval: bool) -> pa.Table:
-    """Keep the rows of one side of the split (a ``map_batches`` function over pyarrow tables)."""
-    keep = [is_eval_sample(i, fraction, seed) == want_eval for i in table.column("id").to_pylist()]
-    return table.filter(pa.array(keep, type=pa.bool_()))
+def is_kept(sample_id: str, keep: float, seed: int) -> bool:
+    """Deterministic membership of a ``train.mix`` folder's row in a run (salted apart from the held-out split)."""
+    if keep >= 1.0:
+        return True
+    digest = hashlib.sha256(f"eaglenest-mix:{seed}:{sample_id}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2.0**64 < keep
+
+
+def split_table(table: pa.Table, *, fraction: float, seed: int, want_eval: bool, keep: float = 1.0) -> pa.Table:
+    """Keep the rows of one side of the split (a ``map_batches`` function over pyarrow tables); ``keep`` < 1
+    subsamples a ``train.mix`` folder first (:mod:`eaglenest.drafter.mix`)."""
+    mask = [is_kept(i, keep, seed) and is_eval_sample(i, fraction, seed) == want_eval
+            for i in table.column("id").to_pylist()]
+    return table.filter(pa.array(mask, type=pa.bool_()))
 
 
 def collate(table: pa.Table, *, dtype: str, hidden_size: int, max_seq_len: int) -> Batch:
@@ -135,17 +145,18 @@ def eval_files(files: Sequence[str | Path], counts: Sequence[tuple[int, int]],
 
 
 def build_datasets(files: Sequence[str | Path], fraction: float, seed: int,
-                   held_out_files: Sequence[str | Path] | None = None):
+                   held_out_files: Sequence[str | Path] | None = None, keep: float = 1.0):
     """Ray datasets ``{"train": ..., "eval": ...}`` over the shard files (read lazily, streamed to workers).
 
-    ``held_out_files``: the files the held-out side reads (default: all; see :func:`eval_files`).
+    ``held_out_files``: the files the held-out side reads (default: all; see :func:`eval_files`); ``keep``: the
+    share of rows kept (a ``train.mix`` folder's, :func:`is_kept`).
     """
     import ray.data  # only here: the Ray Train workers import this module for collation, which needs no Ray Data
 
     def side(want_eval: bool, paths: Sequence[str | Path]):
         ds = ray.data.read_parquet([str(f) for f in paths], num_cpus=0.25).select_columns(COLUMNS)  # pushed down
         return ds.map_batches(split_table, batch_format="pyarrow", num_cpus=0.25,
-                              fn_kwargs={"fraction": fraction, "seed": seed, "want_eval": want_eval})
+                              fn_kwargs={"fraction": fraction, "seed": seed, "want_eval": want_eval, "keep": keep})
 
     out = {"train": side(False, files)}
     if fraction > 0:

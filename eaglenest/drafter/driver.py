@@ -33,6 +33,7 @@ from eaglenest.config import EaglenestConfig
 from eaglenest.contracts.target import TargetSpec
 from eaglenest.drafter.checkpoint import find_latest_checkpoint
 from eaglenest.drafter.export import export_checkpoint
+from eaglenest.drafter.init_from import init_model_config, read_init_drafter
 from eaglenest.drafter.inputs import online_inputs, shard_inputs
 from eaglenest.drafter.online import EPOCHS_FILE, engine_rows, hidden_state_files
 from eaglenest.drafter.plot import plot_training_curves
@@ -60,10 +61,15 @@ def train_drafter(cfg: EaglenestConfig, data_dir: str | Path | None, output_dir:
     if not online and data_dir is None:
         raise ValueError("offline training reads a regen folder: pass --data DIR (or train online: --online)")
 
-    inputs = (online_inputs(cfg, out, facts, limit) if online
-              else shard_inputs(cfg, Path(data_dir).resolve(), out, facts))
+    init = read_init_drafter(cfg)
+    vocab = init.mapping if init else None
+    inputs = (online_inputs(cfg, out, facts, limit, vocab=vocab) if online
+              else shard_inputs(cfg, Path(data_dir).resolve(), out, facts, vocab=vocab))
     mapping, n_train, n_eval = inputs.mapping, inputs.n_train, inputs.n_eval
     model_cfg = resolve_model_config(cfg, facts, inputs.aux_layer_ids, mapping.draft_vocab_size)
+    if init is not None:
+        model_cfg = init_model_config(init, model_cfg)
+        print(f"[eaglenest train] starting from {init.path} (its weights, shape and draft vocab)", flush=True)
     cfg_path = out / "drafter_config.json"
     if cfg_path.is_file():
         previous = DrafterModelConfig.load(cfg_path)
@@ -108,6 +114,7 @@ def train_drafter(cfg: EaglenestConfig, data_dir: str | Path | None, output_dir:
         "total_steps": total_steps,
         "steps_per_epoch": steps_per_epoch,
         "online": online_cfg,
+        "init_from": str(init.path) if init else None,
     }
     trainer = trainer_class()(
         train_worker,

@@ -17,7 +17,8 @@ from typing import Any
 from eaglenest.config import EaglenestConfig
 from eaglenest.contracts.shards import read_manifest, shard_files
 from eaglenest.contracts.target import TargetSpec
-from eaglenest.drafter.data import build_datasets, check_manifest, eval_files, is_eval_sample, split_counts
+from eaglenest.drafter.data import build_datasets, check_manifest, eval_files, is_eval_sample, is_kept
+from eaglenest.drafter.mix import mix_groups
 from eaglenest.drafter.online import count_regenerated_tokens, online_datasets, plan_online, read_resume
 from eaglenest.drafters.vocab import VOCAB_FILE, VocabMapping, build_vocab_mapping, count_tokens_in_shards
 from eaglenest.regen import cached_ids
@@ -80,20 +81,42 @@ def _init_ray(cfg: EaglenestConfig, *, online: bool) -> None:
              include_dashboard=False)
 
 
-def shard_inputs(cfg: EaglenestConfig, data_dir: Path, out: Path, facts: TargetSpec) -> Inputs:
-    """Offline: a regen folder's shards, checked against the target; the held-out split by sample id."""
+def given_vocab(out: Path, mapping: VocabMapping) -> tuple[VocabMapping, bool]:
+    """``train.init_from``'s draft vocab: saved on the first start, and a later start must find the same one (its
+    ``lm_head`` rows depend on it)."""
+    path = out / VOCAB_FILE
+    if path.is_file():
+        have = VocabMapping.load(path)
+        if have.fingerprint() != mapping.fingerprint():
+            raise ValueError(f"{path} holds draft vocab {have.fingerprint()}, but train.init_from's drafter has "
+                             f"{mapping.fingerprint()}; use a new output folder to start from that drafter")
+        return have, False
+    mapping.save(path)
+    return mapping, True
+
+
+def shard_inputs(cfg: EaglenestConfig, data_dir: Path, out: Path, facts: TargetSpec,
+                 vocab: VocabMapping | None = None) -> Inputs:
+    """Offline: a regen folder's shards (and ``train.mix``'s, at their shares), checked against the target; the
+    held-out split by sample id. ``vocab``: the draft vocab of ``train.init_from``'s drafter (else counted)."""
     tc = cfg.train
     manifest = read_manifest(data_dir)
     check_manifest(manifest, facts, cfg.target.aux_layer_ids)
-    files = shard_files(data_dir)
-    if not files:
+    if not shard_files(data_dir):
         raise FileNotFoundError(f"{data_dir}/shards has no parquet shards (run `eaglenest regen` first)")
-    mapping, built = prepare_vocab(out, files, facts.vocab_size, tc.drafter.draft_vocab_size, tc.eval_fraction,
-                                   tc.seed)
-    counts = split_counts(files, tc.eval_fraction, tc.seed)
-    n_train, n_eval = sum(t for t, _ in counts), sum(e for _, e in counts)
-    print(f"[eaglenest train] shards {len(files)} files, {manifest.num_samples} samples at layers "
-          f"{manifest.aux_layer_ids} (physical)", flush=True)
+    groups = mix_groups(cfg, data_dir, manifest, facts)
+
+    def count() -> Any:
+        return sum(count_tokens_in_shards(g.files, facts.vocab_size, ids_filter=lambda i, k=g.keep: (
+            is_kept(i, k, tc.seed) and not is_eval_sample(i, tc.eval_fraction, tc.seed))) for g in groups)
+
+    if vocab is not None:
+        mapping, built = given_vocab(out, vocab)
+    else:
+        mapping, built = _vocab(out, facts.vocab_size, tc.drafter.draft_vocab_size, count)
+    n_train, n_eval = sum(g.n_train for g in groups), sum(g.n_eval for g in groups)
+    print(f"[eaglenest train] shards {sum(len(g.files) for g in groups)} files in {len(groups)} folder(s), "
+          f"{manifest.num_samples} samples in --data at layers {manifest.aux_layer_ids} (physical)", flush=True)
     _init_ray(cfg, online=False)
     import ray.data
 
@@ -101,10 +124,12 @@ def shard_inputs(cfg: EaglenestConfig, data_dir: Path, out: Path, facts: TargetS
     bars = data_ctx.enable_progress_bars
     data_ctx.enable_progress_bars = False  # per-operator bars of the streaming split drown the training progress lines
     try:
-        datasets = build_datasets(files, tc.eval_fraction, tc.seed,
-                                  held_out_files=eval_files(files, counts, tc.eval_max_samples))
+        parts = [build_datasets(g.files, tc.eval_fraction, tc.seed, keep=g.keep,
+                                held_out_files=eval_files(g.files, g.counts, tc.eval_max_samples)) for g in groups]
     finally:
         data_ctx.enable_progress_bars = bars
+    datasets = {k: parts[0][k].union(*[p[k] for p in parts[1:]]) if len(parts) > 1 else parts[0][k]
+                for k in parts[0]}
     datasets["train"] = datasets["train"].randomize_block_order(seed=tc.seed)
     if "eval" in datasets and n_eval == 0:
         del datasets["eval"]
@@ -116,7 +141,8 @@ def shard_inputs(cfg: EaglenestConfig, data_dir: Path, out: Path, facts: TargetS
                            "eval": ray.data.ExecutionOptions(preserve_order=True)})
 
 
-def online_inputs(cfg: EaglenestConfig, out: Path, facts: TargetSpec, limit: int | None) -> Inputs:
+def online_inputs(cfg: EaglenestConfig, out: Path, facts: TargetSpec, limit: int | None,
+                  vocab: VocabMapping | None = None) -> Inputs:
     """Online: regen's plan and engine stage, streamed (see :mod:`eaglenest.drafter.online`)."""
     tc = cfg.train
     _init_ray(cfg, online=True)  # planning already runs on Ray Data
@@ -132,8 +158,9 @@ def online_inputs(cfg: EaglenestConfig, out: Path, facts: TargetSpec, limit: int
               "length settings (those samples are regenerated)", flush=True)
     cached = len(cached_ids(plan.ledger))
     tracker = ProgressTracker.remote()
-    mapping, built = _vocab(out, facts.vocab_size, tc.drafter.draft_vocab_size,
-                            lambda: count_regenerated_tokens(cfg, plan, facts.vocab_size, tracker))
+    mapping, built = given_vocab(out, vocab) if vocab is not None else _vocab(
+        out, facts.vocab_size, tc.drafter.draft_vocab_size,
+        lambda: count_regenerated_tokens(cfg, plan, facts.vocab_size, tracker))
     tracker.start.remote(len(plan.train_ids))
     datasets, options, n_eval, epochs = online_datasets(cfg, plan, resume, tracker)
     print(f"[eaglenest train] online: {len(plan.train_ids)} training samples planned ({plan.inputs} inputs, "

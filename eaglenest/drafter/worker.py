@@ -42,6 +42,7 @@ from eaglenest.drafter.checkpoint import (
 )
 from eaglenest.drafter.data import collate
 from eaglenest.drafter.epochs import EvalBatches, TrainEpochs, stream_batches
+from eaglenest.drafter.init_from import load_init_weights
 from eaglenest.drafter.loop import Cadence, Parts, TrainState, train_loop
 from eaglenest.drafter.metrics import TrainMetrics
 from eaglenest.drafter.online import EPOCH, EPOCHS_FILE, LEDGER, STATE_KEY
@@ -90,6 +91,8 @@ class Worker:
         self.mapping = VocabMapping.load(self.vocab_path)
         embed, lm_head = TargetSpec.read(self.model_cfg.target).load_embed_and_head()
         self.drafter = init_drafter(self.model_cfg, embed, lm_head, self.mapping)
+        if config.get("init_from"):  # train.init_from: a fresh run starts from that drafter (a checkpoint overrides)
+            load_init_weights(self.drafter, config["init_from"], embed)
         compute_dtype = compute_dtype_for(device)
         teacher = TeacherHead(lm_head.to(compute_dtype), self.mapping).to(device)
         del embed, lm_head
