@@ -26,6 +26,8 @@ _EXPORTS = {
     "ExportError": "eaglenest.drafter.export",
     "load_training_checkpoint": "eaglenest.drafter.checkpoint",
     "find_latest_checkpoint": "eaglenest.drafter.checkpoint",
+    "list_checkpoints": "eaglenest.drafter.checkpoint",
+    "is_eval_sample": "eaglenest.drafter.data",
     "check_manifest": "eaglenest.drafter.data",
     "DataMismatchError": "eaglenest.drafter.data",
     "write_quick_shards": "eaglenest.drafter.quick_shards",

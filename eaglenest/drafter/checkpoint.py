@@ -177,6 +177,15 @@ def restore(
         scheduler.load_state_dict(ckpt.state["scheduler"])
 
 
+def list_checkpoints(root: str | Path) -> list[tuple[int, Path]]:
+    """Every complete training checkpoint under ``root`` as (step, folder), oldest step first."""
+    found = []
+    for state in Path(root).rglob(STATE):
+        if is_training_checkpoint(state.parent):
+            found.append((int(json.loads(state.read_text()).get("step", 0)), state.parent))
+    return sorted(found, key=lambda x: (x[0], str(x[1])))
+
+
 def find_latest_checkpoint(root: str | Path) -> Path | None:
     """The newest complete training checkpoint under ``root`` (a checkpoint itself, or a training output dir)."""
     root = Path(root)
