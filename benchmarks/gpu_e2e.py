@@ -125,8 +125,12 @@ is skipped when fewer seconds than its estimate are left (0: no budget)"""
 OPTIONAL_S = {"offline_ref": float(knob("E2E_OFFLINE_REF_S", gpu=120, kimi=200, small=120, cpu=0)),
               "offline_recording": 120.0, "train_step": float(knob("E2E_TRAIN_STEP_S", gpu=240, cpu=0))}
 """the steps the budget may skip, with the seconds each is expected to take"""
+FLYWHEEL = os.environ.get("E2E_FLYWHEEL", "0") == "1"
+"""issue #31's acceptance instead of the bench and serve steps: benchmarks/gpu_flywheel.py (traffic from another
+domain -> one turn of `eaglenest flywheel` -> the served accept length before and after)"""
 STEP_ORDER = (["jit_wait", "configs", "ray_start", "regen", "train", "preflight", "bench", "eagle_forced", "serve",
                "jobs", "train_step", "offline_ref", "offline_recording"] if DEEPSEEK else
+              ["configs", "ray_start", "regen", "train", "preflight", "flywheel", "jobs"] if FLYWHEEL else
               ["configs", "offline_ref", "offline_recording", "ray_start", "regen", "train", "preflight",
                "eagle_forced", "bench", "serve", "jobs"])
 """phase B's steps in order: DeepseekV3 measures what its issue needs first and the optional yardstick last"""
@@ -1035,6 +1039,13 @@ def step_jobs() -> dict[str, Any]:
                       "entrypoint": (j.get("entrypoint") or "")[:120]} for j in jobs]}
 
 
+def step_flywheel() -> dict[str, Any]:
+    """E2E_FLYWHEEL=1: the flywheel's acceptance on this run's stand-in and drafter (benchmarks/gpu_flywheel.py)."""
+    import gpu_flywheel
+
+    return gpu_flywheel.run(sys.modules[__name__])
+
+
 def step_ray_stop() -> dict[str, Any]:
     pid_file = WORK / "ray-head.pid"
     if not pid_file.is_file():
@@ -1053,7 +1064,7 @@ STEPS: dict[str, Callable[[], dict[str, Any]]] = {
     "offline_recording": step_offline_recording,
     "ray_start": step_ray_start, "regen": step_regen, "train": step_train, "preflight": step_preflight,
     "bench": step_bench, "serve": step_serve, "eagle_forced": step_eagle_forced, "jobs": step_jobs,
-    "train_step": step_train_step,
+    "train_step": step_train_step, "flywheel": step_flywheel,
     "ray_stop": step_ray_stop,
 }
 
@@ -1193,6 +1204,10 @@ def summarize() -> dict[str, Any]:
             lines.append(f"train step at Kimi's widths ({r.get('draft_shape')}, rmsnorm {r.get('rmsnorm')}): "
                          f"{1e3 * r['step_s']:.1f} ms, {r['tokens_per_s']:.0f} tok/s, "
                          f"{r.get('fraction_of_matmul', 0):.1%} of the matmul")
+    if FLYWHEEL:
+        import gpu_flywheel
+
+        lines += gpu_flywheel.summary_lines(s["flywheel"])
     if s["jobs"].get("jobs"):
         jobs = s["jobs"]["jobs"]
         lines.append("dashboard job API: " + ", ".join(f"{j['submission_id']}={j['status']}" for j in jobs))

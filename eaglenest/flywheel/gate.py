@@ -88,13 +88,10 @@ def run_gate(fw: Flywheel, candidate: str | Path, heldout: list[dict[str, Any]],
         reasons = [f"preflight refused it: [{c.name}] {c.message}" + (f"; fix: {c.fix}" if c.fix else "")
                    for c in report.failures]
         return _record(fw, GateDecision(False, candidate, live, reasons, preflight=lines))
-    sets = {"heldout": heldout, "regression": fw.regression_prompts()}
-    measured: dict[str, dict[str, Any]] = {}
-    for name, prompts in sets.items():
-        if not prompts:
-            continue
-        measured[name] = {"live": fw.measurer.measure(live, prompts) if live else NO_DRAFTER,
-                          "candidate": fw.measurer.measure(candidate, prompts), "prompts": len(prompts)}
+    sets = {k: v for k, v in {"heldout": heldout, "regression": fw.regression_prompts()}.items() if v}
+    live_m = fw.measurer.measure_sets(live, sets) if live and sets else {k: NO_DRAFTER for k in sets}
+    cand_m = fw.measurer.measure_sets(candidate, sets) if sets else {}
+    measured = {k: {"live": live_m[k], "candidate": cand_m[k], "prompts": len(v)} for k, v in sets.items()}
     ok, reasons = decide(measured, margin=fw.settings.margin, tolerance=fw.settings.tolerance)
     return _record(fw, GateDecision(ok, candidate, live, reasons, measured, lines, digest(candidate)))
 
