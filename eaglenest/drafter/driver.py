@@ -88,8 +88,10 @@ def train_drafter(cfg: EaglenestConfig, data_dir: str | Path | None, output_dir:
     total_steps = tc.max_steps or tc.epochs * steps_per_epoch
     print(f"[eaglenest train] target {facts.path}: {facts.num_layers} layers, hidden {facts.hidden_size}, vocab "
           f"{facts.vocab_size}", flush=True)
-    print(f"[eaglenest train] draft vocab {mapping.draft_vocab_size} ({'built' if inputs.vocab_built else 'reused'}, "
-          f"covers {100 * mapping.coverage():.1f}% of the loss-masked tokens it was counted on); split "
+    origin = ("train.init_from's" if init is not None else
+              f"{'built' if inputs.vocab_built else 'reused'}, covers {100 * mapping.coverage():.1f}% of the "
+              "loss-masked tokens it was counted on")
+    print(f"[eaglenest train] draft vocab {mapping.draft_vocab_size} ({origin}); split "
           f"{n_train} train / {n_eval} held-out; {steps_per_epoch} steps/epoch"
           f"{' (planned: engine rejects end an epoch early)' if online else ''}, {total_steps} steps", flush=True)
 

@@ -67,7 +67,8 @@ def run_promote(args: argparse.Namespace) -> int:
         heldout = _heldout(fw, args.heldout)
         if not heldout:
             raise ValueError("no held-out traffic to gate on: pass --heldout FILE or let traffic reach the log")
-        _attach(need_cluster=not args.no_swap)
+        if not args.no_swap:  # the gate alone needs no Ray (its metrics record without one)
+            _attach(need_cluster=True)
         out = promote(fw, args.candidate, heldout, swap=not args.no_swap)
     except (ValueError, FileNotFoundError, ConnectionError) as e:
         print(f"eaglenest promote: {e}", file=sys.stderr)

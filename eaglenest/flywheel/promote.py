@@ -25,7 +25,7 @@ def swap_and_watch(fw: Flywheel, staged: str | Path, decision: GateDecision) -> 
                             surge_percent=fw.settings.surge_percent)
     fw.metrics.count("promotions")
     fw.save_state(live=staged, previous=previous)
-    fw.audit.write("swap", drafter=staged, previous=previous, **swap)
+    fw.audit.write("swap", previous=previous, **swap)
     result = watch(fw, staged, base, decision.predicted)
     fw.audit.write("watch", drafter=staged, **result.to_dict())
     out: dict[str, Any] = {"decision": decision.to_dict(), "staged": staged, "swap": swap, "watch": result.to_dict(),

@@ -85,8 +85,24 @@ def collect_traffic(folder: str | Path, out_dir: str | Path, *, since: float, he
                         len(train), len(held), watermark, skipped, files)
 
 
+def vocab_coverage(records: list[dict[str, Any]], drafter: str | Path) -> float | None:
+    """Share of the records' generated tokens inside ``drafter``'s draft vocabulary (its ``t2d``): a drafter can
+    never propose a token outside it, and ``train.init_from`` keeps that vocabulary (None: no generated token)."""
+    from safetensors import safe_open
+
+    with safe_open(str(Path(drafter) / "model.safetensors"), framework="pt") as f:
+        t2d = f.get_tensor("t2d").bool().tolist()
+    inside = total = 0
+    for r in records:
+        for t, m in zip(r["input_ids"], r["loss_mask"], strict=True):
+            if m:
+                total += 1
+                inside += bool(0 <= t < len(t2d) and t2d[t])
+    return round(inside / total, 4) if total else None
+
+
 def load_jsonl(path: str | Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
-__all__ = ["TrafficSplit", "collect_traffic", "load_jsonl", "read_traffic", "write_jsonl"]
+__all__ = ["TrafficSplit", "collect_traffic", "load_jsonl", "read_traffic", "vocab_coverage", "write_jsonl"]

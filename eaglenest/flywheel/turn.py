@@ -24,7 +24,7 @@ from eaglenest.flywheel.context import Flywheel
 from eaglenest.flywheel.gate import heldout_prompts
 from eaglenest.flywheel.promote import promote
 from eaglenest.flywheel.select import select_checkpoint, split_prompts
-from eaglenest.flywheel.traffic import collect_traffic
+from eaglenest.flywheel.traffic import collect_traffic, load_jsonl, vocab_coverage
 
 
 def capture_config(cfg: EaglenestConfig, traffic: Path, output: Path) -> EaglenestConfig:
@@ -63,6 +63,8 @@ def run_turn(fw: Flywheel) -> dict[str, Any]:
                               f"{fw.settings.min_traffic_samples}) and {split.n_heldout} held out")
         return fw.audit.write("turn", **summary)
     live = fw.live_drafter()
+    if live:  # a new domain's tokens outside the live drafter's draft vocabulary can never be drafted
+        summary["live_vocab_coverage"] = vocab_coverage(load_jsonl(split.train), live)
     regen = run_regen(capture_config(fw.cfg, split.train, tdir / "regen"), tdir / "regen")
     cfg = train_config(fw, live, n)
     trained = train_drafter(cfg, tdir / "regen", tdir / "train")

@@ -123,3 +123,17 @@ def test_the_alert_is_posted_and_a_dead_webhook_does_not_raise(tmp_path) -> None
     audit.write("swap", drafter="/d")
     assert [r["event"] for r in audit.read()] == ["gate", "swap"]
     assert audit.read("gate")[0]["numbers"] == {"x": 1.5} and audit.read("gate")[0]["time"] <= time.time()
+
+
+def test_vocab_coverage_counts_generated_tokens_inside_the_draft_vocabulary(tmp_path) -> None:
+    import torch
+    from safetensors.torch import save_file
+
+    from eaglenest.flywheel.traffic import vocab_coverage
+
+    t2d = torch.zeros(16, dtype=torch.bool)
+    t2d[[1, 2, 3]] = True
+    save_file({"t2d": t2d}, str(tmp_path / "model.safetensors"))
+    recs = [_rec(1, 1.0), _rec(7, 2.0)]  # answers [1, 2] (inside) and [7, 8] (outside); prompts do not count
+    assert vocab_coverage(recs, tmp_path) == 0.5
+    assert vocab_coverage([], tmp_path) is None
