@@ -28,6 +28,7 @@ import yaml
 
 from eaglenest.engines.base import SamplingParams
 from eaglenest.engines.tiny import corpus_chats
+from eaglenest.serve.chat_parsing import ChatFormat
 
 APP = "flywheel"
 
@@ -120,7 +121,7 @@ def world(ray_session, tiny_target_path, tiny_engine, tmp_path_factory):
     original = [_first_exchange(c) for c in dom["math"][:100] + dom["count"][:100]]
     samples = chat_samples(tiny_engine, original, regenerate=True, max_new_tokens=40)
     write_quick_shards(tiny_engine, samples, root / "original", rows_per_shard=32, source="original")
-    fit = fit_drafter(tiny_engine, samples, FitConfig(steps=100, batch_size=16, draft_vocab_size=1024, ttt_steps=4,
+    fit = fit_drafter(tiny_engine, samples, FitConfig(steps=80, batch_size=16, draft_vocab_size=1024, ttt_steps=4,
                                                       learning_rate=3e-3, seed=0))
     live = export_drafter(fit.drafter, root / "live", dtype="float32")
     regression = [{"messages": _prompt(c), "domain": d}
@@ -137,15 +138,15 @@ def world(ray_session, tiny_target_path, tiny_engine, tmp_path_factory):
                   "traffic_log": {"path": str(root / "traffic"), "sample_rate": 1.0}},
         "regen": {"batch_size": 8, "num_cpus_per_actor": 0.5, "min_tokens": 4, "max_tokens": 512,
                   "rows_per_shard": 16},
-        "train": {"ttt_steps": 4, "batch_size": 8, "max_steps": 60, "learning_rate": 0.001, "warmup_ratio": 0.05,
-                  "eval_fraction": 0.2, "eval_every": 20, "eval_max_samples": 16, "checkpoint_every": 20,
-                  "keep_checkpoints": 3, "log_every": 20, "num_workers": 1, "cpus_per_worker": 1},
+        "train": {"ttt_steps": 4, "batch_size": 8, "max_steps": 48, "learning_rate": 0.001, "warmup_ratio": 0.05,
+                  "eval_fraction": 0.2, "eval_every": 16, "eval_max_samples": 16, "checkpoint_every": 16,
+                  "keep_checkpoints": 3, "log_every": 16, "num_workers": 1, "cpus_per_worker": 1},
         "bench": {"prompts": str(root / "regression.jsonl")},
         "flywheel": {"workdir": str(root / "work"), "app": APP, "url": f"http://127.0.0.1:{port}",
-                     "original_data": str(root / "original"), "traffic_share": 0.5, "min_traffic_samples": 32,
-                     "heldout_fraction": 0.25, "max_heldout": 16, "max_regression": 12, "max_new_tokens": 40,
-                     "margin": 0.05, "tolerance": 0.05, "select_max_prompts": 12,
-                     "watch": {"requests": 24, "timeout_s": 240, "min_requests": 8, "tolerance": 0.05, "poll_s": 1},
+                     "original_data": str(root / "original"), "traffic_share": 0.3, "min_traffic_samples": 32,
+                     "heldout_fraction": 0.25, "max_heldout": 12, "max_regression": 12, "max_new_tokens": 40,
+                     "margin": 0.05, "tolerance": 0.05, "select_max_prompts": 8,
+                     "watch": {"requests": 16, "timeout_s": 240, "min_requests": 8, "tolerance": 0.05, "poll_s": 1},
                      "alert_webhook": f"http://127.0.0.1:{hook.server_port}/alerts"},
     }
     config = root / "serve.yaml"
@@ -166,7 +167,9 @@ def world(ray_session, tiny_target_path, tiny_engine, tmp_path_factory):
     asks = [m for m in (_prompt(c) for c in dom["story"][200:260]) if m not in stories][:4]
     asks += [_prompt(c) for c in dom["math"][310:312]]
     sp = SamplingParams(temperature=0.0, max_new_tokens=40)
-    cases = [(m, tiny_engine.generate_ids([tiny_engine.render_prompt(m)], sp)[0].text) for m in asks]
+    served_text = ChatFormat.from_tokenizer(tiny_engine.tokenizer)  # as served: reasoning markers kept in content
+    cases = [(m, served_text.decode(tiny_engine.generate_ids([tiny_engine.render_prompt(m)], sp)[0].token_ids,
+                                    tools=False)) for m in asks]
     yield {"root": root, "config": config, "url": url, "live": str(live), "cases": cases,
            "env": dict(os.environ, RAY_ADDRESS=ray_session.get_runtime_context().gcs_address)}
     from eaglenest.serve.cli import stop_serve
@@ -227,14 +230,15 @@ def test_one_turn_retrains_from_traffic_and_swaps_without_a_failed_request(world
         r = _cli(world, "flywheel", "--once")
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
     assert client.errors == [] and client.mismatches == [], (client.errors[:3], client.mismatches[:3])
-    assert client.ok >= 24
+    assert client.ok >= 16
     turn = [a for a in _audit(world) if a["event"] == "turn"][-1]
     assert turn["outcome"] == "promoted and kept", turn
     tdir = world["root"] / "work" / "turn-0001"
     # captured, not regenerated: regen read the traffic as native samples
     manifest = json.loads((tdir / "regen" / "manifest.json").read_text())
     assert manifest["num_samples"] == turn["traffic_train"] and manifest["last_run"]["generated_tokens"] == 0
-    # trained from the live drafter over traffic + the original data (train.mix at flywheel.traffic_share 0.5)
+    # trained from the live drafter over traffic + the original data (train.mix at flywheel.traffic_share 0.3: at
+    # 0.5 the candidate forgot ~8% of its arithmetic accept length and the gate rightly refused it)
     train_log = (tdir / "train" / "metrics.jsonl").read_text()
     summary = json.loads((tdir / "train" / "summary.json").read_text())
     assert "mix: " in r.stdout and 1.6 * turn["traffic_train"] * 0.8 < summary["train_samples"], summary
@@ -252,7 +256,7 @@ def test_one_turn_retrains_from_traffic_and_swaps_without_a_failed_request(world
     health = _health(world["url"])
     assert health["drafter"] == staged and health["status"] == "ok"
     watch = [a for a in _audit(world) if a["event"] == "watch"][-1]
-    assert watch["verdict"] == "keep" and watch["requests"] >= 24, watch
+    assert watch["verdict"] == "keep" and watch["requests"] >= 16, watch
 
 
 def test_a_drafter_broken_on_its_way_to_the_server_is_rolled_back(world) -> None:
