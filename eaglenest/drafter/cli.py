@@ -53,8 +53,9 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint", required=True,
                         help="a training checkpoint folder, or a training output folder (its newest checkpoint)")
     parser.add_argument("--output", required=True, help="export folder (config.json + model.safetensors)")
-    parser.add_argument("--format", choices=["sglang", "vllm"], default="sglang",
-                        help="layer-id convention of the serving engine (sglang: physical-1, vllm: physical)")
+    parser.add_argument("--format", choices=["both", "sglang", "vllm"], default="both",
+                        help="which engines the folder is for: both (default: SGLang's ids in eagle_config, vLLM's "
+                             "physical ids at the top level; one folder loads right in either), sglang, or vllm")
     parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
     parser.add_argument("--no-embedding", action="store_true",
                         help="omit embed_tokens.weight (the engines then share the target's embedding)")
@@ -69,7 +70,12 @@ def run_export(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError, KeyError) as e:
         print(f"eaglenest export: {e}", file=sys.stderr)
         return 2
-    print(f"eaglenest export: wrote {out} ({args.format} layer ids)")
+    from eaglenest.drafters.eagle3.format import read_export_config
+    from eaglenest.drafters.eagle3.serving import export_summary
+
+    cfg, _, _ = read_export_config(out)
+    print(f"eaglenest export: wrote {out} (format {args.format}); launch it with:")
+    print(export_summary(cfg, args.format, out.resolve()))
     return 0
 
 
