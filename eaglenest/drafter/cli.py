@@ -45,8 +45,20 @@ def run_train(args: argparse.Namespace) -> int:
         print(f"eaglenest train: online: {sum(e['samples'] for e in o['epochs'])} samples trained over "
               f"{len(o['epochs'])} epoch(s); {o['hidden_state_bytes_written']} hidden-state bytes on disk; ledger "
               f"{o['ledger']}")
-    print(f"eaglenest train: export written to {summary['export']}")
+    print(f"eaglenest train: export written to {summary['export']}; launch it with:")
+    _print_launch(summary["export"])
     return 0
+
+
+def _print_launch(folder) -> None:
+    """Each engine's launch settings for an export folder (also in its README.md)."""
+    from pathlib import Path
+
+    from eaglenest.drafters.eagle3.format import read_export_config
+    from eaglenest.drafters.eagle3.serving import export_summary
+
+    cfg, _, side = read_export_config(folder)
+    print(export_summary(cfg, side.get("format") or "sglang", Path(folder).resolve()))
 
 
 def add_export_arguments(parser: argparse.ArgumentParser) -> None:
@@ -70,12 +82,8 @@ def run_export(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError, KeyError) as e:
         print(f"eaglenest export: {e}", file=sys.stderr)
         return 2
-    from eaglenest.drafters.eagle3.format import read_export_config
-    from eaglenest.drafters.eagle3.serving import export_summary
-
-    cfg, _, _ = read_export_config(out)
     print(f"eaglenest export: wrote {out} (format {args.format}); launch it with:")
-    print(export_summary(cfg, args.format, out.resolve()))
+    _print_launch(out)
     return 0
 
 
