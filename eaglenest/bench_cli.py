@@ -5,6 +5,7 @@
     eaglenest bench --config configs/demo.yaml            # target + bench sections (bench.drafter or serve.drafter)
     eaglenest bench ... --engine sglang                   # same command shape on SGLang (GPU)
     eaglenest bench ... --drafter llama=out/a/export --drafter mla=out/b/export   # two drafters, one baseline
+    eaglenest bench --target tiny --drafter out/train/export --suite mt-bench,humaneval --num-prompts 16
 
 Prints tok/s, accept length and speedup per config, the best config, and says plainly when speculation loses.
 Writes ``bench.json``, ``bench.md`` and ``bench.png`` into the output folder. ``--fail-if-slower`` exits 1 when no
@@ -26,6 +27,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="drafter export folder; give it several times (optionally LABEL=PATH) to compare drafters "
                         "against one baseline in one run (configs are then named LABEL:steps-topk-tokens)")
     p.add_argument("--prompts", default=None, help="JSONL of prompts ({'messages': [...], 'domain': ...})")
+    p.add_argument("--suite", default=None,
+                   help="instead of --prompts: comma-separated prompt suites (mt-bench, humaneval, bfcl, sharegpt, or "
+                        "a JSONL file; eaglenest.speculative.suites), --num-prompts of each; MT-Bench's second turns "
+                        "follow the target's own greedy answers (hf engine; on sglang first turns only)")
     p.add_argument("--engine", choices=["hf", "sglang"], default=None, help="default: target.engine of the config")
     p.add_argument("--sweep", default=None,
                    help="comma-separated num_steps-topk-num_draft_tokens configs, e.g. 2-1-3,3-1-4,4-4-8")
@@ -71,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
 
     from eaglenest.config import load_config
     from eaglenest.speculative.bench import plot_bench, report_markdown, run_bench_batches
-    from eaglenest.speculative.evaluate import PromptFileError, load_prompts, prompt_ids
+    from eaglenest.speculative.evaluate import PromptFileError, load_prompts
 
     cfg = load_config(args.config)
     tc, bc = cfg.target, cfg.bench
@@ -79,10 +84,10 @@ def run(args: argparse.Namespace) -> int:
                                  "engine": args.engine}.items() if v is not None}
     tc = tc.model_copy(update=updates)
     given = args.drafter or [x for x in (cfg.resolve(bc.drafter) or cfg.resolve(cfg.serve.drafter),) if x]
-    prompts_path = args.prompts or cfg.resolve(bc.prompts)
-    if not given or not prompts_path:
-        print("eaglenest bench: give --drafter and --prompts (or bench.drafter / bench.prompts in --config)",
-              file=sys.stderr)
+    prompts_path = None if args.suite else (args.prompts or cfg.resolve(bc.prompts))
+    if not given or not (prompts_path or args.suite) or (args.suite and args.prompts):
+        print("eaglenest bench: give --drafter and --prompts or --suite (or bench.drafter / bench.prompts in "
+              "--config)", file=sys.stderr)
         return 2
     try:
         drafters = parse_drafters(given)
@@ -92,7 +97,14 @@ def run(args: argparse.Namespace) -> int:
     drafter = drafters[None] if list(drafters) == [None] else drafters
     try:
         sweep = parse_sweep(args.sweep) if args.sweep else list(bc.sweep)
-        records = load_prompts(prompts_path, args.num_prompts or bc.num_prompts)
+        if args.suite:
+            from eaglenest.speculative.suites import load_suite
+
+            records = [r for n in args.suite.split(",") if n.strip()
+                       for r in load_suite(n.strip(), args.num_prompts or bc.num_prompts)[0]]
+            prompts_path = args.suite
+        else:
+            records = load_prompts(prompts_path, args.num_prompts or bc.num_prompts)
     except (ValueError, ValidationError, PromptFileError) as e:
         print(f"eaglenest bench: {e}", file=sys.stderr)
         return 2
@@ -111,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
         from eaglenest.engines.hf import HFEngine
 
         engine = HFEngine.from_config(tc)
-        prompts = [prompt_ids(engine.tokenizer, r) for r in records]
+        prompts = _prompt_list(engine, records, common["max_new_tokens"])
         reports = run_bench_batches(engine, drafter, prompts, sweep, engine="hf", **common)
     else:
         reports = _run_sglang(tc, drafter, records, sweep,
@@ -171,6 +183,24 @@ def parse_batch_sizes(text: str) -> list[int]:
     return sizes
 
 
+def _prompt_list(engine, records: list[dict], max_new_tokens: int) -> list[list[int]]:
+    """Token ids of every prompt; a suite's later turns follow the target's own greedy answers to the earlier ones."""
+    from eaglenest.engines.base import SamplingParams
+    from eaglenest.speculative.evaluate import prompt_ids
+    from eaglenest.speculative.suite_eval import conversation_prompts
+
+    def ids_of(messages, record):
+        return prompt_ids(engine.tokenizer, {"messages": messages, "tools": record.get("tools")})
+
+    def answers(ids):
+        sp = SamplingParams(max_new_tokens=max_new_tokens)
+        return [g.text for i in range(0, len(ids), 16) for g in engine.generate_ids(ids[i:i + 16], sp)]
+
+    if not any(r.get("followups") for r in records):
+        return [prompt_ids(engine.tokenizer, r) for r in records]
+    return conversation_prompts(records, answers, ids_of)
+
+
 def _run_sglang(tc, drafter, records, sweep, common):
     """SGLang integration point: one checked ``SGLangEngine`` per variant (eaglenest.engines.sglang.engine)."""
     from eaglenest.engines.sglang.engine import SGLangEngine
@@ -181,5 +211,8 @@ def _run_sglang(tc, drafter, records, sweep, common):
         return SGLangEngine(tc) if spec is None else SGLangEngine.speculative(tc, str(drafter_dir), spec)
 
     probe = SGLangEngine(tc)  # tokenizer + chat template only; the engine itself starts lazily
+    if any(r.get("followups") for r in records):
+        print("eaglenest bench: on sglang the suites' first turns only (later turns need the target's answers; "
+              "eaglenest eval --suite asks them)", file=sys.stderr)
     prompts = [prompt_ids(probe.tokenizer, r) for r in records]
     return run_bench_batches(None, drafter, prompts, sweep, engine="sglang", sglang_factory=factory, **common)
