@@ -37,8 +37,14 @@ PRIVATE_APIS: dict[str, str] = {
         "tests: the port of this node's Prometheus endpoint, scraped by the metrics tests",
     "ray.autoscaler._private.util.prepare_config / validate_config":
         "tests: `ray up`'s own config preparation and schema validation of cluster.yaml (no public equivalent)",
+    "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH (ray.serve._private.constants)":
+        "serve.arrival: the only hook Ray Serve offers in front of its HTTP proxy; its middleware stamps each "
+        "request's arrival, so TTFT and queue time include the proxy's routing and queueing",
 }
 """Each private/internal Ray API used -> why it is needed."""
+
+PROXY_CALLBACK_ENV = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
+"""read by every Serve proxy when it starts: ``module:function`` returning Starlette middlewares for its app"""
 
 
 def bootstrap_address() -> str | None:

@@ -12,7 +12,9 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
+from eaglenest.ray_private import PROXY_CALLBACK_ENV
 from eaglenest.runtime import LOCAL_RAY_ENV, TASK_ENV
+from eaglenest.serve.arrival import PROXY_CALLBACK
 
 RAY_ENV_DEFAULTS = {
     **LOCAL_RAY_ENV,
@@ -23,6 +25,8 @@ RAY_ENV_DEFAULTS = {
     # took the throughput lost to serving at 16 streams from 17% to 3-5% on a decode-bound target (BENCHMARKS.md).
     "RAY_SERVE_USE_GRPC_BY_DEFAULT": "1",
     "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
+    # Serve's proxies stamp each request's arrival (serve.arrival), so TTFT and queue time start where the client's do
+    PROXY_CALLBACK_ENV: PROXY_CALLBACK,
 }
 
 _STATE: dict[str, Any] = {"owns_ray": False, "apps": []}

@@ -25,6 +25,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from eaglenest.serve.arrival import Arrival
 from eaglenest.serve.chat_parsing import ChatParser, chat_message, delta_fields, finish_reason, parse_all
 from eaglenest.serve.core import Outcome, ServerCore
 from eaglenest.serve.drain import RETRY_AFTER_S
@@ -67,7 +68,7 @@ class Routes:
         return parse_body(raw, model)
 
     async def chat(self, request: Request) -> Response:
-        arrived = time.perf_counter()
+        arrived = self.core.arrival(request)
         try:
             self.core.check_auth(request)
             self.core.check_ready()
@@ -123,7 +124,7 @@ class Routes:
         return lambda ids: fmt.decode(ids, tools=tools)
 
     async def completions(self, request: Request) -> Response:
-        arrived = time.perf_counter()
+        arrived = self.core.arrival(request)
         try:
             self.core.check_auth(request)
             self.core.check_ready()
@@ -167,7 +168,7 @@ class Routes:
             return list(prompt)
         raise APIError(400, "send exactly one prompt per request (a string or a list of token ids)", param="prompt")
 
-    async def _complete(self, route: str, prompt_ids: list[int], sampling: SamplingRequest, arrived: float,
+    async def _complete(self, route: str, prompt_ids: list[int], sampling: SamplingRequest, arrived: Arrival,
                         build: Any, decode: Any = None) -> Response:
         out = Outcome()
         status = 200
@@ -188,7 +189,7 @@ class Routes:
             if status == 200:
                 self.core.record(arrived, out)
 
-    async def _stream(self, route: str, prompt_ids: list[int], sampling: SamplingRequest, arrived: float,
+    async def _stream(self, route: str, prompt_ids: list[int], sampling: SamplingRequest, arrived: Arrival,
                       piece_chunks: Any, final_chunks: Any, decode: Any = None) -> AsyncIterator[str]:
         """SSE of one generation: ``piece_chunks(piece, out)`` and ``final_chunks(out)`` give the chunks; a failure
         (or a drain's deadline) ends the stream with an error event, then ``[DONE]``."""
@@ -196,6 +197,7 @@ class Routes:
         status = 200
         try:
             async for piece in self.core.generate(prompt_ids, sampling, out, decode=decode):
+                out.first_sent_at = out.first_sent_at or time.perf_counter()  # TTFT ends here (core.record)
                 for chunk in piece_chunks(piece, out):
                     yield sse(chunk)
             for chunk in final_chunks(out):
@@ -219,7 +221,7 @@ class Routes:
                 self.core.record(arrived, out)
 
     async def _chat_stream(self, req: ChatCompletionRequest, rid: str, created: int, prompt_ids: list[int],
-                           sampling: SamplingRequest, arrived: float,
+                           sampling: SamplingRequest, arrived: Arrival,
                            parser: ChatParser | None) -> AsyncIterator[str]:
         yield sse(chat_chunk(rid, self.core.model_name, created, delta={"role": "assistant", "content": ""}))
         sent = [0]
@@ -254,7 +256,7 @@ class Routes:
             yield s
 
     async def _completion_stream(self, req: CompletionRequest, rid: str, created: int, prompt_ids: list[int],
-                                 sampling: SamplingRequest, arrived: float) -> AsyncIterator[str]:
+                                 sampling: SamplingRequest, arrived: Arrival) -> AsyncIterator[str]:
         sent, offset = [0], [0]
 
         def new_logprobs(out: Outcome) -> dict[str, Any] | None:

@@ -332,6 +332,7 @@ def test_metrics_endpoint_has_accept_length_and_ttft(served, ray_session):
     from eaglenest.serve.metrics import METRIC_NAMES
 
     suffix = {"eaglenest_serve_accept_length": "_bucket", "eaglenest_serve_ttft_seconds": "_bucket",
+              "eaglenest_serve_queue_seconds": "_bucket",
               "eaglenest_serve_inter_token_latency_seconds": "_bucket", "eaglenest_serve_generated_tokens": "_total",
               "eaglenest_serve_draft_tokens_proposed": "_total", "eaglenest_serve_draft_tokens_accepted": "_total"}
     # every model-tagged series of the main app (accepted drafts may legitimately be 0 with a random drafter)
