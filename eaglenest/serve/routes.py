@@ -223,8 +223,14 @@ class Routes:
     async def _chat_stream(self, req: ChatCompletionRequest, rid: str, created: int, prompt_ids: list[int],
                            sampling: SamplingRequest, arrived: Arrival,
                            parser: ChatParser | None) -> AsyncIterator[str]:
-        yield sse(chat_chunk(rid, self.core.model_name, created, delta={"role": "assistant", "content": ""}))
+        # the role chunk goes out with the first token, as vLLM sends it: tools that time the first chunk (vLLM's
+        # own benchmark does) then measure the time to the first token, not to the response headers
+        opening = [chat_chunk(rid, self.core.model_name, created, delta={"role": "assistant", "content": ""})]
         sent = [0]
+
+        def opened(later: list[dict[str, Any]]) -> list[dict[str, Any]]:
+            first, opening[:] = opening[:], []
+            return first + later
 
         def new_logprobs(out: Outcome) -> dict[str, Any] | None:
             """Logprobs of the tokens not reported yet (they ride on the next chunk)."""
@@ -239,10 +245,10 @@ class Routes:
             return [chat_chunk(rid, self.core.model_name, created, delta=f, logprobs=new_logprobs(out)) for f in fields]
 
         def pieces(piece: str, out: Outcome) -> list[dict[str, Any]]:
-            return chunks(parser.feed(piece) if parser is not None else [("content", piece)], out)
+            return opened(chunks(parser.feed(piece) if parser is not None else [("content", piece)], out))
 
         def finals(out: Outcome) -> list[dict[str, Any]]:
-            out_chunks = chunks(parser.finish(), out) if parser is not None else []
+            out_chunks = opened(chunks(parser.finish(), out) if parser is not None else [])
             reason = finish_reason(parser.out if parser is not None else None, out.finish_reason)
             out_chunks.append(chat_chunk(rid, self.core.model_name, created, delta={}, finish_reason=reason,
                                          logprobs=new_logprobs(out)))
