@@ -29,7 +29,7 @@ from eaglenest.serve.arrival import Arrival
 from eaglenest.serve.chat_parsing import ChatParser, chat_message, delta_fields, finish_reason, parse_all
 from eaglenest.serve.core import Outcome, ServerCore
 from eaglenest.serve.drain import RETRY_AFTER_S
-from eaglenest.serve.logprobs import chat_logprobs, completion_logprobs
+from eaglenest.serve.logprobs import LogprobText, chat_logprobs, completion_logprobs
 from eaglenest.serve.openai_protocol import (
     APIError,
     ChatCompletionRequest,
@@ -97,7 +97,8 @@ class Routes:
         def build(out: Outcome) -> dict[str, Any]:
             parsed = parse_all(parser, out.text) if parser is not None else None
             message = chat_message(parsed) if parsed is not None else {"content": out.text}
-            lps = chat_logprobs(out.logprobs, self.core.token_text) if sampling.logprobs is not None else None
+            lps = chat_logprobs(out.logprobs, LogprobText(self.core.token_text)) \
+                if sampling.logprobs is not None else None
             return chat_response(rid, self.core.model_name, message, finish_reason(parsed, out.finish_reason),
                                  self.core.usage(len(prompt_ids), out), created, logprobs=lps)
 
@@ -148,7 +149,8 @@ class Routes:
             return event_stream(self._completion_stream(req, rid, created, prompt_ids, sampling, arrived))
 
         def build(out: Outcome) -> dict[str, Any]:
-            lps = completion_logprobs(out.logprobs, self.core.token_text) if sampling.logprobs is not None else None
+            lps = completion_logprobs(out.logprobs, LogprobText(self.core.token_text), len(out.text)) \
+                if sampling.logprobs is not None else None
             return completion_response(rid, self.core.model_name, out.text, out.finish_reason,
                                        self.core.usage(len(prompt_ids), out), created, logprobs=lps)
 
@@ -226,7 +228,7 @@ class Routes:
         # the role chunk goes out with the first token, as vLLM sends it: tools that time the first chunk (vLLM's
         # own benchmark does) then measure the time to the first token, not to the response headers
         opening = [chat_chunk(rid, self.core.model_name, created, delta={"role": "assistant", "content": ""})]
-        sent = [0]
+        sent, positions = [0], LogprobText(self.core.token_text)
 
         def opened(later: list[dict[str, Any]]) -> list[dict[str, Any]]:
             first, opening[:] = opening[:], []
@@ -237,7 +239,7 @@ class Routes:
             if sampling.logprobs is None or sent[0] == len(out.logprobs):
                 return None
             entries, sent[0] = out.logprobs[sent[0]:], len(out.logprobs)
-            return chat_logprobs(entries, self.core.token_text)
+            return chat_logprobs(entries, positions)
 
         def chunks(deltas: list[Any], out: Outcome) -> list[dict[str, Any]]:
             fields = [delta_fields(d, parser.out) for d in deltas] if parser is not None else \
@@ -263,22 +265,20 @@ class Routes:
 
     async def _completion_stream(self, req: CompletionRequest, rid: str, created: int, prompt_ids: list[int],
                                  sampling: SamplingRequest, arrived: Arrival) -> AsyncIterator[str]:
-        sent, offset = [0], [0]
+        sent, positions = [0], LogprobText(self.core.token_text)
 
-        def new_logprobs(out: Outcome) -> dict[str, Any] | None:
+        def new_logprobs(out: Outcome, final: bool = False) -> dict[str, Any] | None:
             if sampling.logprobs is None or sent[0] == len(out.logprobs):
                 return None
             entries, sent[0] = out.logprobs[sent[0]:], len(out.logprobs)
-            lps = completion_logprobs(entries, self.core.token_text, offset[0])
-            offset[0] += sum(len(t) for t in lps["tokens"])
-            return lps
+            return completion_logprobs(entries, positions, len(out.text) if final else None)
 
         def pieces(piece: str, out: Outcome) -> list[dict[str, Any]]:
             return [completion_chunk(rid, self.core.model_name, created, text=piece, logprobs=new_logprobs(out))]
 
         def finals(out: Outcome) -> list[dict[str, Any]]:
             chunks = [completion_chunk(rid, self.core.model_name, created, text="", finish_reason=out.finish_reason,
-                                       logprobs=new_logprobs(out))]
+                                       logprobs=new_logprobs(out, final=True))]
             if req.include_usage:
                 usage = self.core.usage(len(prompt_ids), out)
                 chunks.append(completion_chunk(rid, self.core.model_name, created, usage=usage))
