@@ -105,19 +105,21 @@ class Routes:
         return await self._complete(CHAT_ROUTE, prompt_ids, sampling, arrived, build, decode=decode)
 
     def _chat_parser(self, req: ChatCompletionRequest, prompt_ids: list[int]) -> ChatParser | None:
-        """A parser when the request's reasoning is separated (``serve.reasoning_parser``, overridden by SGLang's
-        ``separate_reasoning``) and the target has markers for it, or tool calls are and the request offers tools."""
+        """A parser when the target has tool-call markers (parsed into calls when the request offers tools, else
+        only kept out of ``content``), or its reasoning is separated (``serve.reasoning_parser``, overridden by
+        SGLang's ``separate_reasoning``) and it has markers for it."""
         fmt = self.core.chat_format
         tools = bool(req.tools) and req.tool_choice != "none" and fmt.tool_call is not None
         wanted = self.core.cfg.serve.reasoning_parser if req.separate_reasoning is None else req.separate_reasoning
         reasoning = wanted and fmt.reasoning is not None
-        if not reasoning and not tools:
+        if not reasoning and fmt.tool_call is None:
             return None
         return fmt.parser(tools=tools, reasoning=reasoning, prompt_text=fmt.decode(prompt_ids[-16:], tools=tools))
 
     def _chat_decode(self, parser: ChatParser | None) -> Any:
-        """The text decode of a chat request: its markers kept (reasoning markers too when reasoning is not
-        separated: content is then the whole text, as a server without a reasoning parser returns it)."""
+        """The text decode of a chat request: the markers its parser reads kept (tool-call markers whenever the
+        target has them: the parser parses or drops them), reasoning markers too when reasoning is not separated
+        (content is then the whole text, as a server without a reasoning parser returns it)."""
         fmt = self.core.chat_format
         if parser is None and fmt.reasoning is None:
             return None
