@@ -308,9 +308,10 @@ class Routes:
         return JSONResponse(models_response(self.core.model_name, self.core.created)["data"][0])
 
     def health(self, request: Request) -> Response:
-        """Probes need no key; with an API key set, only a caller that sends it sees more than the status."""
+        """Probes need no key; with an API key set, only a caller that sends it sees more than the status (unless
+        ``serve.health_details_public``)."""
         status, body = self.core.health_body()
-        if self.core.api_key and not self.core.authorized(request):
+        if not self.core.cfg.serve.health_details_public and not self.core.authorized(request):
             body = {"status": body["status"]}
         self.core.metrics.request(HEALTH_ROUTE, status)
         headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 503 else None
