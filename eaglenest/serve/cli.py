@@ -160,12 +160,15 @@ def _argv(args: argparse.Namespace) -> list[str]:
 def run(args: argparse.Namespace) -> int:
     from eaglenest.config import load_config
     from eaglenest.runtime import running_cluster_address
-    from eaglenest.serve.supervise import exit_now, is_child, parent_gone, supervise
+    from eaglenest.serve.supervise import exit_now, is_child, job_stop_warning, parent_gone, supervise
 
     cfg = load_config(args.config)
     if not is_child() and running_cluster_address() is None:
         # the Ray we start must not share our process group: a group SIGTERM would kill it before the drain
         return supervise(_argv(args), cfg.serve.drain_timeout_s)
+    warning = job_stop_warning(cfg.serve.drain_timeout_s)
+    if warning:
+        print(warning, flush=True)
     url = start_serve(cfg, args.drafter, host=args.host, port=args.port)
     print(f"eaglenest serving {cfg.serve.model_name} at {url}  (OpenAI base_url {url}/v1, health {url}/health)")
     print("press Ctrl-C to stop", flush=True)

@@ -50,6 +50,20 @@ def test_serve_reads_the_proxy_callback_we_set() -> None:
     assert [m.cls for m in middlewares] == [StampArrival]
 
 
+def test_job_stop_grace_is_read_where_we_expect() -> None:
+    """`ray job stop`: the supervisor SIGKILLs the entrypoint RAY_JOB_STOP_WAIT_TIME_S (from the job's runtime env,
+    an integer, 3 by default) after the stop signal; the entrypoint's environment carries RAY_JOB_CONFIG_JSON_ENV_VAR
+    (serve.supervise.job_stop_warning reads both)."""
+    from ray._private.runtime_env.constants import RAY_JOB_CONFIG_JSON_ENV_VAR
+    from ray.dashboard.modules.job import job_supervisor
+
+    source = inspect.getsource(job_supervisor)
+    assert f'"{ray_private.JOB_STOP_WAIT_ENV}"' in source
+    assert job_supervisor.JobSupervisor.DEFAULT_RAY_JOB_STOP_WAIT_TIME_S == ray_private.JOB_STOP_WAIT_DEFAULT_S
+    assert RAY_JOB_CONFIG_JSON_ENV_VAR == ray_private.JOB_DRIVER_ENV
+    assert "RAY_JOB_CONFIG_JSON_ENV_VAR" in inspect.getsource(job_supervisor.JobSupervisor._get_driver_env_vars)
+
+
 def test_trainer_class_drops_the_placement_group_cleaner() -> None:
     from ray.train.torch import TorchTrainer
     from ray.train.v2.api.data_parallel_trainer import PlacementGroupCleanerCallback  # noqa: F401 - must exist
