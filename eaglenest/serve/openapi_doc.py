@@ -24,6 +24,7 @@ from eaglenest.serve.openai_protocol import (
     ModelCard,
     ModelList,
 )
+from eaglenest.serve.sse import DONE
 
 ERRORS = {400: "invalid parameter or type (the error names it)", 401: "missing or wrong API key",
           404: "unknown model", 413: "body over serve.max_request_bytes", 415: "body not JSON",
@@ -63,10 +64,17 @@ def build(app: Any, routes: dict[str, str]) -> dict[str, Any]:
                                           ("completions", CompletionRequest, Completion, None)):
         op = paths[routes[key]]["post"]
         op["requestBody"] = {"required": True, "content": {"application/json": {"schema": ref(request)}}}
-        stream = {"type": "string", "description": f"server-sent events: `data: <{(chunk or response).__name__} "
-                                                   f"JSON>` lines, an error event if it fails, then `data: [DONE]`"}
-        if chunk is not None:
-            ref(chunk)
+        # OpenAPI 3.1: the schema of a text/event-stream describes one event; its data is JSON (contentSchema) or
+        # the closing literal, so schema-driven checks read every chunk, not only that data is a string
+        item = chunk or response
+        data = {"anyOf": [{"const": DONE},
+                          {"type": "string", "contentMediaType": "application/json",
+                           "contentSchema": {"anyOf": [ref(item), ref(ErrorResponse)]}}],
+                "description": f"a {item.__name__} as JSON, an ErrorResponse if the generation fails (or a drain's "
+                               f"deadline ends it), then {DONE}"}
+        stream = {"type": "object", "required": ["data"], "description": "one server-sent event",
+                  "properties": {"data": data, "event": {"type": "string"}, "id": {"type": "string"},
+                                 "retry": {"type": "integer"}}}
         op["responses"] = {"200": {"description": "the completion; with stream: true, a stream of chunks",
                                    "content": {"application/json": {"schema": ref(response)},
                                                "text/event-stream": {"schema": stream}}},
