@@ -94,6 +94,18 @@ def test_metrics_port_fixed_and_dashboard_on_loopback(prepared):
     assert prepared["file_mounts"].get("/home/ray/.ray/auth_token") == "~/.ray/auth_token"
 
 
+@pytest.mark.parametrize("doc", ["README.md", "docs/OPERATIONS.md"])
+def test_every_documented_ray_start_sets_the_proxy_callback(doc):
+    """A Ray started as the docs say stamps arrivals at Serve's proxies, as cluster.yaml's does: without the
+    callback a served model's TTFT starts at the handler and the queue histogram stays empty."""
+    starts = [line for block in re.findall(r"```[a-z]*\n(.*?)```", (REPO / doc).read_text(), re.S)
+              for line in block.replace("\\\n", " ").splitlines()
+              if re.search(r"(^|\s)ray start\b", line.split("#")[0])]
+    assert starts, f"{doc} shows no ray start"
+    for line in starts:
+        assert f"{PROXY_CALLBACK_ENV}={PROXY_CALLBACK}" in line, line
+
+
 def _scalars(node) -> list[str]:
     """Every key and value of a parsed YAML document, as text (commands included, comments not)."""
     if isinstance(node, dict):
