@@ -332,6 +332,13 @@ class ServeConfig(Section):
         8 * 1024 * 1024, ge=1024, description="larger request bodies are refused with 413 request_too_large before "
                                               "they are parsed"
     )
+    health_details_public: bool = Field(
+        False, description="with api_key set, /health shows callers without the key its whole body (model, target, "
+                           "drafter folder, self-test) instead of only its status"
+    )
+    docs_public: bool = Field(
+        False, description="with api_key set, /docs and /openapi.json answer callers without the key (off: 401)"
+    )
 
 
 # ------------------------------------------------------------------------------------------------------------ plan

@@ -127,8 +127,19 @@ ROWS: list[Row] = [
         [
             P(
                 "Time to first token",
-                "Queueing + prefill, per model. Alert: p95 > 2 s for 5 minutes.",
+                "From the request's arrival at Ray Serve's HTTP proxy to its first token (leaving the replica, for a "
+                "stream): Serve's queueing, the decoder's queue and prefill, per model. Alert: p95 > 2 s for 5 "
+                "minutes.",
                 _hist_q("ray_eaglenest_serve_ttft_seconds", "model"),
+                unit="s",
+                min=0,
+            ),
+            P(
+                "Queue before the replica",
+                "From the request's arrival at Ray Serve's HTTP proxy until its replica's handler starts: Serve's "
+                "routing, and the wait while every replica is at max_ongoing_requests. The rest of TTFT is the "
+                "decoder's queue and prefill. Empty when the proxies do not stamp arrivals (docs/OPERATIONS.md).",
+                _hist_q("ray_eaglenest_serve_queue_seconds", "model"),
                 unit="s",
                 min=0,
             ),

@@ -21,6 +21,7 @@ from fastapi import Request
 
 from eaglenest.config import EaglenestConfig
 from eaglenest.engines.base import SamplingParams
+from eaglenest.serve.arrival import ARRIVAL_HEADER, Arrival, arrival, proxy_stamps
 from eaglenest.serve.backends import make_backend
 from eaglenest.serve.chat_parsing import ChatFormat
 from eaglenest.serve.drain import RETRY_AFTER_S, Drain
@@ -45,6 +46,9 @@ class Outcome:
     completion_tokens: int = 0
     stats: SpecStats = field(default_factory=SpecStats)
     first_token_at: float | None = None
+    """when the decoder committed the first token (perf_counter)"""
+    first_sent_at: float | None = None
+    """when the first token's chunk was handed to Ray Serve for the client (streams only)"""
     last_token_at: float | None = None
     logprobs: list[tuple[int, float, list[tuple[int, float]]]] = field(default_factory=list)
 
@@ -70,6 +74,8 @@ class ServerCore:
         self.drafter = drafter
         self.created = model_created(drafter, cfg.target.model)
         self.admission = Admission(s.max_concurrent_requests)
+        self.proxy_stamps = proxy_stamps()
+        """Serve's proxies stamp each request's arrival (serve.arrival): TTFT and queue time start there"""
         self.shutting_down = False
         self.drain = Drain()
         self.self_test: SelfTest | None = None
@@ -149,6 +155,10 @@ class ServerCore:
         except APIError:
             return False
         return True
+
+    def arrival(self, request: Request) -> Arrival:
+        """When ``request`` reached Ray Serve's HTTP proxy (its handler's start when the proxy does not stamp)."""
+        return arrival(request.headers.get(ARRIVAL_HEADER), trusted=self.proxy_stamps)
 
     def check_ready(self) -> None:
         if not self.healthy:
@@ -259,11 +269,14 @@ class ServerCore:
                      spec=SpecUsage(accept_length=round(out.stats.accept_length, 4),
                                     draft_tokens=out.stats.draft_tokens, accepted_tokens=out.stats.accepted_tokens))
 
-    def record(self, arrived: float, out: Outcome) -> None:
-        ttft = None if out.first_token_at is None else out.first_token_at - arrived
+    def record(self, arrived: Arrival, out: Outcome) -> None:
+        """TTFT runs from the proxy's arrival to the first token's chunk leaving the replica (a stream's client sees
+        it then); a non-streamed request's, to the decoder's first token (nothing leaves earlier)."""
+        first = out.first_sent_at or out.first_token_at
+        ttft = None if first is None else first - arrived.at
         decode = 0.0 if out.first_token_at is None else (out.last_token_at or out.first_token_at) - out.first_token_at
         self.metrics.finished(RequestStats(
-            completion_tokens=out.completion_tokens, ttft_s=ttft, decode_s=decode,
+            completion_tokens=out.completion_tokens, ttft_s=ttft, queue_s=arrived.queue_s, decode_s=decode,
             accept_length=out.stats.accept_length, draft_tokens=out.stats.draft_tokens,
             accepted_tokens=out.stats.accepted_tokens, speculative=self.backend.speculative,
             verify_steps=out.stats.verify_steps))
