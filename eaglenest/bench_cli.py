@@ -171,15 +171,32 @@ def parse_batch_sizes(text: str) -> list[int]:
     return sizes
 
 
+def sglang_factory(tc, expected: tuple[int, int] = (1, 256)):
+    """SGLang integration point: one checked ``SGLangEngine`` per variant (eaglenest.engines.sglang.engine).
+
+    ``factory(spec, drafter)``: the plain engine (``spec`` None) or one static shape; ``factory(None, drafter,
+    plan=...)``: a step plan (a tuned schedule, or "off") launched as serve launches it (``plan.sglang_plan``)."""
+    from eaglenest.engines.sglang.engine import SGLangEngine
+
+    def factory(spec, drafter_dir, plan=None):
+        if plan is not None:
+            launch = plan.sglang_plan(tc.sglang.extra_args, expected=expected, provenance="eaglenest bench/tune")
+            for note in launch.notes:
+                print(f"eaglenest: {note}", file=sys.stderr)
+            if launch.mode == "plain":
+                return SGLangEngine(tc)
+            return SGLangEngine.speculative(tc, str(drafter_dir), launch.spec, adaptive=launch.adaptive)
+        return SGLangEngine(tc) if spec is None else SGLangEngine.speculative(tc, str(drafter_dir), spec)
+
+    return factory
+
+
 def _run_sglang(tc, drafter, records, sweep, common):
-    """SGLang integration point: one checked ``SGLangEngine`` per variant (eaglenest.engines.sglang.engine)."""
     from eaglenest.engines.sglang.engine import SGLangEngine
     from eaglenest.speculative.bench import run_bench_batches
     from eaglenest.speculative.evaluate import prompt_ids
 
-    def factory(spec, drafter_dir):
-        return SGLangEngine(tc) if spec is None else SGLangEngine.speculative(tc, str(drafter_dir), spec)
-
     probe = SGLangEngine(tc)  # tokenizer + chat template only; the engine itself starts lazily
     prompts = [prompt_ids(probe.tokenizer, r) for r in records]
-    return run_bench_batches(None, drafter, prompts, sweep, engine="sglang", sglang_factory=factory, **common)
+    return run_bench_batches(None, drafter, prompts, sweep, engine="sglang", sglang_factory=sglang_factory(tc),
+                             **common)
