@@ -156,3 +156,37 @@ def test_adaptive_spec_routing_and_validation(tmp_path: Path):
         AdaptiveSpec(((4, (1,)), (2, (0,))))
     assert adaptive_refusal({"enable_dp_attention": True}).startswith("enable_dp_attention")
     assert "topk" in adaptive_refusal({}, topk=4)
+
+
+def test_sglang_plan_adaptive_static_or_plain():
+    s = _schedule()
+    plan = s.sglang_plan({}, expected=(1, 2))
+    assert plan.mode == "adaptive" and plan.adaptive.buckets[0] == (1, (3,))
+    assert any("chains only" in n for n in plan.notes), "bucket 1 measured best with a tree: said at start"
+    refused = s.sglang_plan({"enable_dp_attention": True}, expected=(1, 2))
+    assert refused.mode == "static" and refused.spec.num_steps == 3
+    assert any("enable_dp_attention" in n and "1-2" in n for n in refused.notes)
+    wide = s.sglang_plan({"enable_dp_attention": True}, expected=(1, 64))
+    assert wide.mode == "plain" and wide.spec is None, "no shape is safe up to 64: the plain engine"
+
+
+def test_sglang_plan_falls_back_when_even_steps_0_loses():
+    per = {1: [report([100, 100], off=[100, 100], **{"3_1_4": [150, 150]})],
+           2: [report([180, 180], off=[170, 171], **{"3_1_4": [160, 161]})]}
+    s = build_schedule(per, {}, noise_floor=0.01)
+    assert s.adaptive_safe() == ["2"]
+    plan = s.sglang_plan({}, expected=(1, 1))
+    assert plan.mode == "static" and any("steps 0" in n for n in plan.notes)
+
+
+def test_what_a_replica_applies_per_bucket():
+    from eaglenest.serve.schedule import ServeSchedule
+
+    s = _schedule()
+    hf = ServeSchedule(s, "s.json", "hf")
+    assert [hf.applied(b).label for b in s.buckets] == ["5-4-8", "2-1-3", "off", "off"]
+    ad = ServeSchedule(s, "s.json", "sglang", s.sglang_plan({}, expected=(1, 2)))
+    assert [ad.applied(b).label for b in s.buckets] == ["3-1-4", "2-1-3", "off", "off"]
+    st = ServeSchedule(s, "s.json", "sglang", s.sglang_plan({"enable_dp_attention": True}, expected=(1, 2)))
+    assert [st.applied(b).label for b in s.buckets] == ["3-1-4"] * 4
+    assert st.health()["mode"] == "static"
