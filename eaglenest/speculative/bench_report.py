@@ -145,3 +145,91 @@ def plot_bench(report: dict[str, Any], path: str | Path) -> Path:
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
+
+
+# ------------------------------------------------------------------------------------ several batch sizes at once
+def sweep_summary(reports: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per batch size: the baseline, the best static config and the schedule (a ``schedule`` plan variant), and
+    their ratios; the worst ratios over the sweep (what "never slower, at any load" is judged by)."""
+    rows = []
+    for r in reports:
+        base = r["baseline"]["tok_per_s"]
+        best = r.get("best")
+        sched = next((c for c in r["configs"] if c.get("plan") and c["config"] == "schedule"), None)
+        row = {"batch_size": r["batch_size"], "baseline": base,
+               "best_static": None if best is None else {"config": best["config"], "tok_per_s": best["tok_per_s"]},
+               "best_static_vs_baseline": None if best is None or base <= 0 else best["tok_per_s"] / base,
+               "schedule": None if sched is None else sched["tok_per_s"],
+               "schedule_vs_baseline": None if sched is None or base <= 0 else sched["tok_per_s"] / base,
+               "schedule_vs_best_static": (None if sched is None or best is None or best["tok_per_s"] <= 0
+                                           else sched["tok_per_s"] / best["tok_per_s"])}
+        rows.append(row)
+
+    def worst(key: str) -> float | None:
+        vals = [x[key] for x in rows if x[key] is not None]
+        return min(vals) if vals else None
+
+    return {"engine": reports[0]["engine"] if reports else None, "rows": rows,
+            "worst_schedule_vs_baseline": worst("schedule_vs_baseline"),
+            "worst_schedule_vs_best_static": worst("schedule_vs_best_static")}
+
+
+def sweep_markdown(summary: dict[str, Any]) -> str:
+    lines = ["# Baseline, best static config and schedule per batch size", "",
+             "| batch | baseline tok/s | best static (tok/s, x baseline) | schedule tok/s | schedule x baseline | "
+             "schedule x best static |", "|---|---|---|---|---|---|"]
+
+    def f(x: float | None, fmt: str) -> str:
+        return "" if x is None else format(x, fmt)
+
+    for r in summary["rows"]:
+        b = r["best_static"]
+        best = "" if b is None else f"{b['config']} ({b['tok_per_s']:.1f}, {r['best_static_vs_baseline']:.2f}x)"
+        lines.append(f"| {r['batch_size']} | {r['baseline']:.1f} | {best} | {f(r['schedule'], '.1f')} | "
+                     f"{f(r['schedule_vs_baseline'], '.3f')} | {f(r['schedule_vs_best_static'], '.3f')} |")
+    if summary["worst_schedule_vs_baseline"] is not None:
+        lines += ["", f"Worst over the sweep: schedule {summary['worst_schedule_vs_baseline']:.3f}x the baseline, "
+                      f"{summary['worst_schedule_vs_best_static']:.3f}x the best static config."]
+    return "\n".join(lines) + "\n"
+
+
+def plot_sweep(summary: dict[str, Any], path: str | Path) -> Path:
+    """PNG: tok/s of the baseline, the best static config and the schedule over the batch sizes, and the ratios."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = summary["rows"]
+    xs = [r["batch_size"] for r in rows]
+    fig, (ax, ar) = plt.subplots(1, 2, figsize=(13, 4.5))
+    ax.plot(xs, [r["baseline"] for r in rows], "k--", marker="o", label="baseline")
+    best = [(r["batch_size"], r["best_static"]) for r in rows if r["best_static"]]
+    ax.plot([x for x, _ in best], [b["tok_per_s"] for _, b in best], marker="s", label="best static config")
+    for x, b in best:
+        ax.annotate(b["config"], (x, b["tok_per_s"]), fontsize=7, xytext=(2, 4), textcoords="offset points")
+    sched = [(r["batch_size"], r) for r in rows if r["schedule"] is not None]
+    if sched:
+        ax.plot([x for x, _ in sched], [r["schedule"] for _, r in sched], color="tab:green", lw=3, marker="o",
+                label="schedule")
+        ar.plot([x for x, _ in sched], [r["schedule_vs_baseline"] for _, r in sched], color="tab:green",
+                marker="o", label="schedule / baseline")
+        ar.plot([x for x, _ in sched], [r["schedule_vs_best_static"] for _, r in sched], color="tab:blue",
+                marker="s", label="schedule / best static")
+    ar.plot([x for x, _ in best], [r["best_static_vs_baseline"] for r in rows if r["best_static"]], color="grey",
+            ls=":", label="best static / baseline")
+    ar.axhline(1.0, color="black", ls="--")
+    for a, ylabel in ((ax, "tokens / s"), (ar, "ratio")):
+        a.set_xscale("log", base=2)
+        a.set_xticks(xs, [str(x) for x in xs])
+        a.set_xlabel("concurrent requests (batch size)")
+        a.set_ylabel(ylabel)
+        a.legend(fontsize=8)
+    ax.set_title(f"throughput ({summary['engine']})")
+    ar.set_title("against the baseline and the best static config")
+    fig.tight_layout()
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out

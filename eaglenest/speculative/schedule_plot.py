@@ -24,7 +24,7 @@ def schedule_markdown(s: Schedule) -> str:
         if not b.measured:
             lines.append(f"| {b.label} | off (not measured) | | | | 0 |")
             continue
-        tps = b.baseline_tok_per_s if b.choice.off else b.choice.tok_per_s
+        tps = b.choice.tok_per_s or b.baseline_tok_per_s  # "off" unmeasured (a plain engine): the baseline
         unsafe = "" if b.safe else " **(even off loses)**"
         lines.append(f"| {b.label} | {b.choice.label}{unsafe} | {tps:.1f} | {b.choice.median_ratio:.3f} | "
                      f"{100 * b.noise:.1f}% | {', '.join(map(str, b.chain_steps))} |")
@@ -58,7 +58,7 @@ def plot_schedule(s: Schedule, path: str | Path) -> Path:
         style = {"color": "grey", "ls": ":"} if label == "off" else {}
         ax.plot([x for x, _ in pts], [o.tok_per_s for _, o in pts], marker=".", alpha=0.6, label=label, **style)
         ar.plot([x for x, _ in pts], [o.median_ratio for _, o in pts], marker=".", alpha=0.6, label=label, **style)
-    chosen = [b.baseline_tok_per_s if b.choice.off else b.choice.tok_per_s for b in measured]
+    chosen = [b.choice.tok_per_s or b.baseline_tok_per_s for b in measured]
     ax.plot(xs, chosen, color="tab:green", lw=4, alpha=0.5, label="schedule")
     for x, y, b in zip(xs, chosen, measured, strict=True):
         ax.annotate(b.choice.label, (x, y), fontsize=8, xytext=(3, 6), textcoords="offset points")
