@@ -165,7 +165,7 @@ def run(args: argparse.Namespace) -> int:
         from eaglenest.speculative.schedule import ScheduleError
 
         try:
-            prepare_schedule(cfg, args.drafter or cfg.resolve(cfg.serve.drafter))
+            prepare_schedule(cfg, args.drafter or cfg.resolve(cfg.serve.drafter), driver=True)
         except ScheduleError as e:
             print(f"eaglenest serve: {e}", file=sys.stderr, flush=True)
             return 2

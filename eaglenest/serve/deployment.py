@@ -232,6 +232,6 @@ def make_app(cfg: EaglenestConfig, drafter: str | None = None, *, check: bool = 
     if check:  # a stale schedule is refused before anything is deployed (the replica checks again)
         from eaglenest.serve.schedule import prepare_schedule
 
-        prepare_schedule(cfg, drafter)
+        prepare_schedule(cfg, drafter, driver=True)
     api_key = resolve_api_key(cfg.serve.api_key)
     return EaglenestDeployment.options(**deployment_options(cfg)).bind(cfg.model_dump(), drafter, api_key)

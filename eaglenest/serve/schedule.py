@@ -60,8 +60,13 @@ class ServeSchedule:
                 "buckets": {b.label: self.applied(b).label for b in self.schedule.buckets}}
 
 
-def prepare_schedule(cfg: EaglenestConfig, drafter: str | None, *, check: bool = True) -> ServeSchedule | None:
-    """The configured schedule, checked against what this replica serves (None without ``serve.schedule``)."""
+def prepare_schedule(cfg: EaglenestConfig, drafter: str | None, *, check: bool = True,
+                     driver: bool = False) -> ServeSchedule | None:
+    """The configured schedule, checked against what this replica serves (None without ``serve.schedule``).
+
+    ``driver``: checked where ``eaglenest serve`` runs, before anything is deployed: everything for the hf engine
+    (it runs there too), only the target (when its folder is here) and drafter for SGLang (the head node of a cluster
+    has no GPU to describe the engine by; each replica checks the engine before its engine starts)."""
     if not cfg.serve.schedule:
         return None
     path = str(cfg.resolve(cfg.serve.schedule))
@@ -72,7 +77,12 @@ def prepare_schedule(cfg: EaglenestConfig, drafter: str | None, *, check: bool =
     if check:
         fix = (f"eaglenest tune --config <this serving config> --drafter {drafter} --output {Path(path).parent} "
                "(on this machine and engine)")
-        schedule.check(serving_identity(cfg.target, drafter), path=path, fix=fix)
+        parts: tuple[str, ...] = ("target", "drafter", "engine")
+        if driver and cfg.target.engine == "sglang":
+            from eaglenest.engines.location import local_target_folder
+
+            parts = ("target", "drafter") if local_target_folder(cfg) is not None else ("drafter",)
+        schedule.check(serving_identity(cfg.target, drafter, parts=parts), path=path, fix=fix, parts=parts)
     if cfg.target.engine != "sglang":
         out = ServeSchedule(schedule, path, "hf", None, ["hf: each running batch's size picks its bucket's "
                                                          "configuration at every decoding step (off included)"])

@@ -86,29 +86,40 @@ def sglang_engine_identity(cfg: Any) -> dict[str, Any]:
             "extra_args": json.loads(json.dumps(sg.extra_args, sort_keys=True, default=str))}
 
 
-def serving_identity(target_cfg: Any, drafter_folder: str | Path) -> dict[str, Any]:
+def serving_identity(target_cfg: Any, drafter_folder: str | Path, *,
+                     parts: tuple[str, ...] = ("target", "drafter", "engine")) -> dict[str, Any]:
     """The identity a schedule records (tune) and serve recomputes: ``target_cfg`` is the ``target`` section.
 
-    A hub id that is not a local folder is identified by its name (pin a revision by downloading it)."""
+    A hub id that is not a local folder is identified by its name (pin a revision by downloading it). ``parts``:
+    only these (a serve driver on a CPU head node cannot describe the GPU engine)."""
     from eaglenest.engines.location import local_target_folder, resolve_target_path
 
-    folder = local_target_folder(target_cfg)
-    target = ({"path": str(folder), "fingerprint": folder_fingerprint(folder)} if folder is not None
-              else {"path": resolve_target_path(target_cfg), "fingerprint": "hub:" + resolve_target_path(target_cfg)})
-    engine = hf_engine_identity(target_cfg) if target_cfg.engine == "hf" else sglang_engine_identity(target_cfg)
-    return {"target": target,
-            "drafter": {"path": str(drafter_folder), "fingerprint": folder_fingerprint(drafter_folder)},
-            "engine": engine}
+    out: dict[str, Any] = {}
+    if "target" in parts:
+        folder = local_target_folder(target_cfg)
+        out["target"] = ({"path": str(folder), "fingerprint": folder_fingerprint(folder)} if folder is not None else
+                         {"path": resolve_target_path(target_cfg),
+                          "fingerprint": "hub:" + resolve_target_path(target_cfg)})
+    if "drafter" in parts:
+        out["drafter"] = {"path": str(drafter_folder), "fingerprint": folder_fingerprint(drafter_folder)}
+    if "engine" in parts:
+        out["engine"] = (hf_engine_identity(target_cfg) if target_cfg.engine == "hf"
+                         else sglang_engine_identity(target_cfg))
+    return out
 
 
 def identity_differences(recorded: dict[str, Any], current: dict[str, Any]) -> list[str]:
     """Human-readable differences that make a schedule stale (paths may differ: a copied folder is the same)."""
     out = []
     for part in ("target", "drafter"):
+        if part not in recorded and part not in current:
+            continue
         a, b = recorded.get(part, {}), current.get(part, {})
         if a.get("fingerprint") != b.get("fingerprint"):
             out.append(f"{part}: tuned on {a.get('path')} ({_short(a.get('fingerprint'))}), serving "
                        f"{b.get('path')} ({_short(b.get('fingerprint'))})")
+    if "engine" not in recorded and "engine" not in current:
+        return out
     ea, eb = recorded.get("engine", {}), current.get("engine", {})
     for key in sorted(set(ea) | set(eb)):
         if ea.get(key) != eb.get(key):

@@ -54,6 +54,10 @@ class OffPlan:
         return SpecConfig(num_steps=1, topk=1, num_draft_tokens=2)
 
     def sglang_plan(self, engine_kwargs: Mapping[str, Any] | None = None, **_: Any) -> SGLangPlan:
+        """An adaptive engine pinned to steps 0; where SGLang refuses adaptive mode, "off" is the plain engine."""
+        why = adaptive_refusal(engine_kwargs or {})
+        if why is not None:
+            return SGLangPlan("plain", notes=(f"speculation off is the plain engine here ({why})",))
         return SGLangPlan("adaptive", adaptive=AdaptiveSpec(((1, (0,)),), provenance="tune: speculation off"))
 
 
@@ -199,9 +203,12 @@ class Schedule:
         return single_choice([(b.options, b.noise) for b in inside], allow=allow)
 
     # ---- identity
-    def check(self, current: dict[str, Any], *, path: str | Path, fix: str) -> None:
-        """Refuse a schedule tuned on another target, drafter or engine (``fix``: the tune command to re-run)."""
-        diffs = identity_differences(self.identity, current)
+    def check(self, current: dict[str, Any], *, path: str | Path, fix: str,
+              parts: tuple[str, ...] = ("target", "drafter", "engine")) -> None:
+        """Refuse a schedule tuned on another target, drafter or engine (``fix``: the tune command to re-run);
+        ``parts``: what to compare (a driver without the serving GPU checks the files, the replica everything)."""
+        diffs = identity_differences({k: v for k, v in self.identity.items() if k in parts},
+                                     {k: v for k, v in current.items() if k in parts})
         if diffs:
             raise ScheduleError(f"schedule {path} is stale: it was tuned on something else:\n  - "
                                 + "\n  - ".join(diffs) + f"\nre-run the tune for what you serve: {fix}")

@@ -141,6 +141,10 @@ def test_a_stale_schedule_is_refused_naming_the_fix(tmp_path: Path):
         s.check(other, path="s.json", fix="eaglenest tune --config c.yaml")
     engine = {**recorded, "engine": {"engine": "sglang"}}
     assert identity_differences(recorded, engine) == ["engine engine: tuned with 'hf', serving with 'sglang'"]
+    # a serve driver on a CPU head node compares the files only; the replica compares the engine too
+    s.check({k: v for k, v in engine.items() if k != "engine"}, path="s.json", fix="x", parts=("target", "drafter"))
+    with pytest.raises(ScheduleError, match="engine engine"):
+        s.check(engine, path="s.json", fix="x")
 
 
 def test_adaptive_spec_routing_and_validation(tmp_path: Path):
