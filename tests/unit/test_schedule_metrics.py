@@ -55,14 +55,14 @@ def test_speedup_against_the_tuned_baseline_at_the_same_concurrency(monitor):
     assert monitor.baseline_tok_per_s(2) == pytest.approx(210.0), "log-linear between 1 and 4"
     t0 = time.perf_counter()
     monitor.observe((1, 3))
-    time.sleep(0.05)
+    time.sleep(0.25)  # long enough that a whole number of tokens is within 3% of the rate asked for
     t1 = time.perf_counter()
     # a lone request at 150 tok/s against the baseline's 100 per request at batch 1
     monitor.finished(t0, t1, 1 + round(150 * (t1 - t0)))
     assert monitor.value(contract.BUCKET_SPEEDUP, bucket="1") == pytest.approx(1.5, rel=0.05)
     t2 = time.perf_counter()
     monitor.observe((4, 0))
-    time.sleep(0.05)
+    time.sleep(0.25)
     t3 = time.perf_counter()
     assert monitor.mean_batch(t2, t3) == pytest.approx(4.0, rel=0.05)
     monitor.finished(t2, t3, 1 + round(72 * (t3 - t2)))  # 72 tok/s per request at batch 4: 0.9x of 320/4
