@@ -40,6 +40,12 @@
 # actor's start, so the fallback runs), E2E_DRAFT_SHAPE (llama | mla: the drafter's layer; mla for deepseek_v3 only).
 # A regen job that fails is submitted once more (e2e-regen-fallback) with the fallback config, resuming the same
 # folder, so the rest of the loop still runs; the summary says so.
+# E2E_TUNE=1 (issue 29, "never slower than no speculation"): after `serve`, three more steps (benchmarks/gpu_tune.py):
+# `eaglenest tune` on the served drafter (E2E_TUNE_BATCHES, default 1,2,4,...,256; E2E_TUNE_STEPS chains, default
+# 1,2,3,5; E2E_TUNE_TEMPERATURES, default 0), `eaglenest bench --schedule` (baseline, the chosen shapes and the
+# schedule side by side; checks >= 0.98x baseline everywhere, within 5% of the best static, >= 1.5x at batch 1) and a
+# served load ramp (E2E_RAMP_LEVELS 1..256, E2E_RAMP_STEP_S 20 s a level) against the same server without a drafter
+# (checks tok/s never 3% below, TTFT p99 never 10% worse). ~35 min more on the H200: see gpu_tune.py's docstring.
 #
 # E2E_ARCH=deepseek_v3 (default llama; set it on the phase1 command, the runner starts there): the stand-in is
 # `eaglenest standin-target --arch deepseek_v3` (docs/GPU_STANDIN.md), a DeepseekV3ForCausalLM (MLA, MoE with a shared
