@@ -6,9 +6,11 @@
     eaglenest bench ... --engine sglang                   # same command shape on SGLang (GPU)
     eaglenest bench ... --drafter llama=out/a/export --drafter mla=out/b/export   # two drafters, one baseline
     eaglenest bench --target tiny --drafter out/train/export --suite mt-bench,humaneval --num-prompts 16
+    eaglenest bench ... --batch-size 1,2,4,8 --schedule out/tune/schedule.json   # baseline, best static, schedule
 
 Prints tok/s, accept length and speedup per config, the best config, and says plainly when speculation loses.
-Writes ``bench.json``, ``bench.md`` and ``bench.png`` into the output folder. ``--fail-if-slower`` exits 1 when no
+Writes ``bench.json``, ``bench.md`` and ``bench.png`` into the output folder (``bench-bs<N>.*`` per batch size,
+and ``bench-sweep.*``: baseline, best static config and schedule side by side). ``--fail-if-slower`` exits 1 when no
 config beats the baseline (for scripts and CI).
 """
 
@@ -50,6 +52,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-drift-check", action="store_true",
                    help="SGLang: skip the baseline's second run after the sweep (saves an engine start)")
     p.add_argument("--fail-if-slower", action="store_true", help="exit 1 when speculation loses")
+    p.add_argument("--schedule", default=None,
+                   help="a tuned schedule (eaglenest tune's schedule.json) measured as one more variant, as serve "
+                        "applies it; default sweep: its candidates, default batch sizes: its measured ones")
 
 
 def parse_sweep(text: str):
@@ -113,8 +118,18 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"eaglenest bench: {e}", file=sys.stderr)
         return 2
+    schedule = None
+    if args.schedule:
+        try:
+            schedule, sweep, batch_sizes = _with_schedule(args, tc, drafters, sweep, batch_sizes)
+        except ValueError as e:
+            print(f"eaglenest bench: {e}", file=sys.stderr)
+            return 2
     common = {"max_new_tokens": args.max_new_tokens or bc.max_new_tokens, "repeats": args.repeats or bc.repeats,
               "batch_sizes": batch_sizes, "temperature": args.temperature}
+    whole = schedule is not None or max(batch_sizes) > len(records)  # every batch size runs whole batches
+    if schedule is not None:
+        common["plans"] = {"schedule": schedule}
     if tc.engine == "hf":
         if args.ceiling:
             print("eaglenest bench: --ceiling needs --engine sglang (it uses SGLang's acceptance simulation)",
@@ -124,10 +139,12 @@ def run(args: argparse.Namespace) -> int:
 
         engine = HFEngine.from_config(tc)
         prompts = _prompt_list(engine, records, common["max_new_tokens"])
-        reports = run_bench_batches(engine, drafter, prompts, sweep, engine="hf", **common)
+        reports = run_bench_batches(engine, drafter, prompts, sweep, engine="hf", **common,
+                                    prompts_for=_whole_batches(prompts) if whole else None)
     else:
         reports = _run_sglang(tc, drafter, records, sweep,
-                              {**common, "ceiling": args.ceiling, "drift_check": not args.no_drift_check})
+                              {**common, "ceiling": args.ceiling, "drift_check": not args.no_drift_check},
+                              expected=(1, max(batch_sizes)), whole=whole)
     out_dir = args.output or cfg.resolve(bc.output)
     wins = True
     for report in reports:
@@ -147,6 +164,8 @@ def run(args: argparse.Namespace) -> int:
         if not report["speculation_wins"]:
             print(f"batch {report['batch_size']}: {report['verdict']}", file=sys.stderr)
             wins = False
+    if len(reports) > 1:
+        _write_sweep(reports, Path(out_dir) if out_dir else None)
     if not wins and args.fail_if_slower:
         return 1
     return 0
@@ -201,18 +220,75 @@ def _prompt_list(engine, records: list[dict], max_new_tokens: int) -> list[list[
     return conversation_prompts(records, answers, ids_of)
 
 
-def _run_sglang(tc, drafter, records, sweep, common):
-    """SGLang integration point: one checked ``SGLangEngine`` per variant (eaglenest.engines.sglang.engine)."""
+def sglang_factory(tc, expected: tuple[int, int] = (1, 256)):
+    """SGLang integration point: one checked ``SGLangEngine`` per variant (eaglenest.engines.sglang.engine).
+
+    ``factory(spec, drafter)``: the plain engine (``spec`` None) or one static shape; ``factory(None, drafter,
+    plan=...)``: a step plan (a tuned schedule, or "off") launched as serve launches it (``plan.sglang_plan``)."""
+    from eaglenest.engines.sglang.engine import SGLangEngine
+
+    def factory(spec, drafter_dir, plan=None):
+        if plan is not None:
+            launch = plan.sglang_plan(tc.sglang.extra_args, expected=expected, provenance="eaglenest bench/tune")
+            for note in launch.notes:
+                print(f"eaglenest: {note}", file=sys.stderr)
+            if launch.mode == "plain":
+                return SGLangEngine(tc)
+            return SGLangEngine.speculative(tc, str(drafter_dir), launch.spec, adaptive=launch.adaptive)
+        return SGLangEngine(tc) if spec is None else SGLangEngine.speculative(tc, str(drafter_dir), spec)
+
+    return factory
+
+
+def _run_sglang(tc, drafter, records, sweep, common, *, expected: tuple[int, int] = (1, 256), whole: bool = False):
     from eaglenest.engines.sglang.engine import SGLangEngine
     from eaglenest.speculative.bench import run_bench_batches
     from eaglenest.speculative.evaluate import prompt_ids
-
-    def factory(spec, drafter_dir):
-        return SGLangEngine(tc) if spec is None else SGLangEngine.speculative(tc, str(drafter_dir), spec)
 
     probe = SGLangEngine(tc)  # tokenizer + chat template only; the engine itself starts lazily
     if any(r.get("followups") for r in records):
         print("eaglenest bench: on sglang the suites' first turns only (later turns need the target's answers; "
               "eaglenest eval --suite asks them)", file=sys.stderr)
     prompts = [prompt_ids(probe.tokenizer, r) for r in records]
-    return run_bench_batches(None, drafter, prompts, sweep, engine="sglang", sglang_factory=factory, **common)
+    return run_bench_batches(None, drafter, prompts, sweep, engine="sglang",
+                             sglang_factory=sglang_factory(tc, expected),
+                             prompts_for=_whole_batches(prompts) if whole else None, **common)
+
+
+def _whole_batches(prompts):
+    """At each batch size, whole batches over at least the given prompts (cycled): batch 256 runs 256 at once."""
+    from eaglenest.speculative.tune import prompts_for
+
+    return lambda bs: prompts_for(prompts, bs, len(prompts))
+
+
+def _with_schedule(args, tc, drafters, sweep, batch_sizes):
+    """The schedule (checked against this target, drafter and engine), and the sweep and batch sizes it implies
+    unless given: its candidates, its measured batch sizes."""
+    from eaglenest.speculative.identity import serving_identity
+    from eaglenest.speculative.schedule import Schedule
+
+    if list(drafters) != [None]:
+        raise ValueError("--schedule is measured on the drafter it was tuned for: give one --drafter")
+    schedule = Schedule.load(args.schedule)
+    schedule.check(serving_identity(tc, drafters[None]), path=args.schedule,
+                   fix=f"eaglenest tune --config {args.config} --drafter {drafters[None]}")
+    if not args.sweep and schedule.settings.get("candidates"):
+        sweep = parse_sweep(",".join(schedule.settings["candidates"]))
+    if not args.batch_size:
+        batch_sizes = [b.max_batch for b in schedule.buckets if b.measured]
+    return schedule, sweep, batch_sizes
+
+
+def _write_sweep(reports, out: Path | None) -> None:
+    """Baseline, best static config and the schedule side by side over the batch sizes (printed; files in out)."""
+    from eaglenest.speculative.bench_report import plot_sweep, sweep_markdown, sweep_summary
+
+    summary = sweep_summary(reports)
+    print(sweep_markdown(summary))
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "bench-sweep.json").write_text(json.dumps(summary, indent=2) + "\n")
+        (out / "bench-sweep.md").write_text(sweep_markdown(summary))
+        plot_sweep(summary, out / "bench-sweep.png")
+        print(f"wrote {out / 'bench-sweep'}.json, .md, .png")

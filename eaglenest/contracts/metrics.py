@@ -93,6 +93,31 @@ SERVE = (SERVE_REQUESTS, SERVE_TTFT, SERVE_QUEUE, SERVE_ITL, SERVE_GENERATED_TOK
          SERVE_ACCEPT_LENGTH_CURRENT, SERVE_DRAFT_PROPOSED, SERVE_DRAFT_ACCEPTED, SERVE_SPEEDUP, SERVE_HEALTHY,
          SERVE_TOKENS_PER_SECOND)
 
+# ---------------------------------------------------------------------------------------- serve: tuned schedule
+# A replica serving a tuned schedule (serve.schedule) publishes what the schedule says per batch bucket (bucket:
+# "1", "3-4", "257+"), which bucket the live batch is in, what runs now, and how fast requests in each bucket decode
+# against the tuned baseline there. The slower-than-baseline alert reads these when they exist.
+_BUCKET = ("model", "bucket")
+SCHEDULE_NUM_STEPS = Metric("eaglenest_serve_schedule_num_steps", "gauge",
+                            "num_steps the tuned schedule applies in the bucket (0 = speculation off)", _BUCKET)
+SCHEDULE_TUNED_TPS = Metric("eaglenest_serve_schedule_tuned_tokens_per_second", "gauge",
+                            "tok/s tune measured at the bucket's top batch size: variant baseline (no drafter) or "
+                            "schedule (what the bucket runs)", ("model", "bucket", "variant"))
+SCHEDULE_TOLERANCE = Metric("eaglenest_serve_schedule_tolerance", "gauge",
+                            "the bucket's measurement noise (fraction): slower than the baseline by more is a loss",
+                            _BUCKET)
+LIVE_BATCH_SIZE = Metric("eaglenest_serve_live_batch_size", "gauge",
+                         "requests decoding together now (hf: the running batch; sglang: requests in flight)", _MODEL)
+LIVE_NUM_STEPS = Metric("eaglenest_serve_live_num_steps", "gauge",
+                        "num_steps of the latest decoding step (0 = speculation off)", _MODEL)
+BUCKET_ACTIVE = Metric("eaglenest_serve_bucket_active", "gauge", "1 for the bucket of the live batch size, else 0",
+                       _BUCKET)
+BUCKET_SPEEDUP = Metric("eaglenest_serve_bucket_speedup_vs_tuned_baseline", "gauge",
+                        "decode tok/s per request in the bucket over the tuned baseline's per-request tok/s at the "
+                        "same concurrency (moving average)", _BUCKET)
+SERVE_SCHEDULE = (SCHEDULE_NUM_STEPS, SCHEDULE_TUNED_TPS, SCHEDULE_TOLERANCE, LIVE_BATCH_SIZE, LIVE_NUM_STEPS,
+                  BUCKET_ACTIVE, BUCKET_SPEEDUP)
+
 # --------------------------------------------------------------------------------------------------------- regen
 REGEN_SAMPLES_DONE = Metric("eaglenest_regen_samples_done", "counter", "regen samples written to shards", ("source",))
 REGEN_SAMPLES_QUARANTINED = Metric("eaglenest_regen_samples_quarantined", "counter", "regen samples quarantined",
@@ -114,7 +139,7 @@ TRAIN_LOSS_NONFINITE = Metric("eaglenest_train_loss_nonfinite_total", "counter",
                               "training steps skipped for a non-finite loss", _RUN)
 TRAIN = (TRAIN_LOSS, TRAIN_ACC0, TRAIN_SIM_ACCEPT_LENGTH, TRAIN_LOSS_NONFINITE)
 
-ALL: tuple[Metric, ...] = SERVE + REGEN + TRAIN
+ALL: tuple[Metric, ...] = SERVE + SERVE_SCHEDULE + REGEN + TRAIN
 """every metric eaglenest emits"""
 
 RAY_SERIES_USED = ("ray_serve_num_http_requests_total", "ray_serve_num_http_error_requests_total",
@@ -127,5 +152,5 @@ def exported_series() -> frozenset[str]:
     return frozenset(s for m in ALL for s in m.exported()) | frozenset(RAY_SERIES_USED)
 
 
-__all__ = ["ALL", "REGEN", "SERVE", "TRAIN", "RAY_SERIES_USED", "Metric", "accept_length", "exported_series",
-           "ray_metric"]
+__all__ = ["ALL", "REGEN", "SERVE", "SERVE_SCHEDULE", "TRAIN", "RAY_SERIES_USED", "Metric", "accept_length",
+           "exported_series", "ray_metric"]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import sys
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -163,6 +164,15 @@ def run(args: argparse.Namespace) -> int:
     from eaglenest.serve.supervise import exit_now, is_child, job_stop_warning, parent_gone, supervise
 
     cfg = load_config(args.config)
+    if cfg.serve.schedule and not is_child():  # a stale schedule is refused before Ray or an engine starts
+        from eaglenest.serve.schedule import prepare_schedule
+        from eaglenest.speculative.schedule import ScheduleError
+
+        try:
+            prepare_schedule(cfg, args.drafter or cfg.resolve(cfg.serve.drafter), driver=True)
+        except ScheduleError as e:
+            print(f"eaglenest serve: {e}", file=sys.stderr, flush=True)
+            return 2
     if not is_child() and running_cluster_address() is None:
         # the Ray we start must not share our process group: a group SIGTERM would kill it before the drain
         return supervise(_argv(args), cfg.serve.drain_timeout_s)

@@ -30,6 +30,7 @@ from eaglenest.serve.jobs import BackendBase, DecodeEvent, Job, SpecStats
 from eaglenest.serve.logprobs import TokenText
 from eaglenest.serve.metrics import NullMetrics, RequestStats, ServeMetrics
 from eaglenest.serve.openai_protocol import APIError, SamplingRequest, SpecUsage, Usage, error_body, now
+from eaglenest.serve.schedule import log_schedule, prepare_schedule
 from eaglenest.serve.selftest import SelfTest, run_self_test
 from eaglenest.serve.text import StreamText
 from eaglenest.serve.vllm_metrics import SpecCounters
@@ -92,6 +93,9 @@ class ServerCore:
             folder = local_target_folder(cfg)
             if folder is not None:
                 self.preflight = preflight_for_config(cfg, drafter, folder=folder).raise_for_failures()
+        self.schedule = prepare_schedule(cfg, drafter)  # a stale one is refused before any engine starts
+        if self.schedule is not None:
+            log_schedule(self.schedule)
         self.backend: BackendBase = make_backend(cfg, drafter)
         if drafter is not None and self.preflight is None:
             try:
@@ -104,14 +108,27 @@ class ServerCore:
                                                      reasoning_markers=s.reasoning_markers)
         self.token_text = TokenText(self.backend.tokenizer)
         self.spec_counters = SpecCounters(self.model_name, speculative=self.backend.speculative,
-                                          positions=cfg.serve.spec.num_steps)
+                                          positions=cfg.serve.spec.num_steps if self.schedule is None
+                                          else self.schedule.schedule.largest_spec().num_steps)
+        self.live = None
+        if self.schedule is not None:
+            from eaglenest.serve.schedule_metrics import ScheduleMonitor
+
+            self.live = ScheduleMonitor(self.model_name, self.schedule.schedule, applied=self.schedule.applied,
+                                        inflight=lambda: self.inflight, from_events=self.schedule.engine == "hf",
+                                        use_ray=use_ray_metrics)
         """vLLM's spec-decode counters (serve.vllm_metrics); the deployment points them at its app's store"""
         self.run_self_test()
 
     # ---- health
     def run_self_test(self) -> SelfTest:
         """Decode the fixed prompts; pooled accept length below the minimum marks the replica unhealthy."""
-        result = run_self_test(self.backend, self.cfg.serve.self_test_min_accept_length)
+        minimum, alone = self.cfg.serve.self_test_min_accept_length, False
+        if self.schedule is not None:  # the drafter is tested where the schedule drafts: one request at a time
+            alone = True
+            if self.schedule.applied(self.schedule.schedule.bucket_for(1)).off:
+                minimum = 1.0  # the schedule never drafts alone: there is no accept length to require
+        result = run_self_test(self.backend, minimum, one_at_a_time=alone)
         self.self_test = result
         self.unhealthy_reason = None if result.ok else result.message
         self.metrics.set_healthy(result.ok)
@@ -132,6 +149,7 @@ class ServerCore:
             "speculative": self.backend.speculative, "algorithm": self.backend.algorithm,
             "drafter": self.drafter, "inflight": self.inflight,
             "self_test": self.self_test.to_dict() if self.self_test else None,
+            "schedule": None if self.schedule is None else {**self.schedule.health(), "live": self.live.live()},
         }
         if self.healthy:
             return 200, {"status": "ok", **info}
@@ -194,6 +212,8 @@ class ServerCore:
         signalled = [False]
 
         def sink(ev: DecodeEvent) -> None:  # decoder thread
+            if ev.mode is not None and self.live is not None:
+                self.live.observe(ev.mode)
             buf.append(ev)
             if (stream or ev.final) and not signalled[0]:
                 signalled[0] = True
@@ -281,6 +301,8 @@ class ServerCore:
             accepted_tokens=out.stats.accepted_tokens, speculative=self.backend.speculative,
             verify_steps=out.stats.verify_steps))
         self.spec_counters.record(out.stats)
+        if self.live is not None:
+            self.live.finished(out.first_token_at, out.last_token_at, out.completion_tokens)
 
     # ---- lifecycle
     def begin_drain(self, timeout: float | None = None) -> None:
@@ -298,4 +320,6 @@ class ServerCore:
         while self.inflight and time.monotonic() < until:
             time.sleep(0.05)
         self.drain.cancel()
+        if self.live is not None:
+            self.live.stop()
         self.backend.close()

@@ -206,5 +206,9 @@ def make_app(cfg: EaglenestConfig, drafter: str | None = None, *, check: bool = 
         folder = local_target_folder(cfg)
         if folder is not None:  # remote targets are checked by the replica once loaded
             preflight_for_config(cfg, drafter, folder=folder).raise_for_failures()
+    if check:  # a stale schedule is refused before anything is deployed (the replica checks again)
+        from eaglenest.serve.schedule import prepare_schedule
+
+        prepare_schedule(cfg, drafter, driver=True)
     api_key = resolve_api_key(cfg.serve.api_key)
     return EaglenestDeployment.options(**deployment_options(cfg)).bind(cfg.model_dump(), drafter, api_key)
