@@ -22,8 +22,9 @@ the weights' ``TBackward0`` nodes; K - 1 weight-sized bf16 sums per weight and s
 bf16 copy of each weight all K steps read).
 
 Times: on CUDA the device time of the kernels each op launched (GPU user-annotation spans dropped, so nothing is
-counted twice, nor the runtime's "Command Buffer Full" stall markers); ``idle`` is the step's wall time not covered by kernels (the GPU waiting on the host). On the CPU
-each op's self CPU time; ``idle`` is then time outside any recorded op (Python between ops).
+counted twice, nor the runtime's "Command Buffer Full" stall markers); ``idle`` is the step's wall time not covered by
+kernels (the GPU waiting on the host). On the CPU each op's self CPU time; ``idle`` is then time outside any recorded
+op (Python between ops).
 """
 
 from __future__ import annotations

@@ -3,13 +3,14 @@
 ``models/kimi_k25_eagle3.py``).
 
 ``config.json`` + ``model.safetensors`` + ``eaglenest_drafter.json`` (the sidecar: the physical layer ids the drafter
-was trained on, the target, the drafter config) + ``README.md`` (how to launch it in each engine, ``serving.py``).
-Aux layer ids in config.json are written in each serving engine's convention (``eaglenest.contracts.layers``) under
-the key that engine reads (``engine_ids.py``): SGLang reads ``eagle_config``'s and applies its rule for the target's
-architecture (Llama: +1, so it gets physical - 1 there); vLLM reads the top-level key as physical ids. The default format (``both``) writes both, so one folder loads
-right in either engine. The sidecar lets every eaglenest reader translate back and cross-check. Unknown tensor names
-are silently dropped by SGLang, so the writer refuses a missing tensor or a shape that does not fit the config before
-writing anything, and every reader of an export goes through :func:`read_drafter` / :func:`read_export_config`.
+was trained on, the target, the drafter config) + ``README.md`` (how to launch it in each engine, ``serving.py``). Aux
+layer ids in config.json are written in each serving engine's convention (``eaglenest.contracts.layers``) under the
+key that engine reads (``engine_ids.py``): SGLang reads ``eagle_config``'s and applies its rule for the target's
+architecture (Llama: +1, so it gets physical - 1 there); vLLM reads the top-level key as physical ids. The default
+format (``both``) writes both, so one folder loads right in either engine. The sidecar lets every eaglenest reader
+translate back and cross-check. Unknown tensor names are silently dropped by SGLang, so the writer refuses a missing
+tensor or a shape that does not fit the config before writing anything, and every reader of an export goes through
+:func:`read_drafter` / :func:`read_export_config`.
 
 The two shapes differ in ``config.json`` (MLA: ``model_type: deepseek_v3``, the transformers config class SGLang and
 vLLM both read, with the MLA ranks) and in the attention tensors. SGLang's MLA loader maps a name by prefixing
