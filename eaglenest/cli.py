@@ -22,6 +22,8 @@ SUBCOMMANDS: dict[str, tuple[str, str, str, str]] = {
               "export a drafter checkpoint for SGLang / vLLM"),
     "eval": ("eaglenest.drafter.eval_cli", "add_arguments", "run", "accept length of a drafter on held-out prompts"),
     "bench": ("eaglenest.bench_cli", "add_arguments", "run", "speculative vs baseline throughput, with a sweep"),
+    "tune": ("eaglenest.tune_cli", "add_arguments", "run",
+             "measure speculation vs the baseline per batch size and write a schedule (bucket -> config, or off)"),
     "preflight": ("eaglenest.preflight_cli", "add_arguments", "run",
                  "check a target + drafter + algorithm before serving"),
     "serve": ("eaglenest.serve.cli", "add_arguments", "run",

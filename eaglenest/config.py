@@ -294,6 +294,31 @@ class BenchConfig(Section):
     sweep: list[SpecConfig] = Field(default_factory=lambda: [SpecConfig()])
 
 
+class TuneConfig(Section):
+    """``eaglenest tune``: what is measured to build a schedule (batch bucket -> speculative config; flags override)."""
+
+    prompts: str | None = Field(None, description="held-out prompts JSONL (default: bench.prompts)")
+    drafter: str | None = Field(None, description="drafter export folder (default: bench.drafter, serve.drafter)")
+    batch_sizes: list[int] = Field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64, 128, 256], description="each "
+                                   "is a bucket's top (SGLang: keep them CUDA-graph batch sizes, e.g. powers of 2)")
+    steps: list[int] = Field(default_factory=lambda: [1, 2, 3, 4, 5, 6, 7], description="chain candidates (topk 1); "
+                             "'off' is always measured")
+    trees: list[SpecConfig] = Field(default_factory=list, description="topk > 1 shapes to measure too")
+    temperatures: list[float] = Field(default_factory=lambda: [0.0, 0.7], description="a choice must hold at each")
+    repeats: int = Field(3, ge=2, description="rounds per measurement; their spread is the noise")
+    max_new_tokens: int = Field(64, ge=4)
+    num_prompts: int = Field(16, ge=1, description="prompts per measurement at least (whole batches; file cycled)")
+    noise_floor: float = Field(0.01, ge=0, lt=0.5, description="smallest relative difference treated as real")
+    output: str | None = Field(None, description="folder for measurements.jsonl, schedule.json, schedule.png")
+
+    @field_validator("batch_sizes", "steps")
+    @classmethod
+    def _distinct_positive(cls, v: list[int]) -> list[int]:
+        if not v or min(v) < 1 or len(set(v)) != len(v):
+            raise ValueError(f"must list distinct positive integers, got {v}")
+        return sorted(v)
+
+
 # ----------------------------------------------------------------------------------------------------------- serve
 class TrafficLogConfig(Section):
     """Sampled requests and answers written as a native regen source (off until ``path`` is set; docs/OPERATIONS.md,
@@ -315,6 +340,11 @@ class ServeConfig(Section):
     drafter: str | None = Field(None, description="exported drafter folder")
     api_key: str | None = Field(None, description="Bearer token; env EAGLENEST_API_KEY also works")
     spec: SpecConfig = Field(default_factory=SpecConfig)
+    schedule: str | None = Field(None, description="eaglenest tune's schedule.json: the live batch size picks the "
+                                 "bucket's config (off included), replacing serve.spec; refused if tuned elsewhere")
+    expected_batch_size: list[int] | None = Field(None, min_length=2, max_length=2, description="[lo, hi] requests "
+                                                  "expected; SGLang without adaptive mode serves one config safe "
+                                                  "over it (default [1, max_concurrent_requests])")
     max_concurrent_requests: int = Field(64, ge=1)
     max_prompt_tokens: int = Field(1536, ge=1)
     max_tokens_limit: int = Field(512, ge=1)
@@ -357,6 +387,13 @@ class ServeConfig(Section):
                                               "they are parsed"
     )
     traffic_log: TrafficLogConfig = Field(default_factory=TrafficLogConfig)
+    health_details_public: bool = Field(
+        False, description="with api_key set, /health shows callers without the key its whole body (model, target, "
+                           "drafter folder, self-test) instead of only its status"
+    )
+    docs_public: bool = Field(
+        False, description="with api_key set, /docs and /openapi.json answer callers without the key (off: 401)"
+    )
 
 
 # ------------------------------------------------------------------------------------------------------------ plan
@@ -381,6 +418,7 @@ class EaglenestConfig(Section):
     regen: RegenConfig = Field(default_factory=RegenConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     bench: BenchConfig = Field(default_factory=BenchConfig)
+    tune: TuneConfig = Field(default_factory=TuneConfig)
     serve: ServeConfig = Field(default_factory=ServeConfig)
     plan: PlanConfig = Field(default_factory=PlanConfig)
     flywheel: dict[str, Any] = Field(default_factory=dict, description="eaglenest flywheel / promote (validated "

@@ -15,8 +15,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter", required=True, help="exported drafter folder (config.json + safetensors)")
     p.add_argument("--algorithm", choices=engine_algorithm_names(), default=None,
                    help="speculative algorithm to check; default: derived from the drafter checkpoint")
-    p.add_argument("--engine", choices=["hf", "sglang"], default="hf",
-                   help="serving engine whose layer-id convention applies (default hf)")
+    p.add_argument("--engine", choices=["hf", "sglang", "vllm"], default="hf",
+                   help="serving engine whose layer-id convention and loader apply (default hf, the reference "
+                        "decoder); vllm also checks what vLLM's loader accepts and prints its speculative_config")
     p.add_argument("--context-length", type=int, default=None,
                    help="serving context length, when smaller than the target's max_position_embeddings")
     p.add_argument("--json", action="store_true", help="print the report as JSON")

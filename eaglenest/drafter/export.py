@@ -14,7 +14,7 @@ from typing import Any
 from eaglenest.contracts.target import TargetSpec
 from eaglenest.drafter.checkpoint import find_latest_checkpoint, load_training_checkpoint
 from eaglenest.drafters.eagle3.config import DrafterModelConfig
-from eaglenest.drafters.eagle3.format import ExportError, Format, write_export
+from eaglenest.drafters.eagle3.format import DEFAULT_FORMAT, ExportError, Format, write_export
 from eaglenest.drafters.eagle3.model import Eagle3Drafter
 
 __all__ = ["ExportError", "export_checkpoint", "export_drafter", "export_tensors"]
@@ -27,7 +27,7 @@ def export_drafter(
     drafter: Eagle3Drafter,
     output_dir: str | Path,
     *,
-    fmt: Format = "sglang",
+    fmt: Format = DEFAULT_FORMAT,
     dtype: str = "bfloat16",
     include_embedding: bool = True,
     extra_sidecar: dict[str, Any] | None = None,
@@ -41,7 +41,7 @@ def export_checkpoint(
     checkpoint: str | Path,
     output_dir: str | Path,
     *,
-    fmt: Format = "sglang",
+    fmt: Format = DEFAULT_FORMAT,
     dtype: str = "bfloat16",
     include_embedding: bool = True,
 ) -> Path:

@@ -32,8 +32,22 @@ class TrainState:
     step: int = 0
     epoch: int = 0
     epoch_batches: int = 0
-    """batches of the current epoch already trained on (skipped when a resumed run replays the epoch)"""
+    """batches of the current epoch already trained on by each worker (skipped when a resumed run replays the
+    epoch)"""
     nonfinite_steps: int = 0
+    world: int = 1
+    """training workers when the state was saved: a run resumed with another count rescales ``epoch_batches``"""
+
+    def rescale_world(self, world: int) -> int | None:
+        """Resume with ``world`` workers: keep the current epoch's position in samples (each of ``self.world``
+        workers trained ``epoch_batches`` batches: the new workers skip as many batches between them, rounded up, so
+        no sample is seen twice in the epoch for want of a batch). Returns the saved position when it changed."""
+        if world == self.world:
+            return None
+        before = self.epoch_batches
+        self.epoch_batches = -(-before * self.world // world)
+        self.world = world
+        return before
 
     def restore(self, saved: dict[str, Any]) -> None:
         for k, v in asdict(self).items():

@@ -109,7 +109,7 @@ class Worker:
                            optimizer=self.optimizer, scheduler=self.scheduler, device=device, dtype=compute_dtype,
                            world=self.world)
         self.reporter = Reporter(self.out, tc.run_name, self.total_steps, enabled=self.rank == 0)
-        self.state = TrainState()
+        self.state = TrainState(world=self.world)
         self._resume(ckpt)
 
     # ------------------------------------------------------------------------------------------------- the run
@@ -230,11 +230,19 @@ class Worker:
             self.reporter.truncate_after(-1)
             return
         restore(ckpt, self.drafter, self.optimizer, self.scheduler)
-        self.state.restore(ckpt.state)
+        self.state.restore({"world": 1, **ckpt.state})  # checkpoints from before the field: one worker
+        saved_world = self.state.world
+        rescaled_from = self.state.rescale_world(self.world)
         self.reporter.truncate_after(self.state.step)
         if self.rank != 0:
             return
+        if rescaled_from is not None:
+            log(f"resumed with {self.world} worker(s) from a checkpoint of {saved_world}: this epoch's position "
+                f"{rescaled_from} batches per worker becomes {self.state.epoch_batches} (the same samples); the "
+                f"run is re-planned for {self.world} worker(s): {self.total_steps} steps in all")
         record = {
+            "world_size_checkpoint": saved_world, "world_size_run": self.world,
+            "epoch_batches_checkpoint": rescaled_from if rescaled_from is not None else self.state.epoch_batches,
             "resumed_from_step": self.state.step, "checkpoint": str(ckpt.path), "epoch": self.state.epoch,
             "epoch_batches": self.state.epoch_batches,
             "optimizer_fingerprint_checkpoint": ckpt.state.get("optimizer_fingerprint"),

@@ -16,25 +16,19 @@ from pathlib import Path
 from typing import Any, Literal
 
 from eaglenest.config import EaglenestConfig
-from eaglenest.contracts.layers import (
-    LayerIdError,
-    default_aux_layer_ids,
-    engine_captured_layers,
-    engine_layer_ids,
-    validate_aux_layer_ids,
-)
 from eaglenest.contracts.target import TargetSpec
 from eaglenest.drafters.eagle3.format import (
-    SIDECAR,
     DrafterExport,
     DrafterFormatError,
     read_drafter,
     vocab_mapping_problems,
 )
+from eaglenest.drafters.engine_checks import check_layers, check_vllm_launch
 from eaglenest.drafters.registry import ALGORITHMS, algorithm_for_architecture
 from eaglenest.drafters.shape_checks import check_draft_shape, check_shape_structure, check_tensors
 
-Engine = Literal["hf", "sglang"]
+Engine = Literal["hf", "sglang", "vllm"]
+ENGINES = ("hf", "sglang", "vllm")
 EMBED_SAMPLE_ROWS = 16
 
 
@@ -177,8 +171,9 @@ def run_preflight(
     drafter_name = drafter.path if isinstance(drafter, DrafterExport) else str(drafter)
     report = PreflightReport(target=str(target.path if isinstance(target, TargetSpec) else target),
                              drafter=drafter_name, engine=engine, algorithm=algorithm)
-    if engine not in ("hf", "sglang"):
-        report.add("engine", False, f"unknown engine {engine!r}", "use --engine hf (CPU reference) or sglang (GPU)")
+    if engine not in ENGINES:
+        report.add("engine", False, f"unknown engine {engine!r}",
+                   "use --engine hf (CPU reference), sglang or vllm")
         return report
 
     # -- inputs: each unreadable input is one failed check, and nothing depending on it runs
@@ -213,7 +208,9 @@ def run_preflight(
         return report
     check_draft_shape(report, d, t)
     _check_target_match(report, d, t)
-    _check_layers(report, d, t, engine, expected_physical_ids)
+    check_layers(report, d, t, engine, expected_physical_ids)
+    if engine == "vllm":
+        check_vllm_launch(report, d)
     _check_hidden(report, d, t)
     _check_vocab(report, d, t)
     _check_context(report, d, t, engine)
@@ -264,75 +261,6 @@ def _check_target_match(report: PreflightReport, d: DrafterExport, t: TargetSpec
                f"the drafter was trained on target {recorded}: " + "; ".join(problems) if problems
                else f"shape of the trained target ({recorded}) matches",
                "serve the drafter with the target it was trained on, or train a drafter for this target")
-
-
-def _check_layers(report: PreflightReport, d: DrafterExport, t: TargetSpec, engine: str,
-                  expected_physical_ids: Sequence[int] | None) -> None:
-    config_ids = d.config_layer_ids
-    physical, where = d.recorded_physical_ids()
-    if physical is None and expected_physical_ids is not None:
-        physical, where = [int(i) for i in expected_physical_ids], "target.aux_layer_ids"
-    n = t.num_layers
-    if engine == "hf":
-        # the reference decoder taps transformers' hidden_states with the physical ids the drafter was trained on
-        if physical is None and config_ids is not None:
-            physical = engine_captured_layers(config_ids, engine="sglang", architecture=t.architecture, num_layers=n)
-            where = "config.json eagle_config read as SGLang ids"
-        if physical is None:
-            report.add("aux_layer_ids", False, f"the drafter records no aux layer ids (no {SIDECAR}, no eagle_config)",
-                       "re-export the drafter with eaglenest.drafter.export (it writes both)")
-            return
-        try:
-            validate_aux_layer_ids(physical, n)
-            report.add("aux_layer_ids", True, f"physical ids {physical} ({where}) fit the {n}-layer target")
-        except LayerIdError as e:
-            report.add("aux_layer_ids", False, f"physical ids {physical} ({where}): {e}",
-                       f"train the drafter on this target's layers (default {_default(n)}) or serve it with the "
-                       f"target it was trained on")
-        return
-    # sglang: check what SGLang 0.5.14 will really capture from the config ids, by target architecture
-    arch = t.arch
-    rule = "adds 1 only when the first id is 1" if arch.sglang_rule == "first_id" else "adds 1 to every id"
-    captured = engine_captured_layers(config_ids, engine="sglang", architecture=t.architecture, num_layers=n)
-
-    def ids_fix() -> str:
-        try:
-            validate_aux_layer_ids(physical or [], n)
-        except LayerIdError:  # no config ids can give layers this target does not have (or 2 instead of 3)
-            return (f"train a drafter on 3 layers of this target (default {_default(n)}), or serve this one with the "
-                    f"target it was trained on (layers {physical}, {where})")
-        try:
-            ids = engine_layer_ids(physical or [], engine="sglang", architecture=t.architecture, num_layers=n)
-        except LayerIdError:
-            return "re-export the drafter for this target with eaglenest export"
-        return (f"re-export the drafter with eaglenest export (it writes the ids for this target's architecture), "
-                f"or write eagle_aux_hidden_state_layer_ids: {ids} in the drafter's config.json")
-
-    try:
-        validate_aux_layer_ids(captured, n)
-    except LayerIdError as e:
-        fix = ids_fix() if physical is not None else "re-export the drafter against this target with eaglenest export"
-        report.add("aux_layer_ids", False, f"SGLang ({t.architecture}: {rule}) would capture layers {captured} from "
-                                           f"eagle_aux_hidden_state_layer_ids {config_ids}: {e}", fix)
-        return
-    if physical is None:
-        report.add("aux_layer_ids", False, f"SGLang would capture physical layers {captured}, but the layers the "
-                                           f"drafter was trained on are unknown (no {SIDECAR})",
-                   "re-export the drafter with eaglenest export (it records the physical ids), or give "
-                   "them (target.aux_layer_ids)")
-        return
-    if list(physical) != captured:
-        report.add("aux_layer_ids", False,
-                   f"SGLang 0.5.14 ({t.architecture}: {rule}) would capture physical layers {captured} from "
-                   f"eagle_aux_hidden_state_layer_ids {config_ids}, but the drafter was trained on {physical}",
-                   ids_fix())
-        return
-    report.add("aux_layer_ids", True, f"SGLang captures physical layers {captured} from config ids {config_ids} "
-                                      f"({rule}), as trained ({where})")
-
-
-def _default(n: int) -> list[int] | str:
-    return default_aux_layer_ids(n) if n >= 4 else "none (fewer than 4 layers)"
 
 
 def _check_hidden(report: PreflightReport, d: DrafterExport, t: TargetSpec) -> None:

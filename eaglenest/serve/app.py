@@ -4,7 +4,8 @@ The application is split by job: :mod:`~eaglenest.serve.deployment` (Ray Serve d
 ``make_app``), :mod:`~eaglenest.serve.routes` (HTTP handlers), :mod:`~eaglenest.serve.core` (one replica's state:
 preflight, backend, health, generation), :mod:`~eaglenest.serve.gates` (API key, model, prompt size, admission 429),
 :mod:`~eaglenest.serve.sse` (event-stream framing), :mod:`~eaglenest.serve.selftest` (start-up accept-length check),
-:mod:`~eaglenest.serve.drain` (graceful shutdown) and :mod:`~eaglenest.serve.metrics`.
+:mod:`~eaglenest.serve.drain` (graceful shutdown), :mod:`~eaglenest.serve.metrics`, :mod:`~eaglenest.serve.arrival`
+(the proxy's arrival stamp, where TTFT starts) and :mod:`~eaglenest.serve.openapi_doc` (the served document).
 """
 
 from __future__ import annotations

@@ -244,6 +244,7 @@ class _HFGroup:
         from eaglenest.serve.continuous import ContinuousBatch
 
         self.per_step = decoder.per_step
+        self.dec = decoder.dec
         self.batch = ContinuousBatch(decoder.dec, sampling, self._chunk)
         self.jobs: dict[int, Job] = {}
 
@@ -268,12 +269,12 @@ class _HFGroup:
         stats = None
         if chunk.result is not None:
             r = chunk.result
-            stats = SpecStats(verify_steps=r.draft_steps, draft_tokens=r.draft_steps * self.per_step,
+            stats = SpecStats(verify_steps=r.draft_steps, draft_tokens=r.draft_tokens if self.per_step else 0,
                               accepted_tokens=sum(r.accepted_per_step),
                               accepted_per_pos=accepted_per_position(r.accepted_per_step))
         self.jobs[rid].emit(DecodeEvent(list(chunk.token_ids),
                                         finish_reason=chunk.finish_reason if chunk.finished else None, stats=stats,
-                                        logprobs=chunk.logprobs))
+                                        logprobs=chunk.logprobs, mode=self.dec.last_mode))
 
     def fail(self, message: str) -> None:
         for job in self.jobs.values():
@@ -392,8 +393,16 @@ def make_local_backend(cfg: EaglenestConfig, drafter: str | None, *,
         decoder: Decoder = _hf_decoder(engine, drafter, cfg)
     elif engine_kind == "sglang":
         from eaglenest.engines.sglang.engine import SGLangEngine
+        from eaglenest.serve.schedule import prepare_schedule
 
-        if drafter is not None:
+        sched = prepare_schedule(cfg, drafter, check=False)  # checked by the replica before any engine starts
+        plan = sched.plan if sched is not None else None
+        if plan is not None and plan.mode == "plain":
+            engine = SGLangEngine.from_config(cfg.target)
+        elif plan is not None:
+            engine = SGLangEngine.speculative(cfg.target, drafter, plan.spec or cfg.serve.spec,
+                                              adaptive=plan.adaptive)
+        elif drafter is not None:
             engine = SGLangEngine.speculative(cfg.target, drafter, cfg.serve.spec)
         else:
             engine = SGLangEngine.from_config(cfg.target)
@@ -417,6 +426,12 @@ def _hf_decoder(engine: Any, drafter: str | None, cfg: EaglenestConfig) -> Decod
 
     model = load_drafter(drafter, device=engine.device, dtype=engine.dtype, target_embedding=engine.embed_weight())
     algorithm = spec.algorithm or EAGLE3.sglang_algorithm
-    dec = SpecDecoder.from_engine(engine, model, spec)
+    policy = None
+    if cfg.serve.schedule:  # the live batch size picks each step's shape (speculation off included)
+        from eaglenest.serve.schedule import prepare_schedule
+
+        sched = prepare_schedule(cfg, drafter, check=False).schedule  # checked by the replica before loading
+        spec, policy = spec.model_copy(update=sched.largest_spec().model_dump(exclude={"algorithm"})), sched.policy()
+    dec = SpecDecoder.from_engine(engine, model, spec, policy=policy)
     return HFSpecDecoder(dec, speculative=True, algorithm=algorithm, max_batch=cfg.serve.max_batch_size,
                          draft_tokens_per_step=spec.num_draft_tokens - 1)

@@ -16,7 +16,12 @@ before a stray end marker is not reclaimed as reasoning, since a stream has alre
 Markers come from ``serve.tool_call_markers`` / ``serve.reasoning_markers`` when set (``[]`` turns parsing off),
 otherwise from the target: a known pair is used when the tokenizer's chat template mentions both markers or both
 are tokens of its vocabulary. Tool-call bodies are parsed as JSON ``{"name", "arguments"|"parameters"}``; a body
-that does not parse stays in ``content`` (what vLLM's hermes parser does), so nothing the model wrote is lost.
+that does not parse stays in ``content`` (vLLM's hermes parser keeps it too), so nothing the model wrote is lost.
+
+Tool-call markers never reach ``content``: not around a body that did not parse, not unclosed, not stray (an end
+marker with no start), and not when the request offered no tools (the parser then drops the markers and keeps what
+is between them as content, which is what plain decoding shows when the markers are special tokens, and makes the
+same true of targets whose markers are ordinary tokens or text).
 """
 
 from __future__ import annotations
@@ -127,9 +132,10 @@ class ChatFormat:
         return tail.endswith(start) and not tail.endswith(end)
 
     def parser(self, *, tools: bool, reasoning: bool = True, prompt_text: str = "") -> ChatParser:
-        """A parser of tool calls (``tools``) and reasoning (``reasoning``) for one request."""
-        return ChatParser(self.tool_call if tools else None, self.reasoning if reasoning else None,
-                          in_reasoning=reasoning and self.starts_in_reasoning(prompt_text))
+        """A parser of one request: tool calls parsed when ``tools`` (their markers dropped either way), reasoning
+        separated when ``reasoning``."""
+        return ChatParser(self.tool_call, self.reasoning if reasoning else None,
+                          in_reasoning=reasoning and self.starts_in_reasoning(prompt_text), parse_tools=tools)
 
 
 def parse_tool_body(body: str) -> ToolCall | None:
@@ -156,8 +162,10 @@ class ChatParser:
     """
 
     def __init__(self, tool_call: tuple[str, str] | None, reasoning: tuple[str, str] | None, *,
-                 in_reasoning: bool = False) -> None:
+                 in_reasoning: bool = False, parse_tools: bool = True) -> None:
         self.tool_call = tool_call
+        self.parse_tools = parse_tools
+        """False: the request offered no tools; tool-call markers are only dropped"""
         self.reasoning = reasoning
         self.state = "reasoning" if in_reasoning and reasoning else "content"
         self.buf = ""
@@ -170,7 +178,7 @@ class ChatParser:
         """Markers that matter in content: a tool call starts, reasoning starts, or a stray one is dropped."""
         found = []
         if self.tool_call is not None:
-            found.append((self.tool_call[0], "tool"))
+            found += [(self.tool_call[0], "tool" if self.parse_tools else "drop"), (self.tool_call[1], "drop")]
         if self.reasoning is not None:
             found += [(self.reasoning[0], "reasoning"), (self.reasoning[1], "drop")]
         return found
@@ -228,7 +236,7 @@ class ChatParser:
             if call is not None:
                 return self._add_call(call)
             self.state = "content"
-            return self._content(self.tool_call[0] + rest, force=True)  # type: ignore[index]
+            return self._content(self._unmarked(rest), force=True)
         deltas = self._content(rest)
         if self.pending_ws and not self.out.tool_calls:
             deltas += self._content("", force=True)
@@ -260,11 +268,17 @@ class ChatParser:
 
     def _tool(self, body: str) -> list[Delta]:
         call = parse_tool_body(body.strip())
-        if call is None:  # not a call after all: the model's text stays visible
+        if call is None:  # not a call after all: the model's text stays visible, its markers do not
             self.trim = False
-            return self._content(self.tool_call[0] + body + self.tool_call[1], force=True)  # type: ignore[index]
+            return self._content(self._unmarked(body), force=True)
         self.pending_ws = ""
         return self._add_call(call)
+
+    def _unmarked(self, text: str) -> str:
+        """``text`` without tool-call markers (a body may hold another start marker)."""
+        for marker in self.tool_call or ():
+            text = text.replace(marker, "")
+        return text
 
     def _add_call(self, call: ToolCall) -> list[Delta]:
         self.pending_ws = ""

@@ -8,11 +8,14 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import sys
 import threading
 from dataclasses import dataclass
 from typing import Any
 
+from eaglenest.ray_private import PROXY_CALLBACK_ENV
 from eaglenest.runtime import LOCAL_RAY_ENV, TASK_ENV
+from eaglenest.serve.arrival import PROXY_CALLBACK
 
 RAY_ENV_DEFAULTS = {
     **LOCAL_RAY_ENV,
@@ -23,6 +26,8 @@ RAY_ENV_DEFAULTS = {
     # took the throughput lost to serving at 16 streams from 17% to 3-5% on a decode-bound target (BENCHMARKS.md).
     "RAY_SERVE_USE_GRPC_BY_DEFAULT": "1",
     "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
+    # Serve's proxies stamp each request's arrival (serve.arrival), so TTFT and queue time start where the client's do
+    PROXY_CALLBACK_ENV: PROXY_CALLBACK,
 }
 
 _STATE: dict[str, Any] = {"owns_ray": False, "apps": []}
@@ -158,12 +163,24 @@ def _argv(args: argparse.Namespace) -> list[str]:
 def run(args: argparse.Namespace) -> int:
     from eaglenest.config import load_config
     from eaglenest.runtime import running_cluster_address
-    from eaglenest.serve.supervise import exit_now, is_child, parent_gone, supervise
+    from eaglenest.serve.supervise import exit_now, is_child, job_stop_warning, parent_gone, supervise
 
     cfg = load_config(args.config)
+    if cfg.serve.schedule and not is_child():  # a stale schedule is refused before Ray or an engine starts
+        from eaglenest.serve.schedule import prepare_schedule
+        from eaglenest.speculative.schedule import ScheduleError
+
+        try:
+            prepare_schedule(cfg, args.drafter or cfg.resolve(cfg.serve.drafter), driver=True)
+        except ScheduleError as e:
+            print(f"eaglenest serve: {e}", file=sys.stderr, flush=True)
+            return 2
     if not is_child() and running_cluster_address() is None:
         # the Ray we start must not share our process group: a group SIGTERM would kill it before the drain
         return supervise(_argv(args), cfg.serve.drain_timeout_s)
+    warning = job_stop_warning(cfg.serve.drain_timeout_s)
+    if warning:
+        print(warning, flush=True)
     url = start_serve(cfg, args.drafter, host=args.host, port=args.port)
     print(f"eaglenest serving {cfg.serve.model_name} at {url}  (OpenAI base_url {url}/v1, health {url}/health)")
     print("press Ctrl-C to stop", flush=True)

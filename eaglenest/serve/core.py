@@ -21,6 +21,7 @@ from fastapi import Request
 
 from eaglenest.config import EaglenestConfig
 from eaglenest.engines.base import SamplingParams
+from eaglenest.serve.arrival import ARRIVAL_HEADER, Arrival, arrival, proxy_stamps
 from eaglenest.serve.backends import make_backend
 from eaglenest.serve.chat_parsing import ChatFormat
 from eaglenest.serve.drain import RETRY_AFTER_S, Drain
@@ -30,6 +31,7 @@ from eaglenest.serve.live_stats import LiveStats
 from eaglenest.serve.logprobs import TokenText
 from eaglenest.serve.metrics import NullMetrics, RequestStats, ServeMetrics
 from eaglenest.serve.openai_protocol import APIError, SamplingRequest, SpecUsage, Usage, error_body, now
+from eaglenest.serve.schedule import log_schedule, prepare_schedule
 from eaglenest.serve.selftest import SelfTest, run_self_test
 from eaglenest.serve.text import StreamText
 from eaglenest.serve.traffic_log import TrafficLog
@@ -47,6 +49,9 @@ class Outcome:
     completion_tokens: int = 0
     stats: SpecStats = field(default_factory=SpecStats)
     first_token_at: float | None = None
+    """when the decoder committed the first token (perf_counter)"""
+    first_sent_at: float | None = None
+    """when the first token's chunk was handed to Ray Serve for the client (streams only)"""
     last_token_at: float | None = None
     logprobs: list[tuple[int, float, list[tuple[int, float]]]] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
@@ -74,6 +79,8 @@ class ServerCore:
         self.drafter = drafter
         self.created = model_created(drafter, cfg.target.model)
         self.admission = Admission(s.max_concurrent_requests)
+        self.proxy_stamps = proxy_stamps()
+        """Serve's proxies stamp each request's arrival (serve.arrival): TTFT and queue time start there"""
         self.shutting_down = False
         self.drain = Drain()
         self.self_test: SelfTest | None = None
@@ -90,6 +97,9 @@ class ServerCore:
             folder = local_target_folder(cfg)
             if folder is not None:
                 self.preflight = preflight_for_config(cfg, drafter, folder=folder).raise_for_failures()
+        self.schedule = prepare_schedule(cfg, drafter)  # a stale one is refused before any engine starts
+        if self.schedule is not None:
+            log_schedule(self.schedule)
         self.backend: BackendBase = make_backend(cfg, drafter)
         if drafter is not None and self.preflight is None:
             try:
@@ -102,7 +112,15 @@ class ServerCore:
                                                      reasoning_markers=s.reasoning_markers)
         self.token_text = TokenText(self.backend.tokenizer)
         self.spec_counters = SpecCounters(self.model_name, speculative=self.backend.speculative,
-                                          positions=cfg.serve.spec.num_steps)
+                                          positions=cfg.serve.spec.num_steps if self.schedule is None
+                                          else self.schedule.schedule.largest_spec().num_steps)
+        self.live = None
+        if self.schedule is not None:
+            from eaglenest.serve.schedule_metrics import ScheduleMonitor
+
+            self.live = ScheduleMonitor(self.model_name, self.schedule.schedule, applied=self.schedule.applied,
+                                        inflight=lambda: self.inflight, from_events=self.schedule.engine == "hf",
+                                        use_ray=use_ray_metrics)
         """vLLM's spec-decode counters (serve.vllm_metrics); the deployment points them at its app's store"""
         self.live_stats = LiveStats(drafter if self.backend.speculative else None)
         """per-drafter served accept length (serve.live_stats), for the flywheel's post-swap watch"""
@@ -122,7 +140,12 @@ class ServerCore:
     # ---- health
     def run_self_test(self) -> SelfTest:
         """Decode the fixed prompts; pooled accept length below the minimum marks the replica unhealthy."""
-        result = run_self_test(self.backend, self.cfg.serve.self_test_min_accept_length)
+        minimum, alone = self.cfg.serve.self_test_min_accept_length, False
+        if self.schedule is not None:  # the drafter is tested where the schedule drafts: one request at a time
+            alone = True
+            if self.schedule.applied(self.schedule.schedule.bucket_for(1)).off:
+                minimum = 1.0  # the schedule never drafts alone: there is no accept length to require
+        result = run_self_test(self.backend, minimum, one_at_a_time=alone)
         self.self_test = result
         self.unhealthy_reason = None if result.ok else result.message
         self.metrics.set_healthy(result.ok)
@@ -144,6 +167,7 @@ class ServerCore:
             "drafter": self.drafter, "inflight": self.inflight,
             "self_test": self.self_test.to_dict() if self.self_test else None,
             "traffic_log": self.traffic_log.stats() if self.traffic_log else None,
+            "schedule": None if self.schedule is None else {**self.schedule.health(), "live": self.live.live()},
         }
         if self.healthy:
             return 200, {"status": "ok", **info}
@@ -167,6 +191,10 @@ class ServerCore:
         except APIError:
             return False
         return True
+
+    def arrival(self, request: Request) -> Arrival:
+        """When ``request`` reached Ray Serve's HTTP proxy (its handler's start when the proxy does not stamp)."""
+        return arrival(request.headers.get(ARRIVAL_HEADER), trusted=self.proxy_stamps)
 
     def check_ready(self) -> None:
         if not self.healthy:
@@ -202,6 +230,8 @@ class ServerCore:
         signalled = [False]
 
         def sink(ev: DecodeEvent) -> None:  # decoder thread
+            if ev.mode is not None and self.live is not None:
+                self.live.observe(ev.mode)
             buf.append(ev)
             if (stream or ev.final) and not signalled[0]:
                 signalled[0] = True
@@ -278,12 +308,15 @@ class ServerCore:
                      spec=SpecUsage(accept_length=round(out.stats.accept_length, 4),
                                     draft_tokens=out.stats.draft_tokens, accepted_tokens=out.stats.accepted_tokens))
 
-    def record(self, arrived: float, out: Outcome, *, route: str = "", prompt_ids: list[int] | None = None,
+    def record(self, arrived: Arrival, out: Outcome, *, route: str = "", prompt_ids: list[int] | None = None,
                sampling: SamplingRequest | None = None) -> None:
-        ttft = None if out.first_token_at is None else out.first_token_at - arrived
+        """TTFT runs from the proxy's arrival to the first token's chunk leaving the replica (a stream's client sees
+        it then); a non-streamed request's, to the decoder's first token (nothing leaves earlier)."""
+        first = out.first_sent_at or out.first_token_at
+        ttft = None if first is None else first - arrived.at
         decode = 0.0 if out.first_token_at is None else (out.last_token_at or out.first_token_at) - out.first_token_at
         self.metrics.finished(RequestStats(
-            completion_tokens=out.completion_tokens, ttft_s=ttft, decode_s=decode,
+            completion_tokens=out.completion_tokens, ttft_s=ttft, queue_s=arrived.queue_s, decode_s=decode,
             accept_length=out.stats.accept_length, draft_tokens=out.stats.draft_tokens,
             accepted_tokens=out.stats.accepted_tokens, speculative=self.backend.speculative,
             verify_steps=out.stats.verify_steps))
@@ -296,7 +329,9 @@ class ServerCore:
                           "max_tokens": sampling.max_tokens, "seed": sampling.seed},
                 spec={"verify_steps": out.stats.verify_steps, "draft_tokens": out.stats.draft_tokens,
                       "accepted_tokens": out.stats.accepted_tokens, "accept_length": out.stats.accept_length},
-                arrived_at=time.time() - (time.perf_counter() - arrived), ttft_s=ttft)
+                arrived_at=time.time() - (time.perf_counter() - arrived.at), ttft_s=ttft)
+        if self.live is not None:
+            self.live.finished(out.first_token_at, out.last_token_at, out.completion_tokens)
 
     # ---- lifecycle
     def begin_drain(self, timeout: float | None = None) -> None:
@@ -316,4 +351,6 @@ class ServerCore:
         self.drain.cancel()
         if self.traffic_log is not None:
             self.traffic_log.close()
+        if self.live is not None:
+            self.live.stop()
         self.backend.close()

@@ -13,24 +13,16 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.openapi.docs import get_swagger_ui_html
-from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from eaglenest.config import EaglenestConfig
+from eaglenest.serve import openapi_doc
 from eaglenest.serve.core import ServerCore
 from eaglenest.serve.drain import DrainWatcher
 from eaglenest.serve.gates import resolve_api_key
-from eaglenest.serve.openai_protocol import (
-    APIError,
-    ChatCompletion,
-    ChatCompletionRequest,
-    Completion,
-    CompletionRequest,
-    ErrorResponse,
-    error_body,
-)
+from eaglenest.serve.openai_protocol import APIError, error_body
 from eaglenest.serve.routes import (
     CHAT_ROUTE,
     COMPLETIONS_ROUTE,
@@ -72,32 +64,13 @@ async def _unexpected(request: Request, exc: Exception) -> Response:
 
 
 def _openapi() -> dict[str, Any]:
-    """FastAPI's schema plus the request bodies and error responses the handlers parse themselves (they read the
-    raw body: serve.request_body), so clients, docs and schema-driven tools see the real contract."""
-    if api.openapi_schema:
-        return api.openapi_schema
-    schema = get_openapi(title=api.title, version=api.version, description=api.description, routes=api.routes)
-    components = schema.setdefault("components", {}).setdefault("schemas", {})
-
-    def ref(model: Any) -> dict[str, str]:
-        js = model.model_json_schema(ref_template="#/components/schemas/{model}")
-        components.update(js.pop("$defs", {}))
-        components[model.__name__] = js
-        return {"$ref": f"#/components/schemas/{model.__name__}"}
-
-    error = {"content": {"application/json": {"schema": ref(ErrorResponse)}}}
-    for route, request, response in ((CHAT_ROUTE, ChatCompletionRequest, ChatCompletion),
-                                     (COMPLETIONS_ROUTE, CompletionRequest, Completion)):
-        op = schema["paths"][route]["post"]
-        op["requestBody"] = {"required": True, "content": {"application/json": {"schema": ref(request)}}}
-        op["responses"] = {"200": {"description": "the completion (SSE chunks when stream is true)",
-                                   "content": {"application/json": {"schema": ref(response)}}},
-                           **{str(code): {"description": why, **error} for code, why in (
-                               (400, "invalid parameter or type"), (401, "API key"), (404, "unknown model"),
-                               (413, "body over serve.max_request_bytes"), (415, "not JSON"),
-                               (429, "over serve.max_concurrent_requests"), (503, "unhealthy or draining"))}}
-    api.openapi_schema = schema
-    return schema
+    """The whole contract, built once (serve.openapi_doc): FastAPI alone cannot see the bodies the handlers parse
+    themselves nor the streams and errors they answer with."""
+    if not api.openapi_schema:
+        api.openapi_schema = openapi_doc.build(api, {
+            "chat": CHAT_ROUTE, "completions": COMPLETIONS_ROUTE, "models": MODELS_ROUTE,
+            "model": MODELS_ROUTE + "/{model_id}", "health": HEALTH_ROUTE, "metrics": METRICS_ROUTE})
+    return api.openapi_schema
 
 
 api.openapi = _openapi  # type: ignore[method-assign]
@@ -160,16 +133,20 @@ class EaglenestDeployment:
 
     @api.get(OPENAPI_ROUTE, include_in_schema=False)
     async def openapi(self, request: Request) -> Response:
-        """The schema, and the docs below, need the API key when one is set: they describe the whole server."""
-        if not self.core.authorized(request):
+        """The schema, and the docs below, need the API key when one is set (they describe the whole server),
+        unless ``serve.docs_public``."""
+        if not self._docs_allowed(request):
             return self.routes.error("other", APIError(401, "Missing or incorrect API key", code="invalid_api_key"))
         return JSONResponse(api.openapi())
 
     @api.get("/docs", include_in_schema=False)
     async def docs(self, request: Request) -> Response:
-        if not self.core.authorized(request):
+        if not self._docs_allowed(request):
             return self.routes.error("other", APIError(401, "Missing or incorrect API key", code="invalid_api_key"))
         return get_swagger_ui_html(openapi_url=OPENAPI_ROUTE.lstrip("/"), title="eaglenest")
+
+    def _docs_allowed(self, request: Request) -> bool:
+        return self.core.cfg.serve.docs_public or self.core.authorized(request)
 
     @api.get(METRICS_ROUTE)
     async def metrics(self) -> Response:
@@ -232,6 +209,10 @@ def make_app(cfg: EaglenestConfig, drafter: str | None = None, *, check: bool = 
         folder = local_target_folder(cfg)
         if folder is not None:  # remote targets are checked by the replica once loaded
             preflight_for_config(cfg, drafter, folder=folder).raise_for_failures()
+    if check:  # a stale schedule is refused before anything is deployed (the replica checks again)
+        from eaglenest.serve.schedule import prepare_schedule
+
+        prepare_schedule(cfg, drafter, driver=True)
     api_key = resolve_api_key(cfg.serve.api_key)
     opts = {**deployment_options(cfg), **(options or {})}
     return EaglenestDeployment.options(**opts).bind(cfg.model_dump(), drafter, api_key)

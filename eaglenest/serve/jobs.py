@@ -65,6 +65,8 @@ class DecodeEvent:
     """when the decoder committed these tokens (perf_counter)"""
     logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = None
     """per token of ``token_ids`` when the request asked for logprobs: (id, logprob, top alternatives)"""
+    mode: tuple[int, int] | None = None
+    """(batch size, num_steps) of the decoding step that produced the tokens (hf; 0 steps = speculation off)"""
 
     @property
     def final(self) -> bool:

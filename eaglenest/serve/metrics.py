@@ -31,6 +31,8 @@ class RequestStats:
     speculative: bool
     verify_steps: int = 0
     """target verify forwards after the prefill: 0 = the request never drafted (e.g. max_tokens=1)"""
+    queue_s: float | None = None
+    """proxy arrival -> handler start; None when the proxy does not stamp arrivals (serve.arrival)"""
 
 
 def records_accept_length(s: RequestStats) -> bool:
@@ -52,6 +54,7 @@ class ServeMetrics:
         self._lock = threading.Lock()
         self.requests = ray_metric(contract.SERVE_REQUESTS)
         self.ttft = ray_metric(contract.SERVE_TTFT)
+        self.queue = ray_metric(contract.SERVE_QUEUE)
         self.itl = ray_metric(contract.SERVE_ITL)
         self.generated = ray_metric(contract.SERVE_GENERATED_TOKENS)
         self.accept = ray_metric(contract.SERVE_ACCEPT_LENGTH)
@@ -101,6 +104,8 @@ class ServeMetrics:
         t = self.tags
         if s.ttft_s is not None:
             self.ttft.observe(max(s.ttft_s, 0.0), tags=t)
+        if s.queue_s is not None:
+            self.queue.observe(s.queue_s, tags=t)
         if s.completion_tokens > 1 and s.ttft_s is not None:
             self.itl.observe(max(s.decode_s, 0.0) / (s.completion_tokens - 1), tags=t)
         if s.completion_tokens <= 0:

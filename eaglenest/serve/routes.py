@@ -25,10 +25,11 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from eaglenest.serve.arrival import Arrival
 from eaglenest.serve.chat_parsing import ChatParser, chat_message, delta_fields, finish_reason, parse_all
 from eaglenest.serve.core import Outcome, ServerCore
 from eaglenest.serve.drain import RETRY_AFTER_S
-from eaglenest.serve.logprobs import chat_logprobs, completion_logprobs
+from eaglenest.serve.logprobs import LogprobText, chat_logprobs, completion_logprobs
 from eaglenest.serve.openai_protocol import (
     APIError,
     ChatCompletionRequest,
@@ -67,7 +68,7 @@ class Routes:
         return parse_body(raw, model)
 
     async def chat(self, request: Request) -> Response:
-        arrived = time.perf_counter()
+        arrived = self.core.arrival(request)
         try:
             self.core.check_auth(request)
             self.core.check_ready()
@@ -96,26 +97,29 @@ class Routes:
         def build(out: Outcome) -> dict[str, Any]:
             parsed = parse_all(parser, out.text) if parser is not None else None
             message = chat_message(parsed) if parsed is not None else {"content": out.text}
-            lps = chat_logprobs(out.logprobs, self.core.token_text) if sampling.logprobs is not None else None
+            lps = chat_logprobs(out.logprobs, LogprobText(self.core.token_text)) \
+                if sampling.logprobs is not None else None
             return chat_response(rid, self.core.model_name, message, finish_reason(parsed, out.finish_reason),
                                  self.core.usage(len(prompt_ids), out), created, logprobs=lps)
 
         return await self._complete(CHAT_ROUTE, prompt_ids, sampling, arrived, build, decode=decode)
 
     def _chat_parser(self, req: ChatCompletionRequest, prompt_ids: list[int]) -> ChatParser | None:
-        """A parser when the request's reasoning is separated (``serve.reasoning_parser``, overridden by SGLang's
-        ``separate_reasoning``) and the target has markers for it, or tool calls are and the request offers tools."""
+        """A parser when the target has tool-call markers (parsed into calls when the request offers tools, else
+        only kept out of ``content``), or its reasoning is separated (``serve.reasoning_parser``, overridden by
+        SGLang's ``separate_reasoning``) and it has markers for it."""
         fmt = self.core.chat_format
         tools = bool(req.tools) and req.tool_choice != "none" and fmt.tool_call is not None
         wanted = self.core.cfg.serve.reasoning_parser if req.separate_reasoning is None else req.separate_reasoning
         reasoning = wanted and fmt.reasoning is not None
-        if not reasoning and not tools:
+        if not reasoning and fmt.tool_call is None:
             return None
         return fmt.parser(tools=tools, reasoning=reasoning, prompt_text=fmt.decode(prompt_ids[-16:], tools=tools))
 
     def _chat_decode(self, parser: ChatParser | None) -> Any:
-        """The text decode of a chat request: its markers kept (reasoning markers too when reasoning is not
-        separated: content is then the whole text, as a server without a reasoning parser returns it)."""
+        """The text decode of a chat request: the markers its parser reads kept (tool-call markers whenever the
+        target has them: the parser parses or drops them), reasoning markers too when reasoning is not separated
+        (content is then the whole text, as a server without a reasoning parser returns it)."""
         fmt = self.core.chat_format
         if parser is None and fmt.reasoning is None:
             return None
@@ -123,7 +127,7 @@ class Routes:
         return lambda ids: fmt.decode(ids, tools=tools)
 
     async def completions(self, request: Request) -> Response:
-        arrived = time.perf_counter()
+        arrived = self.core.arrival(request)
         try:
             self.core.check_auth(request)
             self.core.check_ready()
@@ -147,7 +151,8 @@ class Routes:
             return event_stream(self._completion_stream(req, rid, created, prompt_ids, sampling, arrived))
 
         def build(out: Outcome) -> dict[str, Any]:
-            lps = completion_logprobs(out.logprobs, self.core.token_text) if sampling.logprobs is not None else None
+            lps = completion_logprobs(out.logprobs, LogprobText(self.core.token_text), len(out.text)) \
+                if sampling.logprobs is not None else None
             return completion_response(rid, self.core.model_name, out.text, out.finish_reason,
                                        self.core.usage(len(prompt_ids), out), created, logprobs=lps)
 
@@ -167,7 +172,7 @@ class Routes:
             return list(prompt)
         raise APIError(400, "send exactly one prompt per request (a string or a list of token ids)", param="prompt")
 
-    async def _complete(self, route: str, prompt_ids: list[int], sampling: SamplingRequest, arrived: float,
+    async def _complete(self, route: str, prompt_ids: list[int], sampling: SamplingRequest, arrived: Arrival,
                         build: Any, decode: Any = None) -> Response:
         out = Outcome()
         status = 200
@@ -188,7 +193,7 @@ class Routes:
             if status == 200:
                 self.core.record(arrived, out, route=route, prompt_ids=prompt_ids, sampling=sampling)
 
-    async def _stream(self, route: str, prompt_ids: list[int], sampling: SamplingRequest, arrived: float,
+    async def _stream(self, route: str, prompt_ids: list[int], sampling: SamplingRequest, arrived: Arrival,
                       piece_chunks: Any, final_chunks: Any, decode: Any = None) -> AsyncIterator[str]:
         """SSE of one generation: ``piece_chunks(piece, out)`` and ``final_chunks(out)`` give the chunks; a failure
         (or a drain's deadline) ends the stream with an error event, then ``[DONE]``."""
@@ -196,6 +201,7 @@ class Routes:
         status = 200
         try:
             async for piece in self.core.generate(prompt_ids, sampling, out, decode=decode):
+                out.first_sent_at = out.first_sent_at or time.perf_counter()  # TTFT ends here (core.record)
                 for chunk in piece_chunks(piece, out):
                     yield sse(chunk)
             for chunk in final_chunks(out):
@@ -219,17 +225,23 @@ class Routes:
                 self.core.record(arrived, out, route=route, prompt_ids=prompt_ids, sampling=sampling)
 
     async def _chat_stream(self, req: ChatCompletionRequest, rid: str, created: int, prompt_ids: list[int],
-                           sampling: SamplingRequest, arrived: float,
+                           sampling: SamplingRequest, arrived: Arrival,
                            parser: ChatParser | None) -> AsyncIterator[str]:
-        yield sse(chat_chunk(rid, self.core.model_name, created, delta={"role": "assistant", "content": ""}))
-        sent = [0]
+        # the role chunk goes out with the first token, as vLLM sends it: tools that time the first chunk (vLLM's
+        # own benchmark does) then measure the time to the first token, not to the response headers
+        opening = [chat_chunk(rid, self.core.model_name, created, delta={"role": "assistant", "content": ""})]
+        sent, positions = [0], LogprobText(self.core.token_text)
+
+        def opened(later: list[dict[str, Any]]) -> list[dict[str, Any]]:
+            first, opening[:] = opening[:], []
+            return first + later
 
         def new_logprobs(out: Outcome) -> dict[str, Any] | None:
             """Logprobs of the tokens not reported yet (they ride on the next chunk)."""
             if sampling.logprobs is None or sent[0] == len(out.logprobs):
                 return None
             entries, sent[0] = out.logprobs[sent[0]:], len(out.logprobs)
-            return chat_logprobs(entries, self.core.token_text)
+            return chat_logprobs(entries, positions)
 
         def chunks(deltas: list[Any], out: Outcome) -> list[dict[str, Any]]:
             fields = [delta_fields(d, parser.out) for d in deltas] if parser is not None else \
@@ -237,10 +249,10 @@ class Routes:
             return [chat_chunk(rid, self.core.model_name, created, delta=f, logprobs=new_logprobs(out)) for f in fields]
 
         def pieces(piece: str, out: Outcome) -> list[dict[str, Any]]:
-            return chunks(parser.feed(piece) if parser is not None else [("content", piece)], out)
+            return opened(chunks(parser.feed(piece) if parser is not None else [("content", piece)], out))
 
         def finals(out: Outcome) -> list[dict[str, Any]]:
-            out_chunks = chunks(parser.finish(), out) if parser is not None else []
+            out_chunks = opened(chunks(parser.finish(), out) if parser is not None else [])
             reason = finish_reason(parser.out if parser is not None else None, out.finish_reason)
             out_chunks.append(chat_chunk(rid, self.core.model_name, created, delta={}, finish_reason=reason,
                                          logprobs=new_logprobs(out)))
@@ -254,23 +266,21 @@ class Routes:
             yield s
 
     async def _completion_stream(self, req: CompletionRequest, rid: str, created: int, prompt_ids: list[int],
-                                 sampling: SamplingRequest, arrived: float) -> AsyncIterator[str]:
-        sent, offset = [0], [0]
+                                 sampling: SamplingRequest, arrived: Arrival) -> AsyncIterator[str]:
+        sent, positions = [0], LogprobText(self.core.token_text)
 
-        def new_logprobs(out: Outcome) -> dict[str, Any] | None:
+        def new_logprobs(out: Outcome, final: bool = False) -> dict[str, Any] | None:
             if sampling.logprobs is None or sent[0] == len(out.logprobs):
                 return None
             entries, sent[0] = out.logprobs[sent[0]:], len(out.logprobs)
-            lps = completion_logprobs(entries, self.core.token_text, offset[0])
-            offset[0] += sum(len(t) for t in lps["tokens"])
-            return lps
+            return completion_logprobs(entries, positions, len(out.text) if final else None)
 
         def pieces(piece: str, out: Outcome) -> list[dict[str, Any]]:
             return [completion_chunk(rid, self.core.model_name, created, text=piece, logprobs=new_logprobs(out))]
 
         def finals(out: Outcome) -> list[dict[str, Any]]:
             chunks = [completion_chunk(rid, self.core.model_name, created, text="", finish_reason=out.finish_reason,
-                                       logprobs=new_logprobs(out))]
+                                       logprobs=new_logprobs(out, final=True))]
             if req.include_usage:
                 usage = self.core.usage(len(prompt_ids), out)
                 chunks.append(completion_chunk(rid, self.core.model_name, created, usage=usage))
@@ -298,9 +308,10 @@ class Routes:
         return JSONResponse(models_response(self.core.model_name, self.core.created)["data"][0])
 
     def health(self, request: Request) -> Response:
-        """Probes need no key; with an API key set, only a caller that sends it sees more than the status."""
+        """Probes need no key; with an API key set, only a caller that sends it sees more than the status (unless
+        ``serve.health_details_public``)."""
         status, body = self.core.health_body()
-        if self.core.api_key and not self.core.authorized(request):
+        if not self.core.cfg.serve.health_details_public and not self.core.authorized(request):
             body = {"status": body["status"]}
         self.core.metrics.request(HEALTH_ROUTE, status)
         headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 503 else None

@@ -40,16 +40,19 @@ class SelfTest:
         return dict(self.__dict__)
 
 
-def run_self_test(backend: BackendBase, minimum: float) -> SelfTest:
-    """Decode the fixed prompts on ``backend``; a pooled accept length below ``minimum`` (or an error) fails."""
+def run_self_test(backend: BackendBase, minimum: float, *, one_at_a_time: bool = False) -> SelfTest:
+    """Decode the fixed prompts on ``backend``; a pooled accept length below ``minimum`` (or an error) fails.
+    ``one_at_a_time``: each prompt alone (a tuned schedule drafts at batch 1, maybe not at 3)."""
     t0 = time.perf_counter()
     tokens, pooled = 0, SpecStats()
     try:
         prompts = [backend.render_chat(list(conv)) for conv in SELF_TEST_PROMPTS]
-        for out, _, stats in backend.generate_many(
-                prompts, SamplingParams(temperature=0.0, max_new_tokens=SELF_TEST_MAX_TOKENS), timeout=600):
-            tokens += len(out)
-            pooled = pooled + stats
+        sampling = SamplingParams(temperature=0.0, max_new_tokens=SELF_TEST_MAX_TOKENS)
+        batches = [[p] for p in prompts] if one_at_a_time else [prompts]
+        for batch in batches:
+            for out, _, stats in backend.generate_many(batch, sampling, timeout=600):
+                tokens += len(out)
+                pooled = pooled + stats
     except Exception as e:  # the replica stays up and says why
         log.exception("self-test failed")
         return SelfTest(False, 0.0, minimum, tokens, time.perf_counter() - t0,

@@ -13,11 +13,15 @@ the supervisor die, the child notices (its parent changes) and drains on its own
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
+
+from eaglenest.ray_private import JOB_DRIVER_ENV, JOB_STOP_WAIT_DEFAULT_S, JOB_STOP_WAIT_ENV
 
 CHILD_ENV = "EAGLENEST_SERVE_SUPERVISOR"
 """set in the child: the supervisor's pid (the child watches for its parent to change)"""
@@ -69,3 +73,22 @@ def supervise(argv: list[str], drain_timeout_s: float) -> int:
                     os.killpg(child.pid, signal.SIGKILL)
                 child.wait()
                 return 1
+
+
+def job_stop_warning(drain_timeout_s: float, environ: Mapping[str, str] | None = None) -> str | None:
+    """Run as a Ray job, `ray job stop` SIGTERMs this driver and SIGKILLs it ``RAY_JOB_STOP_WAIT_TIME_S`` later (3 s
+    by default): a longer drain is cut there, and Serve, left deployed, keeps answering 503. The warning names the
+    runtime env that gives the drain its time; None when it has it, or when this is no job."""
+    env = os.environ if environ is None else environ
+    if JOB_DRIVER_ENV not in env:
+        return None
+    try:
+        wait = int(env.get(JOB_STOP_WAIT_ENV, JOB_STOP_WAIT_DEFAULT_S))
+    except ValueError:
+        wait = JOB_STOP_WAIT_DEFAULT_S
+    need = math.ceil(drain_timeout_s + KILL_AFTER_S)
+    if wait >= need:
+        return None
+    return (f"warning: `ray job stop` kills this job {wait} s after its SIGTERM ({JOB_STOP_WAIT_ENV}), before the "
+            f"drain (serve.drain_timeout_s {drain_timeout_s:g} s) can end; submit it with "
+            f"--runtime-env-json '{{\"env_vars\": {{\"{JOB_STOP_WAIT_ENV}\": \"{need}\"}}}}'")

@@ -6,6 +6,8 @@ Public API (serve and eval use these names only; the submodules' ``_``-names are
   the incremental API ``prefill`` / ``step`` / ``drop_finished`` over a caller-owned ``{row id: DecodeRow}`` table
   and a :class:`DecodeBatch`, with :func:`merge_batches` to admit rows at a step boundary (continuous batching)
 - :class:`SpecResult` (one finished request) and :class:`StreamChunk` (the tokens of one target forward)
+- the prompt suites (:mod:`~eaglenest.speculative.suites`): :func:`load_suite` reads MT-Bench, HumanEval, BFCL or
+  ShareGPT from their installed packages (:data:`SUITES`), :func:`evaluate_suites` gives the per-suite table
 """
 
 from eaglenest.speculative.batching import merge_batches
@@ -17,6 +19,8 @@ from eaglenest.speculative.decoder import (
     SpecResult,
     StreamChunk,
 )
+from eaglenest.speculative.suite_eval import evaluate_suite, evaluate_suites
+from eaglenest.speculative.suites import SUITES, SuiteError, load_suite
 
-__all__ = ["BaselineDecoder", "DecodeBatch", "DecodeRow", "SpecDecoder", "SpecResult", "StreamChunk",
-           "merge_batches"]
+__all__ = ["SUITES", "BaselineDecoder", "DecodeBatch", "DecodeRow", "SpecDecoder", "SpecResult", "StreamChunk",
+           "SuiteError", "evaluate_suite", "evaluate_suites", "load_suite", "merge_batches"]

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from eaglenest.speculative.cache import merge_caches, pad_valid
+from eaglenest.speculative.backlog import merge_backlogs
+from eaglenest.speculative.cache import cache_length, merge_caches, pad_valid
 from eaglenest.speculative.decoder import DecodeBatch
 
 
@@ -21,6 +22,8 @@ def merge_batches(a: DecodeBatch | None, b: DecodeBatch | None) -> DecodeBatch |
     row's attention unchanged. Both must come from the same decoder and sampling setting."""
     if a is None or b is None:
         return a if b is None else b
+    if a.backlog or b.backlog:  # a schedule turned drafting off: the deferred catch-up follows each row
+        a.backlog = merge_backlogs(a.backlog, len(a.rows), b.backlog, len(b.rows))
     lt = max(a.t_valid.shape[1], b.t_valid.shape[1])
     a.t_cache = merge_caches(a.t_cache, b.t_cache, lt)
     a.t_valid = torch.cat([pad_valid(a.t_valid, lt), pad_valid(b.t_valid, lt)], dim=0)
@@ -30,7 +33,8 @@ def merge_batches(a: DecodeBatch | None, b: DecodeBatch | None) -> DecodeBatch |
     a.rows = a.rows + b.rows
     if a.d_valid is not None and b.d_valid is not None:
         ld = max(a.d_valid.shape[1], b.d_valid.shape[1])
-        a.d_cache = merge_caches(a.d_cache, b.d_cache, ld)
+        # the drafter's own slot count (a draft model may keep extra leading slots: TargetSelfDraft keeps one)
+        a.d_cache = merge_caches(a.d_cache, b.d_cache, max(cache_length(a.d_cache), cache_length(b.d_cache)))
         a.d_valid = torch.cat([pad_valid(a.d_valid, ld), pad_valid(b.d_valid, ld)], dim=0)
         a.root_logits = torch.cat([a.root_logits, b.root_logits])
         a.root_hidden = torch.cat([a.root_hidden, b.root_hidden])

@@ -29,8 +29,11 @@ from typing import Any
 from eaglenest.config import SpecConfig
 from eaglenest.contracts.metrics import accept_length
 from eaglenest.engines.base import SamplingParams
+from eaglenest.speculative.bench_report import build_report, plot_bench, report_markdown, verdict
 
 BASELINE = "baseline"
+__all__ = ["BASELINE", "VariantStats", "plot_bench", "report_markdown", "run_bench", "run_bench_batches",
+           "spec_label", "verdict"]
 
 
 def spec_label(spec: SpecConfig) -> str:
@@ -69,6 +72,13 @@ class VariantStats:
     """the drafter's label (None: the baseline, or the only drafter of a one-drafter bench)"""
     error: str | None = None
     """why this variant has no measurement (its engine failed to start or to run)"""
+    plan: Any = None
+    """a step plan instead of one shape (a tuned schedule, or speculation off on a speculative engine): an object
+    with ``policy()`` and ``largest_spec()`` (the reference decoder) and ``sglang_plan(...)`` (SGLang)"""
+
+    @property
+    def is_baseline(self) -> bool:
+        return self.spec is None and self.plan is None
 
     def tok_per_s(self) -> list[float]:
         return [r.completion_tokens / r.seconds if r.seconds > 0 else 0.0 for r in self.rounds]
@@ -181,9 +191,13 @@ def run_bench_batches(
     engine: str = "hf",
     warmup: int = 1,
     progress: bool = True,
-    sglang_factory: Callable[[SpecConfig | None, Any], Any] | None = None,
+    sglang_factory: Callable[..., Any] | None = None,
     ceiling: bool = False,
     drift_check: bool = True,
+    plans: Mapping[str, Any] | None = None,
+    done: Mapping[str, Mapping[int, list[dict[str, Any]]]] | None = None,
+    on_variant: Callable[[str, dict[int, list[dict[str, Any]]]], None] | None = None,
+    prompts_for: Callable[[int], Sequence[Sequence[int]]] | None = None,
 ) -> list[dict[str, Any]]:
     """:func:`run_bench` at several batch sizes, one report each (in ``batch_sizes`` order).
 
@@ -191,28 +205,37 @@ def run_bench_batches(
     more than the measurement on a large target); with the transformers engine each batch size is its own bench.
     ``ceiling`` (SGLang): also run each spec config with every draft token accepted (:data:`CEILING_ENV`), the
     speedup a perfect drafter of this shape would give. ``drift_check`` (SGLang): run the baseline again at the end.
+    ``plans``: more variants, ``{label: plan}`` (a tuned schedule, speculation off; :class:`VariantStats`), measured
+    on the (one) drafter. SGLang only: ``on_variant(name, rounds per batch size)`` after each variant's engine ran,
+    and ``done`` (the same records) skips variants measured before (a resumed run). ``prompts_for(batch size)``:
+    the prompts measured at that batch size (default: ``prompts`` at every size).
     """
     if not prompts:
         raise ValueError("no prompts to benchmark")
-    if not sweep:
+    plans = dict(plans or {})
+    if not sweep and not plans:
         raise ValueError("the sweep is empty: give at least one (num_steps, topk, num_draft_tokens) config")
     if not batch_sizes or min(batch_sizes) < 1:
         raise ValueError(f"batch sizes must be >= 1, got {list(batch_sizes)}")
     sampling = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens, seed=0)
     prompts = [list(p) for p in prompts]
+    at = {bs: [list(p) for p in prompts_for(bs)] if prompts_for else prompts for bs in batch_sizes}
     if ceiling and engine != "sglang":
         raise ValueError("the ceiling run needs the sglang engine (it uses SGLang's own acceptance simulation)")
     drafters = dict(drafter) if isinstance(drafter, Mapping) else {None: drafter}
     if not drafters:
         raise ValueError("no drafter to benchmark")
-    per_bs = {bs: _variants(sweep, list(drafters), ceiling) for bs in batch_sizes}
+    if plans and len(drafters) != 1:
+        raise ValueError("a schedule (or 'off') is measured on one drafter; give one --drafter")
+    per_bs = {bs: _variants(sweep, list(drafters), ceiling, plans) for bs in batch_sizes}
     if engine == "hf":
         for bs in batch_sizes:
-            _bench_hf(target, drafters, prompts, per_bs[bs], sampling, repeats, bs, warmup, progress)
+            _bench_hf(target, drafters, at[bs], per_bs[bs], sampling, repeats, bs, warmup, progress)
     elif engine == "sglang":
         if sglang_factory is None:
             raise ValueError("engine 'sglang' needs sglang_factory (see eaglenest.bench_cli for the launcher)")
-        _bench_sglang(sglang_factory, drafters, prompts, per_bs, sampling, repeats, warmup, progress, drift_check)
+        _bench_sglang(sglang_factory, drafters, at, per_bs, sampling, repeats, warmup, progress, drift_check,
+                      done or {}, on_variant)
     else:
         raise ValueError(f"unknown engine {engine!r}; allowed: hf, sglang")
     kernel = None
@@ -220,11 +243,12 @@ def run_bench_batches(
         from eaglenest.kernels import uses_packed_linears
 
         kernel = "packed" if uses_packed_linears(target.model) else "torch"
-    return [_report(per_bs[bs], engine=engine, sampling=sampling, repeats=repeats, batch_size=bs,
-                    num_prompts=len(prompts), linear_kernel=kernel) for bs in batch_sizes]
+    return [build_report(per_bs[bs], engine=engine, sampling=sampling, repeats=repeats, batch_size=bs,
+                    num_prompts=len(at[bs]), linear_kernel=kernel) for bs in batch_sizes]
 
 
-def _variants(sweep: Sequence[SpecConfig], labels: list[str | None], ceiling: bool) -> list[VariantStats]:
+def _variants(sweep: Sequence[SpecConfig], labels: list[str | None], ceiling: bool,
+              plans: Mapping[str, Any] | None = None) -> list[VariantStats]:
     """The baseline, then every (drafter, config), then the ceilings: one :class:`VariantStats` each. With one
     unnamed drafter a config is named ``steps-topk-tokens``; with several, ``label:steps-topk-tokens``."""
     def name(label: str | None, s: SpecConfig) -> str:
@@ -234,6 +258,7 @@ def _variants(sweep: Sequence[SpecConfig], labels: list[str | None], ceiling: bo
     out += [VariantStats(name(d, s), s, drafter=d) for d in labels for s in sweep]
     if ceiling:
         out += [VariantStats(name(d, s) + " ceiling", s, ceiling=True, drafter=d) for d in labels for s in sweep]
+    out += [VariantStats(label, None, drafter=labels[0], plan=p) for label, p in (plans or {}).items()]
     return out
 
 
@@ -249,8 +274,12 @@ def _bench_hf(target, drafters, prompts, variants, sampling, repeats, batch_size
         loaded[label] = d
     runners: dict[str, Runner] = {}
     for v in variants:
-        dec = (BaselineDecoder.from_engine(target) if v.spec is None
-               else SpecDecoder.from_engine(target, loaded[v.drafter], v.spec))
+        if v.plan is not None:
+            dec = SpecDecoder.from_engine(target, loaded[v.drafter], v.plan.largest_spec(), policy=v.plan.policy())
+        elif v.spec is None:
+            dec = BaselineDecoder.from_engine(target)
+        else:
+            dec = SpecDecoder.from_engine(target, loaded[v.drafter], v.spec)
         runners[v.name] = hf_runner(dec, batch_size)
     groups = [prompts[i:i + batch_size] for i in range(0, len(prompts), batch_size)]
     for v in variants:  # warm-up: allocator, kernels, caches
@@ -279,33 +308,50 @@ def _bench_hf(target, drafters, prompts, variants, sampling, repeats, batch_size
     bar.close()
 
 
-def _bench_sglang(factory, drafters, prompts, per_bs: dict[int, list[VariantStats]], sampling, repeats, warmup,
-                  progress, drift_check: bool = True) -> None:
+def _bench_sglang(factory, drafters, at: dict[int, list[list[int]]], per_bs: dict[int, list[VariantStats]], sampling,
+                  repeats, warmup, progress, drift_check: bool = True,
+                  done: Mapping[str, Mapping[int, list[dict]]] | None = None,
+                  on_variant: Callable[[str, dict[int, list[dict]]], None] | None = None) -> None:
     """One engine per variant, measured at every batch size; the baseline may run again at the end (drift). A
     variant whose engine fails is recorded with its error (at every batch size) and the next one runs: one drafter
-    that SGLang cannot load must not cost the measurements of the others. A failing baseline still raises."""
+    that SGLang cannot load must not cost the measurements of the others. A failing baseline still raises.
+    A variant in ``done`` is not run again: its recorded rounds are used (``on_variant`` records them)."""
     sizes = list(per_bs)
     first = per_bs[sizes[0]]
-    names = [(v.spec, v.ceiling, v.drafter) for v in first] + ([(None, False, None)] if drift_check else [])
+    names = [(v.name, v.spec, v.ceiling, v.drafter, v.plan) for v in first]
+    names += [(BASELINE + "_end", None, False, None, None)] if drift_check else []
     ends = {bs: VariantStats(BASELINE + "_end", None) for bs in sizes}
     bar = _bar(len(names) * repeats * len(sizes), progress, "bench sglang")
-    for i, (spec, ceiling, label) in enumerate(names):
+    for i, (vname, spec, ceiling, label, plan) in enumerate(names):
+        recorded = (done or {}).get(vname)
+        if recorded is not None and all(bs in recorded for bs in sizes):
+            for bs in sizes:
+                v = ends[bs] if i >= len(per_bs[bs]) else per_bs[bs][i]
+                v.rounds = [run_from_record(r) for r in recorded[bs]]
+            bar.update(repeats * len(sizes))
+            continue
         eng = None
         try:
-            eng = factory(spec, None if spec is None else drafters[label])
+            if plan is not None:
+                eng = factory(None, drafters[label], plan=plan)
+            else:
+                eng = factory(spec, None if spec is None else drafters[label])
             # the engine starts lazily: start it now, inside the environment its scheduler process must inherit
             with _environment(CEILING_ENV, str(spec.num_draft_tokens) if ceiling else None):
-                eng.generate_ids(prompts[:1], SamplingParams(max_new_tokens=1))
+                eng.generate_ids(at[sizes[0]][:1], SamplingParams(max_new_tokens=1))
             for bs in sizes:
                 v = ends[bs] if i >= len(per_bs[bs]) else per_bs[bs][i]
                 run = sglang_runner(eng, bs)
                 for _ in range(warmup):
-                    run(prompts[:bs], sampling)
+                    run(at[bs][:bs], sampling)
                 for _ in range(repeats):
-                    v.rounds.append(run(prompts, sampling))
+                    v.rounds.append(run(at[bs], sampling))
                     bar.update(1)
+            if on_variant is not None:
+                on_variant(vname, {bs: [run_record(r) for r in (ends[bs] if i >= len(per_bs[bs])
+                                                                else per_bs[bs][i]).rounds] for bs in sizes})
         except Exception as e:  # noqa: BLE001 - recorded in the report; the baseline's failure is raised below
-            if spec is None and i == 0:
+            if i == 0:
                 raise
             for bs in sizes:
                 v = ends[bs] if i >= len(per_bs[bs]) else per_bs[bs][i]
@@ -319,6 +365,17 @@ def _bench_sglang(factory, drafters, prompts, per_bs: dict[int, list[VariantStat
     for bs in sizes:
         if ends[bs].rounds:
             per_bs[bs][0].rounds_end = ends[bs].rounds  # type: ignore[attr-defined]
+
+
+def run_record(r: _Run) -> dict[str, Any]:
+    """What a resumed run needs of a round (its tokens are not kept: a resumed variant has no greedy-match check)."""
+    return {"seconds": r.seconds, "completion_tokens": r.completion_tokens, "verify_steps": r.verify_steps,
+            "accepted": r.accepted, "per_prompt": [list(x) for x in r.per_prompt]}
+
+
+def run_from_record(d: Mapping[str, Any]) -> _Run:
+    return _Run([], float(d["seconds"]), int(d["completion_tokens"]), int(d["verify_steps"]), int(d["accepted"]),
+                per_prompt=[(int(a), int(b)) for a, b in d.get("per_prompt", [])])
 
 
 @contextlib.contextmanager
@@ -352,132 +409,3 @@ def _bar(total: int, enabled: bool, desc: str):
     except ImportError:  # minimal GPU images: no progress bar, same results
         return _NoBar()
     return tqdm(total=total, desc=desc, unit="run", disable=not enabled)
-
-
-def _report(variants: list[VariantStats], **meta: Any) -> dict[str, Any]:
-    base = variants[0]
-    base_tps = base.median_tok_per_s()
-    rows = []
-    failed = [{"config": v.name, "drafter": v.drafter, "error": v.error} for v in variants[1:] if v.error]
-    for v in variants[1:]:
-        if v.error:
-            continue
-        tps = v.median_tok_per_s()
-        ratios = [s / b for s, b in zip(v.tok_per_s(), base.tok_per_s(), strict=False) if b > 0]
-        greedy_match, identical = None, None
-        if meta["sampling"].greedy and not v.ceiling:
-            pairs = [(x, y) for r, b in zip(v.rounds, base.rounds, strict=False)
-                     for x, y in zip(r.tokens, b.tokens, strict=False)]
-            identical = sum(x == y for x, y in pairs) / len(pairs) if pairs else None
-            greedy_match = identical == 1.0
-        draft_s = sum(r.draft_s for r in v.rounds)
-        verify_s = sum(r.verify_s for r in v.rounds)
-        rows.append({
-            "config": v.name,
-            "num_steps": v.spec.num_steps, "topk": v.spec.topk, "num_draft_tokens": v.spec.num_draft_tokens,
-            "tok_per_s": tps,
-            "tok_per_s_rounds": v.tok_per_s(),
-            "accept_length": v.accept_length(),
-            "accept_length_per_prompt": v.accept_length_per_prompt(),
-            "speedup": tps / base_tps if base_tps > 0 else 0.0,
-            "speedup_median_of_round_ratios": statistics.median(ratios) if ratios else 0.0,
-            "draft_share": draft_s / (draft_s + verify_s) if draft_s + verify_s > 0 else None,
-            "outputs_match_baseline": greedy_match,
-            "identical_outputs_fraction": identical,
-            "ceiling": v.ceiling,
-            "drafter": v.drafter,
-        })
-    real = [r for r in rows if not r["ceiling"]]
-    best = max(real, key=lambda r: r["speedup"]) if real else None
-    end = getattr(base, "rounds_end", None)
-    sampling = meta.pop("sampling")
-    return {
-        **meta,
-        "max_new_tokens": sampling.max_new_tokens,
-        "temperature": sampling.temperature,
-        "baseline": {"tok_per_s": base_tps, "tok_per_s_rounds": base.tok_per_s(),
-                     "completion_tokens": base.rounds[0].completion_tokens if base.rounds else 0,
-                     **({"tok_per_s_end": statistics.median(
-                         [r.completion_tokens / r.seconds for r in end if r.seconds > 0])} if end else {})},
-        "configs": rows,
-        "failed": failed,
-        "best": best,
-        "speculation_wins": bool(best and best["speedup"] > 1.0),
-        "verdict": verdict(best),
-    }
-
-
-def verdict(best: dict[str, Any] | None) -> str:
-    """One plain sentence: does speculation pay off, with which config."""
-    if best is None:
-        return "no speculative config was measured"
-    if best["speedup"] > 1.0:
-        return (f"speculation wins: best config {best['config']} runs {best['speedup']:.2f}x the baseline "
-                f"({best['tok_per_s']:.1f} tok/s, accept length {best['accept_length']:.2f})")
-    return (f"SPECULATION LOSES: even the best config {best['config']} runs at {best['speedup']:.2f}x the baseline "
-            f"(accept length {best['accept_length']:.2f}); serve without speculation, or train the drafter on more "
-            "target-regenerated data and re-run the benchmark")
-
-
-def report_markdown(report: dict[str, Any], title: str = "Speculative decoding benchmark") -> str:
-    """The report as a Markdown page (table per config, the best one, the verdict)."""
-    lines = [f"# {title}", ""]
-    kernel = f" ({report['linear_kernel']} linears)" if report.get("linear_kernel") else ""
-    lines.append(f"Engine `{report['engine']}`{kernel}, {report['num_prompts']} prompts, "
-                 f"batch size {report['batch_size']}, max_new_tokens {report['max_new_tokens']}, "
-                 f"temperature {report['temperature']}, "
-                 f"{report['repeats']} interleaved rounds (medians).")
-    lines.append("")
-    b = report["baseline"]
-    lines.append(f"Baseline (same engine, no drafter): **{b['tok_per_s']:.1f} tok/s**.")
-    if "tok_per_s_end" in b:
-        lines.append(f"Baseline re-run after the sweep: {b['tok_per_s_end']:.1f} tok/s (drift check).")
-    lines += ["", "| config (steps-topk-tokens) | tok/s | accept length | speedup | draft share | greedy == baseline |",
-              "|---|---|---|---|---|---|"]
-    for r in report["configs"]:
-        share = "" if r["draft_share"] is None else f"{100 * r['draft_share']:.0f}%"
-        match = {None: "n/a", True: "yes"}.get(r["outputs_match_baseline"],
-                                              f"**{100 * (r['identical_outputs_fraction'] or 0):.0f}% of prompts**")
-        mark = " **(best)**" if report["best"] and r["config"] == report["best"]["config"] else ""
-        if r.get("ceiling"):
-            match, mark = "n/a (every draft accepted)", " (bound)"
-        lines.append(f"| {r['config']}{mark} | {r['tok_per_s']:.1f} | {r['accept_length']:.2f} | "
-                     f"{r['speedup']:.2f}x | {share} | {match} |")
-    for f in report.get("failed") or []:
-        lines.append(f"| {f['config']} | failed | | | | {f['error'][:200]} |")
-    lines += ["", f"**Verdict:** {report['verdict']}", ""]
-    return "\n".join(lines)
-
-
-def plot_bench(report: dict[str, Any], path: str | Path) -> Path:
-    """PNG: tok/s per config against the baseline line, and speedup vs accept length."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = report["configs"]
-    if not rows:
-        raise ValueError("nothing to plot: every speculative config failed (see the report's 'failed')")
-    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
-    names = [r["config"] for r in rows]
-    colors = ["tab:green" if r["speedup"] > 1 else "tab:red" for r in rows]
-    axes[0].bar(names, [r["tok_per_s"] for r in rows], color=colors)
-    axes[0].axhline(report["baseline"]["tok_per_s"], color="black", ls="--", label="baseline")
-    axes[0].set_ylabel("tokens / s")
-    axes[0].set_xlabel("num_steps-topk-num_draft_tokens")
-    axes[0].set_title(f"throughput ({report['engine']}, batch {report['batch_size']})")
-    axes[0].legend()
-    axes[1].scatter([r["accept_length"] for r in rows], [r["speedup"] for r in rows], c=colors)
-    for r in rows:
-        axes[1].annotate(r["config"], (r["accept_length"], r["speedup"]), fontsize=8)
-    axes[1].axhline(1.0, color="black", ls="--")
-    axes[1].set_xlabel("accept length")
-    axes[1].set_ylabel("speedup vs baseline")
-    axes[1].set_title("speedup vs accept length")
-    fig.tight_layout()
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out

@@ -50,7 +50,7 @@ per-row slot validity (:mod:`eaglenest.speculative.cache`).
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -60,12 +60,16 @@ from eaglenest.drafters.eagle3.model import Eagle3Drafter
 from eaglenest.engines.base import SamplingParams
 from eaglenest.engines.hf_compat import cache_kwargs, new_dynamic_cache
 from eaglenest.kernels import pack_linears, uses_packed_linears
+from eaglenest.speculative.backlog import Block, catch_up, select_backlog
 from eaglenest.speculative.cache import additive_mask, block_mask, causal_block, commit_block, select_rows
 from eaglenest.speculative.draft import DraftModel, Eagle3DraftModel, FeedMode
 from eaglenest.speculative.logits import context_mask, penalize, penalize_tree, token_logprobs
 from eaglenest.speculative.records import DecodeBatch, DecodeRow, SpecResult, StreamChunk
 from eaglenest.speculative.sampling import Acceptance, accept_greedy, accept_sampling, target_probs
 from eaglenest.speculative.tree import DraftTree, build_tree, root_only
+
+Policy = Callable[[int], SpecConfig | None]
+"""batch size -> draft shape of a step (None: that step does not draft): how a tuned schedule drives the decoder"""
 
 
 class SpecDecoder:
@@ -80,6 +84,7 @@ class SpecDecoder:
         *,
         mode: FeedMode | None = None,
         eos_token_ids: Sequence[int] | None = None,
+        policy: Policy | None = None,
     ) -> None:
         self.model = target_model
         self.tokenizer = tokenizer
@@ -106,6 +111,10 @@ class SpecDecoder:
             draft.token_map = draft.token_map.to(self.device)
         self.eos = set(eos_token_ids) if eos_token_ids is not None else _eos_ids(target_model, tokenizer)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        self.policy = policy
+        """batch size -> the draft shape of a step (None: the step does not draft); None: always ``spec``"""
+        self.last_mode: tuple[int, int] | None = None
+        """(batch size, num_steps) of the latest step; num_steps 0 = it did not draft"""
 
     @classmethod
     def from_engine(cls, engine: Any, drafter: Eagle3Drafter | DraftModel | None, spec: SpecConfig | None = None,
@@ -163,9 +172,19 @@ class SpecDecoder:
              number: int) -> list[tuple[int, StreamChunk]]:
         """One draft -> verify -> commit step of ``batch`` (``rows``: a table holding every row id of the batch);
         one ``(row id, chunk)`` per row that emitted, ``chunk.step == number``. A row finished before the step began
-        (cancelled while in the batch) is decoded along but emits nothing."""
+        (cancelled while in the batch) is decoded along but emits nothing. With a ``policy`` the live batch size
+        picks this step's draft shape, or no drafting at all (a plain decoding step; the drafter catches up when
+        drafting resumes, :mod:`eaglenest.speculative.backlog`)."""
+        spec = self.spec_for(len(batch.rows))
+        self.last_mode = (len(batch.rows), spec.num_steps if spec is not None else 0)
         return [(ri, self._chunk(r, took, number, accepted, sampling))
-                for ri, r, took, accepted in self._step(batch, rows, sampling) if took is not None]
+                for ri, r, took, accepted in self._step(batch, rows, sampling, spec) if took is not None]
+
+    def spec_for(self, batch_size: int) -> SpecConfig | None:
+        """The draft shape of a step at ``batch_size`` (None: no drafting)."""
+        if self.draft is None:
+            return None
+        return self.spec if self.policy is None else self.policy(batch_size)
 
     @torch.inference_mode()
     def drop_finished(self, batch: DecodeBatch, rows: Mapping[int, DecodeRow]) -> DecodeBatch | None:
@@ -183,6 +202,7 @@ class SpecDecoder:
         batch.pending = batch.pending[idx]
         batch.gens = [batch.gens[j] for j in keep]
         if self.draft is not None:
+            batch.backlog = select_backlog(batch.backlog, idx)
             self.draft.select_rows(batch.d_cache, idx)
             batch.d_valid = batch.d_valid[idx]
             batch.root_logits = batch.root_logits[idx]
@@ -242,7 +262,8 @@ class SpecDecoder:
                 text, reason = text[:cut], "stop"
         return SpecResult(
             token_ids=list(row.tokens), text=text, finish_reason=reason, prompt_tokens=len(row.prompt),
-            draft_steps=len(row.accepted), accepted_per_step=list(row.accepted), draft_time_s=row.draft_s,
+            draft_steps=len(row.accepted), accepted_per_step=list(row.accepted), draft_tokens=row.proposed,
+            draft_time_s=row.draft_s,
             verify_time_s=row.verify_s, prefill_time_s=row.prefill_s, total_time_s=row.end - row.start,
         )
 
@@ -257,13 +278,17 @@ class SpecDecoder:
             yield from self.step(batch, rows, sampling, number)
             batch = self.drop_finished(batch, rows)
 
-    def _step(self, batch: DecodeBatch, rows: Mapping[int, DecodeRow],
-              sampling: SamplingParams) -> list[tuple[int, DecodeRow, list[int] | None, int]]:
+    def _step(self, batch: DecodeBatch, rows: Mapping[int, DecodeRow], sampling: SamplingParams,
+              spec: SpecConfig | None) -> list[tuple[int, DecodeRow, list[int] | None, int]]:
         """One draft -> verify -> commit step of ``batch``; per row: (row id, row, tokens it emitted, draft tokens
         accepted). A row already finished when the step began (cancelled while in the batch) was decoded along
         but emits nothing: its tokens are ``None``."""
         t0 = self.clock()
-        tree = self._draft_tree(batch, sampling) if self.draft is not None else root_only(batch.pending)
+        if spec is not None:
+            catch_up(self.draft, batch)
+            tree = self._draft_tree(batch, sampling, spec)
+        else:
+            tree = root_only(batch.pending)
         t1 = self.clock()
         acc, feats, lt = self._verify(batch, tree, sampling, rows)
         t2 = self.clock()
@@ -276,10 +301,12 @@ class SpecDecoder:
             if r.finish is not None:
                 out.append((ri, r, None, accepted))
                 continue
-            r.accepted.append(accepted)
+            if spec is not None or self.draft is None:  # the baseline counts every step; "off" steps drafted nothing
+                r.accepted.append(accepted)
+                r.proposed += tree.size - 1
             new = [int(tree.tokens[j, c]) for c in acc.paths[j][1:]] + [acc.bonus[j]]
             out.append((ri, r, self._emit(r, new, sampling), accepted))
-        self._commit(batch, tree, acc, feats, lt, rows)
+        self._commit(batch, tree, acc, feats, lt, rows, drafting=spec is not None)
         t3 = self.clock()
         for _, r, _, _ in out:
             r.draft_s += t3 - t2
@@ -331,8 +358,8 @@ class SpecDecoder:
             batch.root_logits, batch.root_hidden = d_logits[:, -1], d_hidden[:, -1]
         return batch, first.cpu()
 
-    def _draft_tree(self, batch: DecodeBatch, sampling: SamplingParams) -> DraftTree:
-        spec, draft = self.spec, self.draft
+    def _draft_tree(self, batch: DecodeBatch, sampling: SamplingParams, spec: SpecConfig) -> DraftTree:
+        draft = self.draft
         assert draft is not None and batch.d_valid is not None
         ld = batch.d_valid.shape[1]
         b = len(batch.rows)
@@ -375,8 +402,9 @@ class SpecDecoder:
         return acc, feats, lt
 
     def _commit(self, batch: DecodeBatch, tree: DraftTree, acc: Acceptance, feats: torch.Tensor | None, lt: int,
-                rows: Mapping[int, DecodeRow]) -> None:
-        """Keep the accepted path in the target cache; let the drafter re-read it; drop finished rows."""
+                rows: Mapping[int, DecodeRow], *, drafting: bool = True) -> None:
+        """Keep the accepted path in the target cache; let the drafter re-read it (deferred to the next drafting
+        step when this one did not draft)."""
         b = len(batch.rows)
         lens = [len(p) for p in acc.paths]
         m = max(lens)
@@ -404,6 +432,9 @@ class SpecDecoder:
             path_feats = torch.zeros(b, m, 1, device=self.device)
         else:
             path_feats = feats.gather(1, index[:, :, None].expand(b, m, feats.shape[-1]))
+        if not drafting:
+            batch.backlog.append(Block(nxt, path_feats, pos, valid))
+            return
         allowed = block_mask(batch.d_valid, causal_block(valid))
         d_logits, d_hidden = self.draft.step(batch.d_cache, nxt, path_feats, pos, allowed, own_hidden=False)
         batch.d_valid = torch.cat([batch.d_valid, valid], dim=1)

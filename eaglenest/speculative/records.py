@@ -22,6 +22,8 @@ class SpecResult:
     prompt_tokens: int
     draft_steps: int = 0
     accepted_per_step: list[int] = field(default_factory=list)
+    draft_tokens: int = 0
+    """draft tokens proposed over all steps (steps differ in size when a schedule changes the shape)"""
     draft_time_s: float = 0.0
     verify_time_s: float = 0.0
     prefill_time_s: float = 0.0
@@ -45,6 +47,7 @@ class SpecResult:
             "token_ids": self.token_ids, "text": self.text, "finish_reason": self.finish_reason,
             "prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
             "draft_steps": self.draft_steps, "accepted_per_step": self.accepted_per_step,
+            "draft_tokens": self.draft_tokens,
             "accept_length": self.accept_length, "draft_time_s": self.draft_time_s,
             "verify_time_s": self.verify_time_s, "prefill_time_s": self.prefill_time_s,
             "total_time_s": self.total_time_s,
@@ -77,6 +80,9 @@ class DecodeRow:
     tokens: list[int] = field(default_factory=list)
     finish: str | None = None
     accepted: list[int] = field(default_factory=list)
+    """draft tokens accepted at each step that drafted (a step a schedule ran without drafting adds nothing)"""
+    proposed: int = 0
+    """draft tokens proposed to the target so far"""
     draft_s: float = 0.0
     verify_s: float = 0.0
     prefill_s: float = 0.0
@@ -102,8 +108,9 @@ class DecodeBatch:
 
     Target side: KV cache ``t_cache``, slot validity ``t_valid [B, L]``, next RoPE position ``next_pos [B]``, the
     token to decode next ``pending [B]``, per-row RNGs ``gens``. Drafter side (None without a drafter): its cache,
-    slot validity and the logits / hidden state the next draft tree grows from. Batches of one decoder and one
-    sampling setting can be stacked (:func:`eaglenest.speculative.batching.merge_batches`).
+    slot validity, the logits / hidden state the next draft tree grows from, and the catch-up it still owes.
+    Batches of one decoder and one sampling setting can be stacked (:func:`eaglenest.speculative.batching.
+    merge_batches`).
     """
 
     rows: list[int]
@@ -116,3 +123,5 @@ class DecodeBatch:
     d_valid: torch.Tensor | None = None
     root_logits: torch.Tensor | None = None
     root_hidden: torch.Tensor | None = None
+    backlog: list[Any] = field(default_factory=list)
+    """the drafter's deferred catch-up after steps that did not draft (:mod:`eaglenest.speculative.backlog`)"""

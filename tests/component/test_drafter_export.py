@@ -61,9 +61,13 @@ def sample_inputs(m: Eagle3Drafter):
 def test_sglang_export_matches_loader_contract(tiny_drafter, tmp_path, tiny_target_path) -> None:
     m, _ = tiny_drafter
     out = export_drafter(m, tmp_path / "exp", fmt="sglang", dtype="bfloat16")
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "eaglenest_drafter.json", "model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json", "eaglenest_drafter.json",
+                                                     "model.safetensors"]
     cfg = json.loads((out / "config.json").read_text())
     facts = TargetSpec.read(tiny_target_path)
+    assert "eagle_aux_hidden_state_layer_ids" not in cfg  # vLLM's key: an SGLang-only folder does not carry it
+    readme = (out / "README.md").read_text()
+    assert "Not for vLLM" in readme and "--speculative-algorithm EAGLE3" in readme
     assert cfg["architectures"] == ["LlamaForCausalLMEagle3"]
     assert cfg["model_type"] == "llama" and cfg["num_hidden_layers"] == 1
     assert cfg["hidden_size"] == facts.hidden_size and cfg["vocab_size"] == facts.vocab_size
@@ -102,10 +106,44 @@ def test_vllm_format_writes_physical_ids_and_loads_back(tiny_drafter, tmp_path) 
     out = export_drafter(m, tmp_path / "v", fmt="vllm", dtype="float32", include_embedding=False)
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]  # the key both of vLLM's model runners read
+    assert "Not for SGLang" in (out / "README.md").read_text()
     assert "embed_tokens.weight" not in load_file(str(out / "model.safetensors"))
     back = load_drafter(out)  # embedding comes from the target recorded in the sidecar
     assert back.config.aux_layer_ids == [2, 4, 5]
     assert torch.equal(back.embed_tokens.weight, m.embed_tokens.weight)
+
+
+def test_default_export_serves_both_engines_from_one_folder(tiny_drafter, tmp_path) -> None:
+    """The default format: SGLang's ids (physical - 1) in eagle_config, vLLM's physical ids at the top level; each
+    engine reads its own key (drafters.eagle3.engine_ids), preflight passes for both, and the README next to the
+    weights gives each engine's exact launch settings (vLLM's speculative_config with method eagle3)."""
+    from eaglenest.drafters.eagle3.engine_ids import sglang_reads, vllm_reads
+    from eaglenest.drafters.preflight import run_preflight
+
+    m, _ = tiny_drafter
+    out = export_drafter(m, tmp_path / "both", dtype="float32")
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
+    assert sglang_reads(cfg)[0] == [1, 3, 4]
+    assert {r: ids for r, (ids, _) in vllm_reads(cfg).items()} == {"v1": [2, 4, 5], "v2": [2, 4, 5]}
+    side = json.loads((out / "eaglenest_drafter.json").read_text())
+    assert side["format"] == "both" and side["engine_aux_layer_ids"] == {"sglang": [1, 3, 4], "vllm": [2, 4, 5]}
+    assert load_drafter(out).config.aux_layer_ids == [2, 4, 5]
+    target = side["target"]
+    for engine in ("sglang", "vllm", "hf"):
+        report = run_preflight(target, out, engine=engine)
+        assert report.ok, report.format()
+    readme = (out / "README.md").read_text()
+    spec = json.dumps({"method": "eagle3", "model": str(out.resolve()), "num_speculative_tokens": 3})
+    assert f"speculative_config={spec}" in readme
+    assert "--speculative-algorithm EAGLE3" in readme and "Not for" not in readme
+    # the top-level key edited to SGLang's ids: the folder no longer reads back (one record disagrees)
+    cfg["eagle_aux_hidden_state_layer_ids"] = [1, 3, 4]
+    (out / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ExportError, match="eagle_aux_hidden_state_layer_ids \\[1, 3, 4\\] in vllm's convention"):
+        load_drafter(out)
 
 
 def test_exporter_refuses_missing_tensor_and_bad_shapes(tiny_drafter, tmp_path) -> None:
@@ -168,7 +206,7 @@ def test_loader_refuses_inconsistent_layer_ids(tiny_drafter, tmp_path) -> None:
         load_drafter(out)
 
 
-def test_cli_export(tiny_drafter, tmp_path) -> None:
+def test_cli_export(tiny_drafter, tmp_path, capsys) -> None:
     from eaglenest.cli import main
 
     m, mapping = tiny_drafter
@@ -178,4 +216,10 @@ def test_cli_export(tiny_drafter, tmp_path) -> None:
     assert main(["export", "--checkpoint", str(tmp_path / "run"), "--output", str(tmp_path / "o"),
                  "--format", "vllm"]) == 0
     assert json.loads((tmp_path / "o" / "eaglenest_drafter.json").read_text())["format"] == "vllm"
+    capsys.readouterr()
+    assert main(["export", "--checkpoint", str(tmp_path / "run"), "--output", str(tmp_path / "b")]) == 0
+    printed = capsys.readouterr().out
+    assert json.loads((tmp_path / "b" / "eaglenest_drafter.json").read_text())["format"] == "both"
+    spec = {"method": "eagle3", "model": str((tmp_path / "b").resolve()), "num_speculative_tokens": 3}
+    assert f"speculative_config={json.dumps(spec)}" in printed and "--speculative-algorithm EAGLE3" in printed
     assert main(["export", "--checkpoint", str(tmp_path / "none"), "--output", str(tmp_path / "o2")]) == 2

@@ -57,12 +57,42 @@ def test_plain_text_passes_unchanged_and_bad_calls_stay_visible(tiny_engine):
     assert parse_all(fmt.parser(tools=True), text).content == text
     bad = 'Sure. <tool_call>{"name": get_weather}</tool_call>'
     out = parse_all(fmt.parser(tools=True), bad)
-    assert out.content == bad and out.tool_calls == []
+    assert out.content == 'Sure. {"name": get_weather}' and out.tool_calls == []  # the text stays, its markers not
     # tools not offered: the markers are not even decoded, the text is plain decoding's
     _, gen = _generated_part(tiny_engine.tokenizer, TOOL_TURN)
     assert "<tool_call>" not in fmt.decode(gen, tools=False)
     assert fmt.decode(gen, tools=False).replace("<think>", "").replace("</think>", "") == \
         tiny_engine.tokenizer.decode(gen, skip_special_tokens=True)
+
+
+CALL = '<tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call>'
+LEAKS = [  # (model output, content with tools offered, calls parsed then, content without tools)
+    ("Done.</tool_call> Bye", "Done. Bye", 0, "Done. Bye"),  # a stray end marker
+    ("Hi <tool_call>{bad<tool_call>" + CALL[11:], 'Hi {bad{"name": "f", "arguments": {"x": 1}}', 0,
+     'Hi {bad{"name": "f", "arguments": {"x": 1}}'),  # a body holding another start marker
+    ('Let me check. <tool_call>{"name": "f"', 'Let me check. {"name": "f"', 0, 'Let me check. {"name": "f"'),
+    ("A " + CALL + " B</tool_call>", "AB", 1, 'A {"name": "f", "arguments": {"x": 1}} B'),
+]
+
+
+@pytest.mark.parametrize("output,with_tools,calls,without", LEAKS)
+@pytest.mark.parametrize("piece", [1, 3, 10_000])
+def test_tool_call_markers_never_reach_content(tiny_engine, output, with_tools, calls, without, piece):
+    """Stray, unclosed or around a body that is no call, offered tools or not, streamed in any pieces: the markers
+    are dropped and the model's other text stays."""
+    fmt = ChatFormat.from_tokenizer(tiny_engine.tokenizer)
+    for tools, want in ((True, with_tools), (False, without)):
+        parser = fmt.parser(tools=tools, reasoning=False)
+        for i in range(0, len(output), piece):
+            parser.feed(output[i:i + piece])
+        parser.finish()
+        assert parser.out.content == want, (tools, parser.out)
+        assert "tool_call>" not in parser.out.content
+        assert len(parser.out.tool_calls) == (calls if tools else 0)
+    # markers that are plain text (a configured pair) are kept out the same way
+    custom = ChatFormat.from_tokenizer(tiny_engine.tokenizer, tool_call_markers=["[CALL]", "[/CALL]"])
+    text = output.replace("<tool_call>", "[CALL]").replace("</tool_call>", "[/CALL]")
+    assert parse_all(custom.parser(tools=False, reasoning=False), text).content == without
 
 
 def test_markers_from_config_and_a_template_that_opens_reasoning(tiny_engine):

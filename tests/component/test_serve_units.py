@@ -93,6 +93,42 @@ def test_deployment_options_follow_the_config():
     assert "num_replicas" not in auto and auto["autoscaling_config"]["max_replicas"] == 4
 
 
+@pytest.mark.parametrize("events, ok", [
+    ([{"choices": [{"index": 0, "delta": {"content": "x"}}]}, "[DONE]"], True),
+    ([{"error": {"message": "m", "type": "server_error"}}, "[DONE]"], True),
+    ([{"choices": [{"index": 0, "delta": {}}], "created": "now"}, "[DONE]"], False),  # a chunk of the wrong shape
+    ([{"choices": [], "object": "chat.completion"}], False),                        # not a chunk
+    (["hello", "[DONE]"], False),                                                   # neither JSON nor [DONE]
+])
+def test_the_documented_event_stream_is_checked_chunk_by_chunk(events, ok):
+    """/openapi.json's text/event-stream schema describes each event (OpenAPI 3.1) and its data as JSON
+    (contentSchema) or [DONE]: schemathesis' response check, which the e2e runs against the server, rejects a stream
+    whose chunks break the chunk schema, not only one whose data is not a string."""
+    import json
+
+    import requests
+    import schemathesis
+    from schemathesis.checks import content_type_conformance, response_schema_conformance
+    from schemathesis.core.failures import FailureGroup
+    from schemathesis.core.transport import Response
+
+    from eaglenest.serve.deployment import api
+
+    chunk = {"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "m"}
+    body = "".join(f"data: {e if isinstance(e, str) else json.dumps({**chunk, **e})}\n\n" for e in events)
+    op = schemathesis.openapi.from_dict(api.openapi())["/v1/chat/completions"]["POST"]
+    request = requests.Request("POST", "http://x/v1/chat/completions", json={}).prepare()
+    response = Response(200, {"content-type": ["text/event-stream"]}, body.encode(), request, 0.0, True,
+                        encoding="utf-8")
+    case = op.Case(body={"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True})
+    checks = [content_type_conformance, response_schema_conformance]
+    if ok:
+        case.validate_response(response, checks=checks)
+    else:
+        with pytest.raises(FailureGroup, match="SSE event violates schema"):
+            case.validate_response(response, checks=checks)
+
+
 def test_build_app_refuses_unknown_args_and_a_bad_drafter(tmp_path, tiny_target_path):
     from serve_helpers import make_drafter
 
@@ -386,8 +422,10 @@ def test_every_serve_metric_the_monitoring_uses_is_emitted():
     import re
     from pathlib import Path
 
+    from eaglenest.contracts.metrics import SERVE_SCHEDULE
     from eaglenest.serve.metrics import METRIC_NAMES
 
+    METRIC_NAMES = (*METRIC_NAMES, *(m.name for m in SERVE_SCHEDULE))  # noqa: N806 - serve.schedule's series too
     root = Path(__file__).resolve().parents[2] / "monitoring"
     used = set()
     for f in list(root.glob("*.yml")) + list(root.glob("*.json")):

@@ -124,3 +124,37 @@ def test_kill_mid_training_then_rerun_resumes(ray_session, tiny_shards, tmp_path
     assert load_drafter(out / "export").config.draft_vocab_size == 200
     assert (out / "training_curves.png").stat().st_size > 10_000
     assert "resumed from step" in second.stdout + second.stderr
+
+
+def test_a_run_resumed_with_another_worker_count_continues(ray_session, tiny_shards, tmp_path) -> None:
+    """Two workers are killed after a checkpoint; the same run resumes with one (a cluster that shrank) and finishes:
+    the epoch's position is kept in samples (the two workers' batches become twice as many for one), the run is
+    re-planned for one worker, and the resume log says so."""
+    out = tmp_path / "out"
+    env = dict(os.environ, RAY_ADDRESS=ray_session.get_runtime_context().gcs_address)
+
+    def cmd(cfg: Path) -> list[str]:
+        return [sys.executable, "-m", "eaglenest.drafter.cli", "train", "--config", str(cfg), "--data",
+                str(tiny_shards), "--output", str(out)]
+
+    two = write_config(tmp_path / "two.yaml", num_workers=2, cpus_per_worker=0.25, max_steps=None, epochs=2)
+    one = write_config(tmp_path / "one.yaml", num_workers=1, cpus_per_worker=0.25, max_steps=None, epochs=2)
+    with open(tmp_path / "run1.log", "wb") as log:
+        first = subprocess.Popen(cmd(two), env=env, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path)
+        deadline = time.time() + 300
+        while time.time() < deadline and first.poll() is None and not registered_checkpoint(out / "ray" / RUN):
+            time.sleep(0.1)
+        assert first.poll() is None, (tmp_path / "run1.log").read_text()[-3000:]
+        os.kill(first.pid, signal.SIGKILL)
+        first.wait()
+    second = subprocess.run(cmd(one), env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    r = [json.loads(x) for x in (out / "resume_log.jsonl").read_text().splitlines()][-1]
+    assert (r["world_size_checkpoint"], r["world_size_run"]) == (2, 1)
+    assert r["epoch"] == 0 and r["epoch_batches"] == 2 * r["epoch_batches_checkpoint"] > 0
+    assert "resumed with 1 worker(s) from a checkpoint of 2" in second.stdout + second.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [x["step"] for x in records if x["kind"] == "train"]
+    assert steps == sorted(set(steps)) and steps[-1] == summary["steps"]  # no step logged twice, the plan finished
+    assert (out / "export" / "config.json").is_file()

@@ -264,6 +264,7 @@ def test_dashboard_structure():
         "speedup_vs_baseline",
         "serve_tokens_per_second",
         "ttft_seconds_bucket",
+        "queue_seconds_bucket",
         "inter_token_latency_seconds_bucket",
         "ray_serve_num_http_error_requests_total",
         "regen_samples_done_total",

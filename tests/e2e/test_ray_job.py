@@ -41,9 +41,11 @@ class Head:
     address: str
     env: dict
 
-    def submit(self, job_id: str, *entrypoint: str, wait: bool = True) -> subprocess.CompletedProcess:
+    def submit(self, job_id: str, *entrypoint: str, wait: bool = True,
+               env_vars: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+        runtime_env = {**RUNTIME_ENV, **({"env_vars": env_vars} if env_vars else {})}
         cmd = ["job", "submit", "--address", self.address, "--submission-id", job_id, "--working-dir", str(REPO),
-               "--runtime-env-json", json.dumps(RUNTIME_ENV), "--entrypoint-num-cpus", "0.25",
+               "--runtime-env-json", json.dumps(runtime_env), "--entrypoint-num-cpus", "0.25",
                *([] if wait else ["--no-wait"]), "--", *entrypoint]
         for _ in range(80):  # the job agent registers (and the dashboard settles) seconds to minutes after start
             res = _ray(*cmd, env=self.env, timeout=900)
@@ -147,13 +149,19 @@ def test_ray_job_submit_regen_then_train(ray_head, tmp_path):
 
 
 def test_ray_job_submit_serve_attaches_to_the_cluster(ray_head):
-    """`eaglenest serve` as a job: attaches (no driver-only options), serves the official client, stops cleanly."""
+    """`eaglenest serve` as a job: attaches (no driver-only options), serves the official client, and `ray job stop`
+    drains it: a running stream ends with its finish_reason, then Serve is gone. Ray's job supervisor SIGKILLs the
+    driver RAY_JOB_STOP_WAIT_TIME_S after its SIGTERM (3 s by default, which the drain's 30 s would not fit: the
+    command warns), so the job is submitted with the runtime env the warning names."""
     from openai import OpenAI
+
+    from eaglenest.serve.supervise import job_stop_warning
 
     port = _free_port()
     submit = ray_head.submit("eaglenest-serve-test", "eaglenest", "serve", "--config", "configs/demo.yaml",
-                             "--port", str(port), wait=False)
+                             "--port", str(port), wait=False, env_vars={"RAY_JOB_STOP_WAIT_TIME_S": "40"})
     assert submit.returncode == 0, submit.stdout[-4000:] + submit.stderr[-4000:]
+    stopped = False
     try:
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline:
@@ -168,11 +176,38 @@ def test_ray_job_submit_serve_attaches_to_the_cluster(ray_head):
             time.sleep(2)
         else:
             pytest.fail("serve job never became healthy:\n" + ray_head.logs("eaglenest-serve-test")[-4000:])
-        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=300)
         reply = client.chat.completions.create(model="eaglenest", max_tokens=8,
                                                messages=[{"role": "user", "content": "Say hello."}])
         assert reply.choices[0].finish_reason in {"stop", "length"}
         assert reply.usage.completion_tokens > 0
-        assert "eaglenest serving" in ray_head.logs("eaglenest-serve-test")
+        logs = ray_head.logs("eaglenest-serve-test")
+        assert "eaglenest serving" in logs and "RAY_JOB_STOP_WAIT_TIME_S" not in logs  # no warning: it has 40 s
+        assert "RAY_JOB_STOP_WAIT_TIME_S" in job_stop_warning(30.0, {"RAY_JOB_CONFIG_JSON_ENV_VAR": "{}"})
+
+        stream = client.chat.completions.create(
+            model="eaglenest", messages=[{"role": "user", "content": "Write a short poem about the sea."}],
+            max_tokens=512, temperature=0, stream=True, extra_body={"ignore_eos": True})
+        finish, tokens = None, 0
+        for chunk in stream:  # stop the job once the stream runs; it must still end with its finish_reason
+            if chunk.choices and chunk.choices[0].delta.content and not stopped:
+                res = _ray("job", "stop", "--no-wait", "--address", ray_head.address, "eaglenest-serve-test",
+                           env=ray_head.env, timeout=120)
+                assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+                stopped = True
+            if chunk.choices and chunk.choices[0].finish_reason:
+                finish = chunk.choices[0].finish_reason
+            if chunk.usage:
+                tokens = chunk.usage.completion_tokens
+        assert stopped and finish == "length", (finish, tokens)
+        deadline = time.monotonic() + 60
+        while "stopped" not in ray_head.status("eaglenest-serve-test").lower() and time.monotonic() < deadline:
+            time.sleep(1)
+        assert "stopped" in ray_head.status("eaglenest-serve-test").lower()
+        logs = ray_head.logs("eaglenest-serve-test")
+        assert any(line.strip() == "stopped" for line in logs.splitlines()), logs[-2000:]  # drained, not killed
+        with pytest.raises(OSError):  # Serve went with it
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5)
     finally:
-        _ray("job", "stop", "--address", ray_head.address, "eaglenest-serve-test", env=ray_head.env, timeout=120)
+        if not stopped:
+            _ray("job", "stop", "--address", ray_head.address, "eaglenest-serve-test", env=ray_head.env, timeout=120)

@@ -17,7 +17,12 @@ import openai
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
-from schemathesis.checks import not_a_server_error
+from schemathesis.checks import (
+    content_type_conformance,
+    not_a_server_error,
+    response_schema_conformance,
+    status_code_conformance,
+)
 from serve_helpers import make_drafter
 
 from eaglenest.config import EaglenestConfig
@@ -42,15 +47,18 @@ def _cfg(target, **serve) -> EaglenestConfig:
 @pytest.fixture(scope="module")
 def apps(ray_session, tiny_target_path, tmp_path_factory):
     """``edges``: two replicas with a drafter and the default reasoning setting (off); ``thinking``: one baseline
-    replica with ``serve.reasoning_parser: true`` and an API key."""
+    replica with ``serve.reasoning_parser: true`` and an API key; ``open``: an API key with /health's details and
+    the docs made public."""
     from eaglenest.serve.cli import AppSpec, start_apps, stop_serve
 
     drafter = make_drafter(tmp_path_factory.mktemp("edges") / "drafter", tiny_target_path)
     specs = [AppSpec(_cfg(tiny_target_path, num_replicas=2, max_request_bytes=MAX_BYTES), str(drafter), "edges", "/"),
              AppSpec(_cfg(tiny_target_path, model_name="thinking", reasoning_parser=True, api_key=API_KEY), None,
-                     "thinking", "/thinking")]
+                     "thinking", "/thinking"),
+             AppSpec(_cfg(tiny_target_path, model_name="open", api_key=API_KEY, health_details_public=True,
+                          docs_public=True), None, "open", "/open")]
     urls = start_apps(specs, port=_free_port())
-    yield dict(zip(("edges", "thinking"), urls, strict=True))
+    yield dict(zip(("edges", "thinking", "open"), urls, strict=True))
     stop_serve()
 
 
@@ -373,19 +381,32 @@ def test_with_an_api_key_health_and_docs_reveal_only_the_status(apps):
     assert httpx.get(f"{apps['edges']}/health", timeout=30).json()["model"] == "eaglenest"
 
 
+def test_health_details_and_docs_can_be_made_public(apps):
+    """serve.health_details_public / serve.docs_public: the operator's choice, the generation routes keep the key."""
+    url = apps["open"]
+    health = httpx.get(f"{url}/health", timeout=30).json()
+    assert health["status"] == "ok" and health["model"] == "open" and "self_test" in health
+    assert "/v1/chat/completions" in httpx.get(f"{url}/openapi.json", timeout=30).json()["paths"]
+    assert "swagger" in httpx.get(f"{url}/docs", timeout=30).text.lower()
+    _error(httpx.get(f"{url}/v1/models", timeout=30), 401, code="invalid_api_key")
 
 
 # ---------------------------------------------------------------------------------- schema-driven fuzzing (bounded)
+CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
+"""no 5xx, and every response one the schema documents: its status, its content type and its body's schema"""
+
+
 def test_schema_driven_requests_never_get_a_5xx(url):
     """Schemathesis generates bodies, paths and headers from the served /openapi.json, valid and invalid (25 per
     operation, derandomized so a failure reproduces); none may get a 5xx. Half the bodies name the served model, so
     validation runs too, not only the 404 of an unknown model. (Its Python API, not its pytest plugin: the plugin's
     fixture mode does not run under pytest 9.)"""
     schema = schemathesis.openapi.from_url(f"{url}/openapi.json")
-    labels, statuses = [], set()
+    labels, statuses, ops = [], set(), {}
     for result in schema.get_all_operations():
         op = result.ok()
         labels.append(op.label)
+        ops[op.label] = op
 
         @given(case=op.as_strategy())
         @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True,
@@ -394,10 +415,19 @@ def test_schema_driven_requests_never_get_a_5xx(url):
             if isinstance(case.body, dict) and isinstance(case.body.get("model"), str) and \
                     len(case.body["model"]) % 2 == 0:
                 case.body["model"] = "eaglenest"
-            resp = case.call_and_validate(checks=[not_a_server_error], timeout=120)
+            resp = case.call_and_validate(checks=CHECKS, timeout=120)
             statuses.add((case.operation.label, resp.status_code))
 
         fuzz()
     assert {"POST /v1/chat/completions", "POST /v1/completions", "GET /v1/models/{model_id}"} <= set(labels)
     # the fuzzing got past the model check into parameter validation on both generation routes
     assert ("POST /v1/chat/completions", 400) in statuses and ("POST /v1/completions", 400) in statuses, statuses
+    # and what valid requests get, which random bodies rarely are (no chat 200 among them): JSON and SSE answers
+    # are checked against the document too
+    chat = {"model": "eaglenest", "messages": HI, "max_tokens": 4}
+    for label, case in (("POST /v1/chat/completions", {"body": chat}),
+                        ("POST /v1/chat/completions", {"body": {**chat, "stream": True, "logprobs": True}}),
+                        ("POST /v1/completions", {"body": {"model": "eaglenest", "prompt": "hi", "stream": True}}),
+                        ("GET /v1/models/{model_id}", {"path_parameters": {"model_id": "eaglenest"}})):
+        resp = ops[label].Case(**case).call_and_validate(checks=CHECKS, timeout=120)
+        assert resp.status_code == 200, (label, resp.status_code, resp.text[:300])

@@ -332,6 +332,7 @@ def test_metrics_endpoint_has_accept_length_and_ttft(served, ray_session):
     from eaglenest.serve.metrics import METRIC_NAMES
 
     suffix = {"eaglenest_serve_accept_length": "_bucket", "eaglenest_serve_ttft_seconds": "_bucket",
+              "eaglenest_serve_queue_seconds": "_bucket",
               "eaglenest_serve_inter_token_latency_seconds": "_bucket", "eaglenest_serve_generated_tokens": "_total",
               "eaglenest_serve_draft_tokens_proposed": "_total", "eaglenest_serve_draft_tokens_accepted": "_total"}
     # every model-tagged series of the main app (accepted drafts may legitimately be 0 with a random drafter)
@@ -479,3 +480,31 @@ def test_logprobs(served, tiny_engine):
     lp = c.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == c.usage.completion_tokens
     assert all(len(t) <= 2 for t in lp.top_logprobs) and lp.text_offset[0] == 0
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_logprobs_show_special_tokens_and_offsets_point_into_the_text(served, tiny_engine, stream):
+    """Past its end of turn (``ignore_eos``) the tiny target writes ``<|end|><|bos|><|user|>``: the text skips them
+    (special tokens), logprobs show them as vLLM does, and every ``text_offset`` still points into the text (vLLM's
+    running sum of token lengths would shift everything after them by 22 characters)."""
+    ids = tiny_engine.render_prompt([{"role": "user", "content": "List three colors."}])
+    special = set(tiny_engine.tokenizer.all_special_tokens)
+    kw = dict(model="eaglenest", prompt=ids, temperature=0, max_tokens=40, logprobs=1,
+              extra_body={"ignore_eos": True})
+    client = _client(served["main"])
+    if stream:
+        text, tokens, offsets = "", [], []
+        for chunk in client.completions.create(stream=True, **kw):
+            if chunk.choices:
+                text += chunk.choices[0].text
+                if chunk.choices[0].logprobs:
+                    tokens += chunk.choices[0].logprobs.tokens
+                    offsets += chunk.choices[0].logprobs.text_offset
+    else:
+        c = client.completions.create(**kw)
+        text, tokens, offsets = c.choices[0].text, c.choices[0].logprobs.tokens, c.choices[0].logprobs.text_offset
+    assert {"<|end|>", "<|user|>"} <= set(tokens) and "<|end|>" not in text  # the premise
+    assert len(tokens) == len(offsets) == 40 and offsets == sorted(offsets)
+    for tok, at in zip(tokens, offsets, strict=True):
+        assert text[at:at + len(tok)] == tok or (tok in special and 0 <= at <= len(text)), (tok, at)
+    assert "".join(t for t in tokens if t not in special) == text

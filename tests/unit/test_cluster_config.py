@@ -12,6 +12,9 @@ import jsonschema
 import pytest
 import yaml
 
+from eaglenest.ray_private import PROXY_CALLBACK_ENV
+from eaglenest.serve.arrival import PROXY_CALLBACK
+
 REPO = Path(__file__).resolve().parents[2]
 CLUSTER = REPO / "cluster.yaml"
 SERVE_DEPLOY = REPO / "configs" / "serve-deploy.yaml"
@@ -87,7 +90,20 @@ def test_metrics_port_fixed_and_dashboard_on_loopback(prepared):
     assert "--dashboard-host=127.0.0.1" in head
     for cmds in (prepared["head_start_ray_commands"], prepared["worker_start_ray_commands"]):
         assert any("RAY_AUTH_MODE=token" in c for c in cmds), "token auth on every node"
+        assert any(f"{PROXY_CALLBACK_ENV}={PROXY_CALLBACK}" in c for c in cmds), "proxies stamp arrivals (TTFT)"
     assert prepared["file_mounts"].get("/home/ray/.ray/auth_token") == "~/.ray/auth_token"
+
+
+@pytest.mark.parametrize("doc", ["README.md", "docs/OPERATIONS.md"])
+def test_every_documented_ray_start_sets_the_proxy_callback(doc):
+    """A Ray started as the docs say stamps arrivals at Serve's proxies, as cluster.yaml's does: without the
+    callback a served model's TTFT starts at the handler and the queue histogram stays empty."""
+    starts = [line for block in re.findall(r"```[a-z]*\n(.*?)```", (REPO / doc).read_text(), re.S)
+              for line in block.replace("\\\n", " ").splitlines()
+              if re.search(r"(^|\s)ray start\b", line.split("#")[0])]
+    assert starts, f"{doc} shows no ray start"
+    for line in starts:
+        assert f"{PROXY_CALLBACK_ENV}={PROXY_CALLBACK}" in line, line
 
 
 def _scalars(node) -> list[str]:

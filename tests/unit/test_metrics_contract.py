@@ -84,8 +84,10 @@ def test_every_contract_metric_is_created_by_some_code(tmp_path) -> None:
 
     log = TrafficLog(TrafficLogConfig(path=str(tmp_path)), model="m", drafter=None, decode=str, encode=list)
     log.close()
+    mon = _schedule_monitor()
+    mon.stop()
     created = _created([ServeMetrics("m"), regen_metrics(), TrainMetrics.create("r"), log.counters.ray_metrics,
-                        FlywheelMetrics.create("a")])
+                        FlywheelMetrics.create("a"), list(mon._gauges.values())])
     assert created == _expected(contract.ALL)
     names = [m.name for m in contract.ALL]
     assert len(names) == len(set(names)), "a metric is defined twice"
@@ -111,3 +113,21 @@ def test_exported_series_names() -> None:
 @pytest.mark.parametrize(("steps", "accepted", "want"), [(0, 0, 1.0), (4, 0, 1.0), (4, 6, 2.5), (3, 9, 4.0)])
 def test_accept_length_counts_the_bonus_token(steps: int, accepted: int, want: float) -> None:
     assert accept_length(steps, accepted) == want
+
+
+
+def _schedule_monitor() -> Any:
+    """A replica's schedule metrics (eaglenest.serve.schedule_metrics) over a one-bucket schedule."""
+    from eaglenest.serve.schedule_metrics import ScheduleMonitor
+    from eaglenest.speculative.schedule import build_schedule
+
+    rep = {"baseline": {"tok_per_s": 100.0, "tok_per_s_rounds": [100.0, 101.0]},
+           "configs": [{"config": "3-1-4", "tok_per_s": 150.0, "tok_per_s_rounds": [150.0, 149.0]}]}
+    schedule = build_schedule({1: [rep]}, {}, noise_floor=0.01)
+    return ScheduleMonitor("m", schedule, applied=lambda b: b.choice, inflight=lambda: 0, from_events=True)
+
+
+def test_a_schedule_replica_creates_exactly_the_contract_schedule_metrics() -> None:
+    mon = _schedule_monitor()
+    mon.stop()
+    assert _created(list(mon._gauges.values())) == _expected(contract.SERVE_SCHEDULE)

@@ -36,6 +36,34 @@ def test_each_private_api_is_there() -> None:
         assert hasattr(DataContext.get_current(), name), name
 
 
+def test_serve_reads_the_proxy_callback_we_set() -> None:
+    """Every Serve proxy imports ``RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH`` at start and wraps its app in what the
+    callback returns (serve.arrival); Ray's own loader and validator accept ours."""
+    from ray.serve._private import constants, http_util
+    from ray.serve._private.utils import call_function_from_import_path
+
+    from eaglenest.serve.arrival import PROXY_CALLBACK, StampArrival
+
+    assert f'"{ray_private.PROXY_CALLBACK_ENV}"' in inspect.getsource(constants)
+    assert "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH" in inspect.getsource(http_util.configure_http_middlewares)
+    middlewares = http_util.validate_http_proxy_callback_return(call_function_from_import_path(PROXY_CALLBACK))
+    assert [m.cls for m in middlewares] == [StampArrival]
+
+
+def test_job_stop_grace_is_read_where_we_expect() -> None:
+    """`ray job stop`: the supervisor SIGKILLs the entrypoint RAY_JOB_STOP_WAIT_TIME_S (from the job's runtime env,
+    an integer, 3 by default) after the stop signal; the entrypoint's environment carries RAY_JOB_CONFIG_JSON_ENV_VAR
+    (serve.supervise.job_stop_warning reads both)."""
+    from ray._private.runtime_env.constants import RAY_JOB_CONFIG_JSON_ENV_VAR
+    from ray.dashboard.modules.job import job_supervisor
+
+    source = inspect.getsource(job_supervisor)
+    assert f'"{ray_private.JOB_STOP_WAIT_ENV}"' in source
+    assert job_supervisor.JobSupervisor.DEFAULT_RAY_JOB_STOP_WAIT_TIME_S == ray_private.JOB_STOP_WAIT_DEFAULT_S
+    assert RAY_JOB_CONFIG_JSON_ENV_VAR == ray_private.JOB_DRIVER_ENV
+    assert "RAY_JOB_CONFIG_JSON_ENV_VAR" in inspect.getsource(job_supervisor.JobSupervisor._get_driver_env_vars)
+
+
 def test_trainer_class_drops_the_placement_group_cleaner() -> None:
     from ray.train.torch import TorchTrainer
     from ray.train.v2.api.data_parallel_trainer import PlacementGroupCleanerCallback  # noqa: F401 - must exist

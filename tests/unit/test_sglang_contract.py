@@ -7,6 +7,7 @@ In the main venv (no sglang) the module is skipped: it only runs where the contr
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
 import os
 import sys
@@ -87,6 +88,35 @@ def test_exported_drafter_config_through_sglang_modelconfig(folders: tuple[Path,
     assert hf.max_position_embeddings >= target_mc.context_len
     assert not hasattr(hf, "num_nextn_predict_layers")
     assert getattr(hf, "draft_vocab_size", None) == 256
+
+
+def test_sglang_takes_aux_ids_only_from_eagle_config(tmp_path: Path) -> None:
+    """The default export carries vLLM's physical ids at the top level next to SGLang's ids in eagle_config
+    (drafters.eagle3.engine_ids). SGLang's ModelConfig keeps both, and the runner that picks the layers to capture
+    reads only eagle_config's (and the speculative modules size fc from eagle_config's list), so the top-level key
+    cannot reach SGLang's capture."""
+    import re
+
+    from sglang.srt.model_executor import model_runner
+
+    from eaglenest.drafter.export import export_drafter
+    from eaglenest.drafters.eagle3.engine_ids import sglang_reads
+    from eaglenest.drafters.eagle3.model import Eagle3Drafter, load_drafter
+
+    target = write_target(tmp_path / "target")
+    one = load_drafter(export_eagle3_drafter(tmp_path / "sg", physical_ids=[3, 4, 6]), device="cpu")
+    drafter = export_drafter(Eagle3Drafter(one.config), tmp_path / "both", fmt="both")
+    kw, _ = speculative_engine_kwargs(str(target), SGLangEngineConfig(), drafter, SpecConfig())
+    hf = ModelConfig.from_server_args(ServerArgs(**kw, **CPU_ONLY), model_path=str(drafter),
+                                      is_draft_model=True).hf_config
+    assert hf.eagle_config["eagle_aux_hidden_state_layer_ids"] == [2, 3, 5] == sglang_reads(hf.to_dict())[0]
+    assert hf.eagle_aux_hidden_state_layer_ids == [3, 4, 6]  # vLLM's key, carried along and not read
+    src = inspect.getsource(model_runner)
+    assert re.search(r'eagle_config\[\s*"eagle_aux_hidden_state_layer_ids"\s*\]', src)
+    for mod in ("sglang.srt.model_executor.model_runner", "sglang.srt.speculative.eagle_info",
+                "sglang.srt.speculative.eagle_utils", "sglang.srt.models.llama_eagle3"):
+        text = Path(importlib.util.find_spec(mod).origin).read_text()
+        assert not re.search(r'getattr\(\s*[\w.]*config\s*,\s*"eagle_aux_hidden_state_layer_ids"', text), mod
 
 
 def test_short_drafter_context_refused_by_us_and_by_sglang(tmp_path: Path) -> None:

@@ -3,11 +3,14 @@
 ``models/kimi_k25_eagle3.py``).
 
 ``config.json`` + ``model.safetensors`` + ``eaglenest_drafter.json`` (the sidecar: the physical layer ids the drafter
-was trained on, the target, the drafter config). Aux layer ids in config.json are written in the serving engine's
-convention (``eaglenest.contracts.layers``): SGLang adds 1 to what it reads, so it gets physical - 1; vLLM reads
-physical ids as they are. The sidecar lets every eaglenest reader translate back and cross-check. Unknown tensor names
-are silently dropped by SGLang, so the writer refuses a missing tensor or a shape that does not fit the config before
-writing anything, and every reader of an export goes through :func:`read_drafter` / :func:`read_export_config`.
+was trained on, the target, the drafter config) + ``README.md`` (how to launch it in each engine, ``serving.py``). Aux
+layer ids in config.json are written in each serving engine's convention (``eaglenest.contracts.layers``) under the
+key that engine reads (``engine_ids.py``): SGLang reads ``eagle_config``'s and applies its rule for the target's
+architecture (Llama: +1, so it gets physical - 1 there); vLLM reads the top-level key as physical ids. The default
+format (``both``) writes both, so one folder loads right in either engine. The sidecar lets every eaglenest reader
+translate back and cross-check. Unknown tensor names are silently dropped by SGLang, so the writer refuses a missing
+tensor or a shape that does not fit the config before writing anything, and every reader of an export goes through
+:func:`read_drafter` / :func:`read_export_config`.
 
 The two shapes differ in ``config.json`` (MLA: ``model_type: deepseek_v3``, the transformers config class SGLang and
 vLLM both read, with the MLA ranks) and in the attention tensors. SGLang's MLA loader maps a name by prefixing
@@ -24,10 +27,22 @@ import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 from eaglenest.contracts.layers import ENGINES, LayerIdError, engine_captured_layers, engine_layer_ids
 from eaglenest.drafters.eagle3.config import DrafterModelConfig
+from eaglenest.drafters.eagle3.engine_ids import (
+    DEFAULT_FORMAT,
+    FORMAT_ENGINES,
+    IDS_KEY,
+    WRITTEN,
+    Format,
+    FormatError,
+    check_format,
+    eagle_config_convention,
+    id_keys,
+    written_ids,
+)
 from eaglenest.drafters.eagle3.layout import (
     ARCHITECTURE,
     ARCHITECTURES,
@@ -48,20 +63,22 @@ from eaglenest.drafters.eagle3.layout import (
 if TYPE_CHECKING:
     import torch
 
-Format = Literal["sglang", "vllm"]
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
 SIDECAR = "eaglenest_drafter.json"
 """Written next to config.json; records the physical aux layer ids the drafter trained on and its target."""
+README = "README.md"
+"""Written next to the weights: the exact launch settings for each engine the format serves."""
 DTYPE_NAMES = ("bfloat16", "float16", "float32")
 
 SIDECAR_ID_KEYS = ("aux_layer_ids_physical", "aux_layer_ids", "physical_aux_layer_ids", "physical_layer_ids")
 """Where a sidecar records the physical ids: the writer uses the first; the others are read from older exports
 (``drafter_config.aux_layer_ids`` is read last)."""
 
-__all__ = ["ARCHITECTURE", "ARCHITECTURES", "CONFIG", "FC_NORM_WEIGHTS", "MLA_ARCHITECTURE",
-           "MLA_REQUIRED_DRAFT_WEIGHTS", "MODEL_TYPES", "OPTIONAL_TENSORS", "REQUIRED_DRAFT_WEIGHTS",
-           "REQUIRED_TENSORS", "SIDECAR", "WEIGHTS", "DrafterExport", "DrafterFormatError", "ExportError",
+__all__ = ["ARCHITECTURE", "ARCHITECTURES", "CONFIG", "DEFAULT_FORMAT", "FC_NORM_WEIGHTS", "MLA_ARCHITECTURE",
+           "MLA_REQUIRED_DRAFT_WEIGHTS", "MODEL_TYPES", "OPTIONAL_TENSORS", "README", "REQUIRED_DRAFT_WEIGHTS",
+           "REQUIRED_TENSORS", "SIDECAR", "WEIGHTS", "DrafterExport", "DrafterFormatError", "ExportError", "Format",
+           "engine_config_ids",
            "draft_shape_of", "expected_shapes", "hf_config", "read_drafter", "read_export_config",
            "required_draft_weights", "required_tensors", "sidecar_record", "validate_tensors",
            "vocab_mapping_problems", "write_export"]
@@ -77,26 +94,38 @@ class DrafterFormatError(ValueError):
 
 # ------------------------------------------------------------------------------------------------------ layer ids
 def _check_format(fmt: str) -> None:
-    if fmt not in ENGINES:
-        raise ExportError(f"unknown export format {fmt!r}; use 'sglang' or 'vllm'")
-
-
-def config_layer_ids(cfg: DrafterModelConfig, fmt: Format) -> list[int]:
-    """The ids config.json carries for ``fmt``: what makes that engine capture exactly the physical layers the
-    drafter trained on, by the target's architecture (``eaglenest.contracts.layers.engine_layer_ids``)."""
-    _check_format(fmt)
     try:
-        return engine_layer_ids(cfg.aux_layer_ids, engine=fmt, architecture=cfg.target_architecture,
-                                num_layers=cfg.target_num_layers)
-    except LayerIdError as e:
-        raise ExportError(str(e)) from e
+        check_format(fmt)
+    except FormatError as e:
+        raise ExportError(str(e)) from None
 
 
-def physical_layer_ids(config_ids: Sequence[int], fmt: Format, *, architecture: str = "",
-                       num_layers: int = 0) -> list[int]:
-    """Inverse of :func:`config_layer_ids`: the physical layers ``fmt`` captures from ``config_ids``."""
+def engine_config_ids(cfg: DrafterModelConfig, fmt: Format = DEFAULT_FORMAT) -> dict[str, list[int]]:
+    """``{engine: ids}`` for each engine ``fmt`` is written for: the ids that make that engine capture exactly the
+    physical layers the drafter trained on, by the target's architecture (``contracts.layers.engine_layer_ids``)."""
     _check_format(fmt)
-    return engine_captured_layers(config_ids, engine=fmt, architecture=architecture, num_layers=num_layers)
+    out = {}
+    for engine in FORMAT_ENGINES[fmt]:
+        try:
+            out[engine] = engine_layer_ids(cfg.aux_layer_ids, engine=engine, architecture=cfg.target_architecture,
+                                           num_layers=cfg.target_num_layers)
+        except LayerIdError as e:
+            raise ExportError(f"{e}; export with --format {'vllm' if engine == 'sglang' else 'sglang'} for the other "
+                              f"engine only") from e
+    return out
+
+
+def config_layer_ids(cfg: DrafterModelConfig, fmt: Format = DEFAULT_FORMAT) -> list[int]:
+    """The ids ``eagle_config`` carries in an export of ``fmt`` (SGLang's, except in the ``vllm`` format)."""
+    return engine_config_ids(cfg, fmt)[WRITTEN[fmt]["eagle_config"]]
+
+
+def physical_layer_ids(config_ids: Sequence[int], engine: str, *, architecture: str = "",
+                       num_layers: int = 0) -> list[int]:
+    """The physical layers ``engine`` captures from ``config_ids`` (``contracts.layers.engine_captured_layers``)."""
+    if engine not in ENGINES:
+        raise ExportError(f"unknown engine {engine!r}; use one of {list(ENGINES)}")
+    return engine_captured_layers(config_ids, engine=engine, architecture=architecture, num_layers=num_layers)
 
 
 def recorded_physical_ids(sidecar: Mapping[str, Any] | None) -> tuple[list[int] | None, str]:
@@ -136,10 +165,7 @@ def hf_config(cfg: DrafterModelConfig, fmt: Format, dtype: str) -> dict[str, Any
         "attention_bias": False,
         "mlp_bias": False,
         "torch_dtype": dtype,
-        "eagle_config": {
-            "eagle_aux_hidden_state_layer_ids": config_layer_ids(cfg, fmt),
-            "use_aux_hidden_state": True,
-        },
+        **id_keys(fmt, engine_config_ids(cfg, fmt)),
     }
     if cfg.target_hidden_size != cfg.hidden_size:
         out["target_hidden_size"] = cfg.target_hidden_size
@@ -209,12 +235,14 @@ def validate_tensors(tensors: Mapping[str, torch.Tensor], cfg: DrafterModelConfi
 # --------------------------------------------------------------------------------------------------------- write
 def sidecar_record(cfg: DrafterModelConfig, fmt: Format, dtype: str, *, includes_embedding: bool) -> dict[str, Any]:
     """The sidecar :func:`write_export` writes next to config.json (physical ids, target shape, drafter config)."""
+    conventions = {"sglang": f"SGLang's rule for {cfg.target_architecture or 'Llama-style'} targets",
+                   "vllm": "physical (vLLM)"}
     return {
         "format": fmt,
         SIDECAR_ID_KEYS[0]: list(cfg.aux_layer_ids),
         "config_aux_layer_ids": config_layer_ids(cfg, fmt),
-        "layer_id_convention": (f"SGLang's rule for {cfg.target_architecture or 'Llama-style'} targets"
-                                if fmt == "sglang" else "physical (vLLM)"),
+        "engine_aux_layer_ids": engine_config_ids(cfg, fmt),
+        "layer_id_convention": {place: conventions[engine] for place, engine in WRITTEN[fmt].items()},
         "target_architecture": cfg.target_architecture,
         "algorithm": cfg.algorithm,
         "target": cfg.target,
@@ -233,13 +261,15 @@ def write_export(
     cfg: DrafterModelConfig,
     output_dir: str | Path,
     *,
-    fmt: Format = "sglang",
+    fmt: Format = DEFAULT_FORMAT,
     dtype: str = "bfloat16",
     extra_sidecar: dict[str, Any] | None = None,
 ) -> Path:
     """Validate and write an export folder (atomically: a half-written export never replaces a good one)."""
     import torch
     from safetensors.torch import save_file
+
+    from eaglenest.drafters.eagle3.serving import serving_readme
 
     if dtype not in DTYPE_NAMES:
         raise ExportError(f"unknown dtype {dtype!r}; use one of {sorted(DTYPE_NAMES)}")
@@ -258,6 +288,7 @@ def write_export(
         save_file(out_tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})
         (tmp / CONFIG).write_text(json.dumps(hf_config(cfg, fmt, dtype), indent=2) + "\n")
         (tmp / SIDECAR).write_text(json.dumps(sidecar, indent=2, sort_keys=True) + "\n")
+        (tmp / README).write_text(serving_readme(cfg, fmt, out.resolve(), engine_config_ids(cfg, fmt)))
         if out.exists():
             old = out.with_name(f".{out.name}.old")
             shutil.rmtree(old, ignore_errors=True)
@@ -285,14 +316,19 @@ def read_export_config(export_dir: str | Path) -> tuple[DrafterModelConfig, dict
     hf = json.loads((d / CONFIG).read_text())
     side = json.loads((d / SIDECAR).read_text())
     cfg = DrafterModelConfig.from_dict(side["drafter_config"])
-    fmt = side.get("format")
-    written = (hf.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-    if written is None or physical_layer_ids(written, fmt, architecture=cfg.target_architecture,
-                                             num_layers=cfg.target_num_layers) != cfg.aux_layer_ids:
-        raise ExportError(
-            f"{d}: config.json eagle_aux_hidden_state_layer_ids {written} in {fmt} convention does not give the "
-            f"physical ids {cfg.aux_layer_ids} recorded in {SIDECAR}; re-export the checkpoint"
-        )
+    fmt = side.get("format") or "sglang"
+    places = WRITTEN.get(fmt, {"eagle_config": fmt})
+    for place, engine in places.items():
+        written = written_ids(hf)[place]
+        if written is None and place == "top":
+            continue  # exports written before the top-level key (vLLM's) was added
+        if written is None or physical_layer_ids(written, engine, architecture=cfg.target_architecture,
+                                                 num_layers=cfg.target_num_layers) != cfg.aux_layer_ids:
+            key = IDS_KEY if place == "top" else f"eagle_config.{IDS_KEY}"
+            raise ExportError(
+                f"{d}: config.json {key} {written} in {engine}'s convention does not give the physical ids "
+                f"{cfg.aux_layer_ids} recorded in {SIDECAR}; re-export the checkpoint"
+            )
     want = ARCHITECTURES[cfg.draft_shape]
     if hf.get("architectures") != [want] or hf.get("num_hidden_layers") != 1:
         raise ExportError(f"{d}: config.json is not a 1-layer {want} drafter (the sidecar records a "
@@ -354,6 +390,12 @@ class DrafterExport:
         ids = (self.config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
         return None if ids is None else [int(i) for i in ids]
 
+    @property
+    def format(self) -> str | None:
+        """The format recorded in the sidecar (``both``, ``sglang``, ``vllm``; None without a sidecar)."""
+        fmt = (self.sidecar or {}).get("format")
+        return str(fmt) if fmt else None
+
     def recorded_physical_ids(self) -> tuple[list[int] | None, str]:
         """(physical ids the drafter was trained on, where recorded) from the sidecar; (None, "") when unknown."""
         return recorded_physical_ids(self.sidecar)
@@ -364,8 +406,7 @@ class DrafterExport:
         written = self.config_layer_ids
         if ids is None and written is not None:
             side = self.sidecar or {}
-            fmt = side.get("format") or "sglang"
-            ids = physical_layer_ids(written, fmt if fmt in ENGINES else "sglang",
+            ids = physical_layer_ids(written, eagle_config_convention(self.format),
                                      architecture=str(side.get("target_architecture") or ""),
                                      num_layers=int(side.get("target_num_layers") or 0))
         return ids

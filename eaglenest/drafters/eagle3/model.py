@@ -345,7 +345,7 @@ class Eagle3Drafter(nn.Module):
 
     # -------------------------------------------------------------------------------------------------- save/load
     def save_pretrained(self, output_dir: str | Path, *, include_embedding: bool = True, **kwargs: Any) -> Path:
-        """Write an SGLang-loadable export folder (``eaglenest.drafters.eagle3.format``; kwargs: fmt, dtype)."""
+        """Write an export folder SGLang and vLLM load (``eaglenest.drafters.eagle3.format``; kwargs: fmt, dtype)."""
         tensors = {k: v.detach().cpu() for k, v in self.state_dict().items()
                    if include_embedding or k != "embed_tokens.weight"}
         return write_export(tensors, self.config, output_dir, **kwargs)

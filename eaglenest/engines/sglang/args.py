@@ -91,6 +91,7 @@ def engine_kwargs(
 
 _PROTECTED = ("model_path", "incremental_streaming_output", "speculative_algorithm", "speculative_draft_model_path",
               "speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens",
+              "speculative_adaptive", "speculative_adaptive_config",
               "disable_radix_cache", "chunked_prefill_size", "forward_hooks")
 
 

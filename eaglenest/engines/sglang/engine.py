@@ -66,6 +66,7 @@ from eaglenest.engines.base import (
     decode_texts,
 )
 from eaglenest.engines.location import resolve_target_path
+from eaglenest.engines.sglang.adaptive import AdaptiveSpec, adaptive_kwargs, environment
 from eaglenest.engines.sglang.args import (
     SGLANG_VERSION,
     capture_server_kwargs,
@@ -104,7 +105,7 @@ class SGLangEngine(TargetEngine):
     thread_safe = True  # regen: batches of several threads generate together (EngineLoopDriver); else serialised
 
     def __init__(self, cfg: TargetConfig, *, model_path: str | None = None, drafter: str | None = None,
-                 spec: SpecConfig | None = None, regen: bool = False):
+                 spec: SpecConfig | None = None, regen: bool = False, adaptive: AdaptiveSpec | None = None):
         require_sglang()
         if cfg.device == "cpu":
             raise ValueError("target.engine sglang runs on GPUs; use target.engine: hf for target.device: cpu")
@@ -120,10 +121,20 @@ class SGLangEngine(TargetEngine):
         self.aux_layer_ids = validate_aux_layer_ids(cfg.aux_layer_ids or default_aux_layer_ids(self.info.num_layers),
                                                     self.info.num_layers)
         self.launch: SpeculativeLaunch | None = None
+        self.adaptive = adaptive
+        self.engine_env: dict[str, str] = {}
+        """environment the engine starts in (its scheduler processes read SGLang's knobs from it)"""
         if drafter is not None:
+            if adaptive is not None:  # preflight with a chain of the largest candidate; the launch is adaptive
+                top = max(1, max(adaptive.all_steps))
+                spec = SpecConfig(algorithm=(spec.algorithm if spec else None), num_steps=top, topk=1,
+                                  num_draft_tokens=top + 1)
             kwargs, self.launch = speculative_engine_kwargs(
                 self.model_path, self.engine_cfg, drafter, spec or SpecConfig(), target=self.spec,
                 expected_physical_ids=cfg.aux_layer_ids, dtype=self.dtype, trust_remote_code=cfg.trust_remote_code)
+            if adaptive is not None:
+                kwargs.update(adaptive_kwargs(adaptive, adaptive.write()))
+                self.engine_env = adaptive.env
         else:
             kwargs = engine_kwargs(self.model_path, self.engine_cfg, dtype=self.dtype,
                                    trust_remote_code=cfg.trust_remote_code, target=self.spec)
@@ -160,9 +171,12 @@ class SGLangEngine(TargetEngine):
         return cls(cfg, regen=regen)
 
     @classmethod
-    def speculative(cls, cfg: TargetConfig, drafter: str, spec: SpecConfig | None = None) -> SGLangEngine:
-        """An engine that generates with an EAGLE-3 drafter; the launch is checked before anything starts."""
-        return cls(cfg, drafter=drafter, spec=spec)
+    def speculative(cls, cfg: TargetConfig, drafter: str, spec: SpecConfig | None = None, *,
+                    adaptive: AdaptiveSpec | None = None) -> SGLangEngine:
+        """An engine that generates with an EAGLE-3 drafter; the launch is checked before anything starts.
+        ``adaptive``: SGLang's adaptive speculation with per-bucket candidate steps (eaglenest.engines.sglang.adaptive)
+        instead of one static shape."""
+        return cls(cfg, drafter=drafter, spec=spec, adaptive=adaptive)
 
     # ------------------------------------------------------------------------------------------------ generation
     @property
@@ -174,7 +188,8 @@ class SGLangEngine(TargetEngine):
                 return self._engine
             Engine = sglang_symbol("sglang:Engine")
             check_server_args(self.engine_kwargs, server_arg_fields(), installed_sglang_version() or "?")
-            engine = Engine(**self.engine_kwargs)
+            with environment(self.engine_env):
+                engine = Engine(**self.engine_kwargs)
             if self.recorder is not None:
                 self.recorder.sink.start()
             if self.regen and self.engine_cfg.concurrent_generate:

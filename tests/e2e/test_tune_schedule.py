@@ -1,0 +1,199 @@
+"""``eaglenest tune`` on the tiny target, and serve applying a schedule (issue 29's CPU acceptance).
+
+- tune, run as its own process, measures the baseline, "off" and two chains at batch 1 and 2, writes the schedule,
+  its page and its plot; every bucket's choice is re-derived here from the raw measurements; a second run with one
+  more batch size measures only that one (resumed from the measurements file); measurements of another drafter in
+  the same folder are refused, naming the fix.
+- serve (Ray Serve over HTTP, the official ``openai`` client, the decoder in its own process) applies a schedule that
+  speculates alone and stops at two or more requests: /health shows the live mode switch with the load, and usage
+  shows a lone request drafting.
+- ``eaglenest serve`` refuses a schedule tuned for another drafter before anything starts, naming the fix.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import openai
+import pytest
+from conftest import FIXTURES
+from serve_helpers import make_drafter
+
+HELDOUT = FIXTURES / "prompts" / "heldout.jsonl"
+
+
+def _tune(cfg: Path, drafter: Path, out: Path, batch_sizes: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "eaglenest.cli", "tune", "--config", str(cfg), "--drafter",
+                           str(drafter), "--batch-sizes", batch_sizes, "--steps", "1,2", "--temperatures", "0",
+                           "--repeats", "2", "--max-new-tokens", "12", "--num-prompts", "2", "--output", str(out),
+                           "--no-progress"], capture_output=True, text=True, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def folders(tiny_target_path, tmp_path_factory):
+    root = tmp_path_factory.mktemp("tune")
+    cfg = root / "cfg.yaml"
+    cfg.write_text(f"target: {{model: {tiny_target_path}, engine: hf, device: cpu, dtype: float32}}\n"
+                   f"tune: {{prompts: {HELDOUT}}}\n")
+    return {"root": root, "cfg": cfg, "drafter": make_drafter(root / "drafter", tiny_target_path),
+            "other": make_drafter(root / "other", tiny_target_path, seed=1)}
+
+
+def _reports(out: Path) -> dict[int, list[dict]]:
+    per: dict[int, list[dict]] = {}
+    for line in (out / "measurements.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        if rec["kind"] == "report":
+            per.setdefault(rec["batch_size"], []).append(rec["report"])
+    return per
+
+
+def test_tune_writes_a_schedule_that_follows_its_measurements_and_resumes(folders):
+    out = folders["root"] / "out"
+    first = _tune(folders["cfg"], folders["drafter"], out, "1,2")
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "serve.schedule" in first.stdout
+    assert (out / "schedule.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "| batch sizes |" in (out / "schedule.md").read_text()
+    schedule = json.loads((out / "schedule.json").read_text())
+    assert [b["label"] for b in schedule["buckets"]] == ["1", "2", "3+"]
+    assert schedule["identity"]["drafter"]["fingerprint"].startswith("sha256:")
+    assert schedule["identity"]["engine"]["engine"] == "hf" and schedule["drift"] is not None
+    per = _reports(out)
+    for b in schedule["buckets"][:2]:  # the rule, re-derived from the raw repeats
+        (rep,) = per[b["max_batch"]]
+        base = rep["baseline"]["tok_per_s_rounds"]
+        noise = max(0.01, (max(base) - min(base)) / statistics.median(base))
+        assert b["noise"] == pytest.approx(noise, abs=1e-4)
+        ok = {c["config"]: min(c["tok_per_s_rounds"]) >= (1 - noise) * statistics.median(base)
+              and c["tok_per_s"] > statistics.median(base) for c in rep["configs"] if c["config"] != "off"}
+        assert {c["config"] for c in rep["configs"]} == {"off", "1-1-2", "2-1-3"}
+        if b["choice"]["label"] == "off":
+            assert not any(ok.values()), (b, ok)
+        else:
+            best = max((c for c in rep["configs"] if ok.get(c["config"])), key=lambda c: c["tok_per_s"])
+            assert b["choice"]["label"] == best["config"]
+    assert schedule["buckets"][-1]["choice"]["label"] == "off", "nothing measured above batch 2: no speculation"
+
+    again = _tune(folders["cfg"], folders["drafter"], out, "1,2,4")
+    assert again.returncode == 0, again.stderr[-3000:]
+    per = _reports(out)
+    assert sorted(per) == [1, 2, 4] and all(len(v) == 1 for v in per.values()), "only batch 4 was measured again"
+    assert [b["label"] for b in json.loads((out / "schedule.json").read_text())["buckets"]] == ["1", "2", "3-4", "5+"]
+
+    refused = _tune(folders["cfg"], folders["other"], out, "1,2")
+    assert refused.returncode == 2
+    assert "another tune" in refused.stderr and "drafter" in refused.stderr and "--output" in refused.stderr
+
+
+# ------------------------------------------------------------------------------------------------ serve
+def _schedule_for(cfg, drafter: Path, path: Path) -> Path:
+    """A schedule bound to this target, drafter and engine whose buckets speculate (3-1-4) at batch 1 and stop
+    from batch 2 on (measurements written here, not by tune: the tiny target's own curve decides nothing about
+    whether serve applies what a schedule says)."""
+    from eaglenest.speculative.identity import serving_identity
+    from eaglenest.speculative.schedule import build_schedule
+
+    def rep(base: float, spec: float) -> list[dict]:
+        return [{"baseline": {"tok_per_s": base, "tok_per_s_rounds": [base, base]},
+                 "configs": [{"config": "off", "tok_per_s": base, "tok_per_s_rounds": [base, base]},
+                             {"config": "3-1-4", "tok_per_s": spec, "tok_per_s_rounds": [spec, spec]}]}]
+
+    s = build_schedule({1: rep(100.0, 150.0), 2: rep(180.0, 120.0), 8: rep(400.0, 200.0)},
+                       serving_identity(cfg.target, drafter), noise_floor=0.01)
+    return s.save(path)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _health(url: str) -> dict:
+    with urllib.request.urlopen(f"{url}/health", timeout=30) as r:
+        return json.loads(r.read())
+
+
+@pytest.fixture(scope="module")
+def scheduled(ray_session, tiny_target_path, folders):
+    from eaglenest.config import EaglenestConfig
+    from eaglenest.serve.cli import AppSpec, start_apps, stop_serve
+
+    base = {"target": {"model": str(tiny_target_path), "device": "cpu", "dtype": "float32"},
+            "serve": {"num_cpus_per_replica": 0.25, "max_batch_size": 8}}
+    cfg = EaglenestConfig.model_validate(base)
+    path = _schedule_for(cfg, folders["drafter"], folders["root"] / "serve" / "schedule.json")
+    cfg = EaglenestConfig.model_validate({**base, "serve": {**base["serve"], "schedule": str(path)}})
+    (url,) = start_apps([AppSpec(cfg, str(folders["drafter"]), "scheduled", "/")], port=_free_port())
+    yield url
+    stop_serve()
+
+
+def test_serve_switches_the_mode_with_the_load(scheduled):
+    client = openai.OpenAI(base_url=f"{scheduled}/v1", api_key="none", max_retries=0, timeout=120)
+    h = _health(scheduled)["schedule"]
+    assert h["mode"] == "per-step" and h["buckets"] == {"1": "3-1-4", "2": "off", "3-8": "off", "9+": "off"}
+
+    alone = client.completions.create(model="eaglenest", prompt="Write a short poem about the sea.", max_tokens=24,
+                                      extra_body={"ignore_eos": True})
+    assert alone.usage.model_extra["spec"]["draft_tokens"] > 0, "a lone request runs in bucket 1, which speculates"
+    assert _health(scheduled)["schedule"]["live"]["num_steps"] == 3
+
+    seen: list[dict] = []
+    done = threading.Event()
+
+    def poll() -> None:
+        while not done.is_set():
+            seen.append(_health(scheduled)["schedule"]["live"])
+            time.sleep(0.05)
+
+    def one(i: int) -> None:
+        client.completions.create(model="eaglenest", prompt=f"Count to {10 + i}.", max_tokens=96,
+                                  extra_body={"ignore_eos": True})
+
+    poller = threading.Thread(target=poll)
+    poller.start()
+    workers = [threading.Thread(target=one, args=(i,)) for i in range(4)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    done.set()
+    poller.join()
+    loaded = [s for s in seen if s["batch_size"] >= 2]
+    assert loaded, f"four concurrent requests never decoded together: {seen[:20]}"
+    assert all(s["num_steps"] == 0 for s in loaded), "two or more requests: the schedule turns speculation off"
+    assert {s["bucket"] for s in loaded} <= {"2", "3-8"}
+
+    again = client.completions.create(model="eaglenest", prompt="List three colors.", max_tokens=24,
+                                      extra_body={"ignore_eos": True})
+    assert again.usage.model_extra["spec"]["draft_tokens"] > 0, "alone again: speculating again"
+    assert _health(scheduled)["schedule"]["live"]["num_steps"] == 3
+
+
+def test_serve_refuses_a_schedule_of_another_drafter(folders, tiny_target_path):
+    root = folders["root"] / "stale"
+    root.mkdir()
+    from eaglenest.config import EaglenestConfig
+
+    target = {"model": str(tiny_target_path), "device": "cpu", "dtype": "float32"}
+    path = _schedule_for(EaglenestConfig.model_validate({"target": target}), folders["drafter"],
+                         root / "schedule.json")
+    cfg = root / "serve.yaml"
+    cfg.write_text(json.dumps({"target": target, "serve": {"drafter": str(folders["other"]), "schedule": str(path),
+                                                          "port": _free_port()}}))
+    proc = subprocess.run([sys.executable, "-m", "eaglenest.cli", "serve", "--config", str(cfg)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    err = proc.stderr
+    assert "stale" in err and "drafter: tuned on" in err and str(folders["other"]) in err
+    assert f"eaglenest tune --config <this serving config> --drafter {folders['other']}" in err
