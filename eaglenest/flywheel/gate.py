@@ -46,6 +46,15 @@ class GateDecision:
         return {**asdict(self), "predicted": self.predicted}
 
 
+def losses(live: dict[str, Any], cand: dict[str, Any], tolerance: float) -> list[tuple[str, float, float]]:
+    """``[(where, live, candidate)]`` for one prompt set's measurements: where the candidate's accept length is below
+    the live drafter's by more than ``tolerance`` (relative), overall (``""``) or in a domain (``"/domain"``)."""
+    checks = [("", live["accept_length"], cand["accept_length"])]
+    if len(cand["per_domain"]) > 1:
+        checks += [(f"/{d}", live["per_domain"].get(d, 1.0), v) for d, v in cand["per_domain"].items()]
+    return [(label, lv, cv) for label, lv, cv in checks if cv < lv * (1 - tolerance)]
+
+
 def decide(sets: dict[str, dict[str, Any]], *, margin: float, tolerance: float) -> tuple[bool, list[str]]:
     """(promote, reasons): a win on ``heldout`` by ``margin``, no loss over ``tolerance`` on any set or domain."""
     reasons: list[str] = []
@@ -57,13 +66,9 @@ def decide(sets: dict[str, dict[str, Any]], *, margin: float, tolerance: float) 
         reasons.append(f"does not win on held-out traffic: accept length {cand:.3f} vs live {live:.3f} (needs "
                        f"{live * (1 + margin):.3f}, flywheel.margin {margin:g})")
     for name, pair in sets.items():
-        checks = [(name, pair["live"]["accept_length"], pair["candidate"]["accept_length"])]
-        checks += [(f"{name}/{d}", pair["live"]["per_domain"].get(d, 1.0), v)
-                   for d, v in pair["candidate"]["per_domain"].items() if len(pair["candidate"]["per_domain"]) > 1]
-        for label, lv, cv in checks:
-            if cv < lv * (1 - tolerance):
-                reasons.append(f"loses on {label}: {cv:.3f} vs live {lv:.3f} (more than flywheel.tolerance "
-                               f"{tolerance:g})")
+        for label, lv, cv in losses(pair["live"], pair["candidate"], tolerance):
+            reasons.append(f"loses on {name}{label}: {cv:.3f} vs live {lv:.3f} (more than flywheel.tolerance "
+                           f"{tolerance:g})")
     return not reasons, reasons or [f"wins on held-out traffic ({cand:.3f} vs {live:.3f}) and loses nowhere beyond "
                                     f"{tolerance:g}"]
 
@@ -107,4 +112,4 @@ def _record(fw: Flywheel, d: GateDecision) -> GateDecision:
     return d
 
 
-__all__ = ["GateDecision", "decide", "heldout_prompts", "run_gate"]
+__all__ = ["GateDecision", "decide", "heldout_prompts", "losses", "run_gate"]

@@ -53,7 +53,7 @@ class FlywheelConfig(_Section):
     tolerance: float = Field(0.02, ge=0, lt=1, description="and lose by no more than this (relative) on any prompt "
                              "set or domain")
     select_checkpoints: bool = Field(True, description="choose the checkpoint by held-out accept length measured "
-                                     "with the target (not by loss)")
+                                     "with the target (not by loss), among those that keep the regression set")
     select_max_prompts: int = Field(32, ge=1, description="prompts of the training run's held-out split decoded per "
                                     "checkpoint")
     surge_percent: int = Field(100, ge=1, le=100, description="Ray Serve's max_surge_percent during a swap")

@@ -6,7 +6,8 @@
    no regeneration, only the teacher-forced capture of hidden states).
 3. **Train** with ``eaglenest train`` (Ray Train) from the live drafter (``train.init_from``) over the traffic and the
    original data at ``flywheel.traffic_share`` (``train.mix``).
-4. **Choose** the checkpoint by held-out accept length (:mod:`eaglenest.flywheel.select`).
+4. **Choose** the checkpoint by held-out accept length among those that keep the regression set
+   (:mod:`eaglenest.flywheel.select`).
 5. **Promote** it (:mod:`eaglenest.flywheel.promote`): gate, swap, watch, roll back.
 
 Every step lands in ``WORKDIR/turn-NNNN/`` and the audit log; a promoted drafter that stays live moves
@@ -70,7 +71,7 @@ def run_turn(fw: Flywheel) -> dict[str, Any]:
     trained = train_drafter(cfg, tdir / "regen", tdir / "train")
     prompts = split_prompts(tdir / "regen", fraction=cfg.train.eval_fraction, seed=cfg.train.seed,
                             limit=fw.settings.select_max_prompts)
-    chosen = select_checkpoint(fw, tdir / "train", prompts)
+    chosen = select_checkpoint(fw, tdir / "train", prompts, live=live)
     result = promote(fw, chosen["chosen"]["export"], heldout_prompts(fw, split.heldout), label=f"turn-{n:04d}")
     kept = result["watch"] is not None and not result["rolled_back"]
     fw.save_state(turn=n, **({"trained_until": split.watermark} if kept else {}))

@@ -247,6 +247,9 @@ def test_one_turn_retrains_from_traffic_and_swaps_without_a_failed_request(world
     assert 0 < turn["live_vocab_coverage"] <= 1
     selection = json.loads((tdir / "train" / "selection.json").read_text())
     assert len(selection["checkpoints"]) >= 2 and all(c["accept_length"] for c in selection["checkpoints"])
+    # chosen among the checkpoints that keep the regression set (a fine-tune's best held-out step can be one that
+    # forgot arithmetic: the gate would refuse it)
+    assert selection["chosen"]["keeps"] and selection["live_regression"]["accept_length"] > 1, selection
     gate = [a for a in _audit(world) if a["event"] == "gate"][-1]
     held, reg = gate["sets"]["heldout"], gate["sets"]["regression"]
     assert gate["decision"] == "promote"
