@@ -174,7 +174,7 @@ def world(ray_session, tiny_target_path, tiny_engine, tmp_path_factory):
            "env": dict(os.environ, RAY_ADDRESS=ray_session.get_runtime_context().gcs_address)}
     from eaglenest.serve.cli import stop_serve
 
-    stop_serve(APP)
+    stop_serve()  # Serve itself, not only the app: the next module starts Serve on a port of its own
     hook.shutdown()
     hook.server_close()
 
