@@ -93,6 +93,7 @@ class TrafficLog:
         self._file_bytes = 0
         self._files = 0
         self._swept = 0.0
+        self.writer_cpu_s = 0.0  # the writer thread's CPU time: what the log costs the replica, measured in place
         self._thread = threading.Thread(target=self._run, name="eaglenest-traffic-log", daemon=True)
         self._thread.start()
 
@@ -123,12 +124,14 @@ class TrafficLog:
             item = self._queue.get()
             if item is _STOP:
                 break
+            started = time.thread_time()
             try:
                 self._write(self._record(item))
                 self.counters.wrote()
             except Exception:
                 self.counters.drop("write_error")
                 log.warning("traffic log: a record could not be written to %s", self.folder, exc_info=True)
+            self.writer_cpu_s += time.thread_time() - started
         if self._file is not None:
             self._file.close()
 
@@ -204,9 +207,10 @@ class TrafficLog:
         self._thread.join(max(0.0, deadline - time.monotonic()))
 
     def stats(self) -> dict[str, Any]:
-        """What ``/health`` shows: where the log goes and its counts."""
+        """What ``/health`` shows: where the log goes, its counts, and the CPU seconds its writer has used."""
         return {"path": str(self.folder), "sample_rate": self.cfg.sample_rate, "logged": self.counters.logged,
-                "dropped": dict(self.counters.dropped), "queued": self._queue.qsize()}
+                "dropped": dict(self.counters.dropped), "queued": self._queue.qsize(),
+                "writer_cpu_s": round(self.writer_cpu_s, 4)}
 
 
 __all__ = ["TrafficLog"]

@@ -54,6 +54,7 @@ def test_a_logged_request_is_a_native_regen_sample(tmp_path) -> None:
     native = adapt_native(rec)  # regen's native adapter reads it as is: capture only, no regeneration
     assert native.native and native.native_input_ids == rec["input_ids"]
     assert log.stats()["logged"] == 1 and log.stats()["dropped"] == {"queue_full": 0, "write_error": 0}
+    assert 0 < log.stats()["writer_cpu_s"] < 1  # the writer's own CPU time: what the benchmark reports as its cost
 
 
 def test_sample_rate_decides_per_request(tmp_path) -> None:
