@@ -160,12 +160,16 @@ def world(ray_session, tiny_target_path, tiny_engine, tmp_path_factory):
     def ask(messages: list[dict]) -> None:
         client.chat.completions.create(model="eaglenest", messages=messages, temperature=0, max_tokens=40)
 
-    threads = [threading.Thread(target=lambda part=stories[k::3]: [ask(m) for m in part]) for k in range(3)]
-    [t.start() for t in threads]
-    [t.join() for t in threads]
+    # one at a time, and the streaming client's prompts once more at the end: the log then holds the same records in
+    # the same order on every run (the turn dedups the client's repeats into these), so the turn's split, training
+    # data and outcome do not depend on thread timing
+    for m in stories:
+        ask(m)
     # what the streaming client asks during the swaps: stories it did not send before, and arithmetic
     asks = [m for m in (_prompt(c) for c in dom["story"][200:260]) if m not in stories][:4]
     asks += [_prompt(c) for c in dom["math"][310:312]]
+    for m in asks:
+        ask(m)
     sp = SamplingParams(temperature=0.0, max_new_tokens=40)
     served_text = ChatFormat.from_tokenizer(tiny_engine.tokenizer)  # as served: reasoning markers kept in content
     cases = [(m, served_text.decode(tiny_engine.generate_ids([tiny_engine.render_prompt(m)], sp)[0].token_ids,
