@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -25,6 +26,8 @@ from eaglenest.config import TinyTargetSpec
 TINY_WEIGHTS_SHA256 = "5add247e96dfcc5518be0bb0645f6349ea2ee9d2c8ba09b3da227de8d2725441"
 TINY_CORPUS_IDS_SHA256 = "60c7b5f0b2b262bd9f1aea3dd05aab1bf3b88886c89d27f2c274e50979fa1bdb"
 
+STAMP = re.compile(rb'"transformers_version": "[^"]*"')
+
 
 def _other_kernels() -> dict[str, str]:
     """Environment for a build on other CPU kernels than this machine's own: a stand-in for another CPU type.
@@ -38,18 +41,15 @@ def _other_kernels() -> dict[str, str]:
 
 
 def _digest(folder) -> dict[str, str]:
-    """Each file's sha256; a JSON file's without the ``transformers_version`` stamp that ``save_pretrained`` writes.
+    """Each file's sha256, byte for byte but for the value of the ``transformers_version`` stamp in its JSON files.
 
     The stamp is the installing machine's transformers release, not part of the model: the cache CI keeps between
-    runs was built by an earlier release whenever pip has since resolved a newer one.
+    runs was built by an earlier release whenever pip has since resolved a newer one. Only the stamp's value is
+    blanked; every other byte (keys, order, layout) is still compared.
     """
     def content(p: Path) -> bytes:
-        if p.suffix != ".json":
-            return p.read_bytes()
-        doc = json.loads(p.read_text())
-        if isinstance(doc, dict):
-            doc.pop("transformers_version", None)
-        return json.dumps(doc, sort_keys=True).encode()
+        data = p.read_bytes()
+        return STAMP.sub(rb'"transformers_version": ""', data) if p.suffix == ".json" else data
 
     return {p.name: hashlib.sha256(content(p)).hexdigest() for p in sorted(folder.iterdir()) if p.is_file()}
 
