@@ -114,6 +114,9 @@ BENCH_BATCHES = knob("E2E_BENCH_BATCHES", gpu="1,8", ds="1,8,32", cpu="1,8")
 BENCH_PROMPTS = int(knob("E2E_BENCH_PROMPTS", gpu=40, kimi=32, small=32, cpu=8))
 """held-out prompts in the bench (the first of heldout.jsonl; the served accept length's unseen set starts with them)"""
 BENCH_MAX_NEW_TOKENS = int(knob("E2E_BENCH_MAX_NEW_TOKENS", gpu=128, kimi=64, cpu=16))
+BENCH_REPEATS = int(knob("E2E_BENCH_REPEATS", gpu=2, kimi=1, cpu=2))
+"""interleaved rounds per engine and batch size; kimi: one (a round at batch 1 is ~25 s of the 44 GB baseline's decode,
+which the 30-minute session needs for the steps after the bench)"""
 BENCH_CEILING = knob("E2E_BENCH_CEILING", gpu=1, ds=0, cpu=0) == "1"
 """the bench's third engine (every draft token accepted); off for DeepseekV3 (one more 44 GB engine start)"""
 OFFLINE_REF = knob("E2E_OFFLINE_REF", gpu=1, cpu=0) == "1"
@@ -406,7 +409,7 @@ def write_configs() -> dict[str, Any]:
             "run_name": "standin-drafter",
         },
         "bench": {"prompts": str(PROMPTS / "heldout.jsonl"), "num_prompts": BENCH_PROMPTS,
-                  "max_new_tokens": BENCH_MAX_NEW_TOKENS, "repeats": 2, "sweep": [SPEC]},
+                  "max_new_tokens": BENCH_MAX_NEW_TOKENS, "repeats": BENCH_REPEATS, "sweep": [SPEC]},
         "serve": {"drafter": str(EXPORT), "spec": SPEC, "port": SERVE_PORT,
                   "num_gpus_per_replica": 1 if gpu() else 0, "self_test_min_accept_length": 1.2,
                   "max_prompt_tokens": 1024, "max_tokens_limit": 256},
@@ -449,7 +452,8 @@ def write_configs() -> dict[str, Any]:
             "capture": CAPTURE, "fallback_capture": FALLBACK_CAPTURE,
             "storage_dtype": STORAGE_DTYPE, "bulk_dir": str(BULK), "max_new_tokens": MAX_NEW_TOKENS,
             "regen_batch": REGEN_BATCH, "regen_in_flight": REGEN_IN_FLIGHT, "epochs": EPOCHS,
-            "bench_prompts": BENCH_PROMPTS, "bench_ceiling": BENCH_CEILING, "offline_ref": OFFLINE_REF,
+            "bench_prompts": BENCH_PROMPTS, "bench_repeats": BENCH_REPEATS, "bench_ceiling": BENCH_CEILING,
+            "offline_ref": OFFLINE_REF,
             "regen_mem_fraction_static": REGEN_MEM_FRACTION if gpu() else None,
             "hidden_states": hidden_state_estimate(facts["hidden_size"]), "space": free_space()}
 
