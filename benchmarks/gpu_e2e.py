@@ -114,6 +114,10 @@ BENCH_BATCHES = knob("E2E_BENCH_BATCHES", gpu="1,8", ds="1,8,32", cpu="1,8")
 BENCH_PROMPTS = int(knob("E2E_BENCH_PROMPTS", gpu=40, kimi=32, small=32, cpu=8))
 """held-out prompts in the bench (the first of heldout.jsonl; the served accept length's unseen set starts with them)"""
 BENCH_MAX_NEW_TOKENS = int(knob("E2E_BENCH_MAX_NEW_TOKENS", gpu=128, kimi=64, cpu=16))
+BENCH_ATTENTION = os.environ.get("E2E_BENCH_ATTENTION", "")
+"""SGLang attention backend of the bench's, the EAGLE check's and serve's engines (default: the config's, triton);
+regen and its offline reference stay on triton (the proven path, with its MLA running-request bound). The Kimi-width
+run's A/B: its speculative cycle grew ~2 ms per request on triton, whose MLA verify pass is the generic extend kernel"""
 BENCH_REPEATS = int(knob("E2E_BENCH_REPEATS", gpu=2, kimi=1, cpu=2))
 """interleaved rounds per engine and batch size; kimi: one (a round at batch 1 is ~25 s of the 44 GB baseline's decode,
 which the 30-minute session needs for the steps after the bench)"""
@@ -369,6 +373,8 @@ def write_configs() -> dict[str, Any]:
         # the bench, eagle_forced and serve engines run batch <= 32: decode graphs up to 32 requests, not SGLang's
         # default ladder (each captured graph replays 61 MLA + MoE layers: tens of seconds per 44 GB engine start)
         sglang["extra_args"] = bench_engine_extra_args()
+    if BENCH_ATTENTION:
+        sglang["attention_backend"] = BENCH_ATTENTION
     drafter: dict[str, Any] = {"draft_vocab_size": 32000 if gpu() else 256}
     cfg = {
         "target": {"model": str(MODEL), "engine": "sglang" if gpu() else "hf", "device": "cuda" if gpu() else "cpu",
@@ -428,7 +434,8 @@ def write_configs() -> dict[str, Any]:
         # 56 KiB a token: 32 GiB, since the host also holds the 44 GB model's page cache and BULK's /dev/shm files,
         # and what does not fit is placed after its batch's generation)
         cfg["target"]["sglang"] = {**sglang, "mem_fraction_static": REGEN_MEM_FRACTION,
-                                   "capture_host_gib": 32 if DEEPSEEK else 48, "extra_args": SCHEDULER_LOG}
+                                   "capture_host_gib": 32 if DEEPSEEK else 48, "extra_args": SCHEDULER_LOG,
+                                   "attention_backend": "triton"}
     first = json.loads(json.dumps(cfg))
     if REGEN_FAIL_FIRST and gpu():  # check_generation_capture refuses it before the engine starts
         first["target"]["sglang"].update(capture="generation", tp_size=2)
@@ -453,6 +460,7 @@ def write_configs() -> dict[str, Any]:
             "storage_dtype": STORAGE_DTYPE, "bulk_dir": str(BULK), "max_new_tokens": MAX_NEW_TOKENS,
             "regen_batch": REGEN_BATCH, "regen_in_flight": REGEN_IN_FLIGHT, "epochs": EPOCHS,
             "bench_prompts": BENCH_PROMPTS, "bench_repeats": BENCH_REPEATS, "bench_ceiling": BENCH_CEILING,
+            "bench_attention": BENCH_ATTENTION or "config's (triton)",
             "offline_ref": OFFLINE_REF,
             "regen_mem_fraction_static": REGEN_MEM_FRACTION if gpu() else None,
             "hidden_states": hidden_state_estimate(facts["hidden_size"]), "space": free_space()}

@@ -34,8 +34,9 @@
 # files), E2E_RECORDING_AB=1 (adds the recording engine alone, outside Ray; ~80 s), E2E_CONCURRENT_GENERATE=0 (regen's batches one
 # synchronous Engine.generate at a time; may also be written to $E2E_WORK/overrides.env before call 2);
 # E2E_REGEN_ACTORS=2 E2E_TRAIN_WORKERS=2 E2E_NUM_GPUS=2 on a 2-GPU machine (regen data parallel, DDP training);
-# E2E_BENCH_MAX_NEW_TOKENS (128), E2E_BENCH_REPEATS (2; kimi 1), E2E_BENCH_CEILING / E2E_OFFLINE_REF (1 | 0: the bench's ceiling engine, SGLang's
-# offline reference; default 1), E2E_LR (5e-4), E2E_STORAGE_DTYPE (bfloat16 | float8_e4m3fn), E2E_BULK_DIR (where
+# E2E_BENCH_MAX_NEW_TOKENS (128), E2E_BENCH_REPEATS (2; kimi 1), E2E_BENCH_ATTENTION (the bench/EAGLE/serve engines'
+# SGLang attention backend, e.g. flashinfer; regen stays on triton), E2E_BENCH_CEILING / E2E_OFFLINE_REF (1 | 0: the
+# bench's ceiling engine, SGLang's offline reference; default 1), E2E_LR (5e-4), E2E_STORAGE_DTYPE (bfloat16 | float8_e4m3fn), E2E_BULK_DIR (where
 # shards, training and export go; default $E2E_WORK), E2E_FALLBACK_CAPTURE (the fallback's capture; default generation
 # with states placed after generation), E2E_REGEN_FAIL_FIRST=1 (a test: the first regen job is refused at its engine
 # actor's start, so the fallback runs), E2E_DRAFT_SHAPE (llama | mla: the drafter's layer; mla for deepseek_v3 only).
