@@ -256,3 +256,14 @@ def test_wrong_target_depth_is_refused(kimi_drafter, tmp_path):
     assert "default [2, 15, 27]" in bad["aux_layer_ids"].fix
     assert "layers 61 (trained) != 30 (this target)" in bad["trained_target"].message
 
+
+
+def test_the_shipped_config_trains_the_mla_drafter(cfg, kimi):
+    """The Kimi config's default draft shape is the one measured at Kimi's widths (BENCHMARKS.md): MLA, with the
+    target's q/kv ranks and head dims, in the class SGLang's Kimi drafter loader reads."""
+    mcfg = resolve_model_config(cfg, kimi, cfg.target.aux_layer_ids, cfg.train.drafter.draft_vocab_size)
+    conf = hf_config(mcfg, "sglang", "bfloat16")
+    assert conf["architectures"] == [SHAPES["mla"]]
+    assert [conf[k] for k in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                              "v_head_dim")] == [1536, 512, 128, 64, 128]
+    assert (conf["hidden_size"], conf["num_attention_heads"]) == (H, 64)
