@@ -32,6 +32,25 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from serve_overhead import PROMPTS, Level, free_port, over_http, summarize  # noqa: E402
 
+TARGET_PCT = 2.0
+"""issue #31: the log may cost at most this share of serve throughput at 16 streams"""
+
+
+def pairs_iqr(cost: list[float]) -> float:
+    """The spread of the paired differences (points): what identical runs differ by on this machine."""
+    if len(cost) < 2:
+        return float("inf")
+    q1, _, q3 = statistics.quantiles(cost, n=4)
+    return q3 - q1
+
+
+def verdict(median: float, iqr: float) -> str:
+    """'met' / 'MISSED' only when the pairs resolve the target: a spread wider than twice the target leaves the
+    median's side of it to chance (the writer thread's CPU share, printed above, is then the figure to read)."""
+    if iqr > 2 * TARGET_PCT:
+        return f"unresolved (pairs spread {iqr:.1f} points > {2 * TARGET_PCT:g})"
+    return "met" if median <= TARGET_PCT else "MISSED"
+
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -96,12 +115,14 @@ def main(argv: list[str] | None = None) -> int:
         offs = [r for r in results if r.concurrency == c and r.side == "off"]
         ons = [r for r in results if r.concurrency == c and r.side == "on"]
         cost = sorted(100 * (1 - o.tokens_per_s / f.tokens_per_s) for f, o in zip(offs, ons, strict=True))
-        row = {"concurrency": c, "throughput_cost_pct_median": statistics.median(cost), "pairs": cost}
+        row = {"concurrency": c, "throughput_cost_pct_median": statistics.median(cost), "pairs": cost,
+               "pairs_iqr_pct": pairs_iqr(cost)}
+        row["verdict"] = verdict(row["throughput_cost_pct_median"], row["pairs_iqr_pct"])
         summary.append(row)
         print(f"concurrency {c:>2}: the traffic log costs {row['throughput_cost_pct_median']:+.1f}% throughput "
-              f"(median of {len(cost)} pairs: {', '.join(f'{x:+.1f}' for x in cost)})"
-              + (f"  [target <= 2%: {'met' if row['throughput_cost_pct_median'] <= 2 else 'MISSED'}]"
-                 if c == 16 else ""))
+              f"(median of {len(cost)} pairs: {', '.join(f'{x:+.1f}' for x in cost)}; interquartile range "
+              f"{row['pairs_iqr_pct']:.1f} points)"
+              + (f"  [target <= {TARGET_PCT:g}%: {row['verdict']}]" if c == 16 else ""))
     if args.out:
         Path(args.out).write_text(json.dumps({"args": vars(args), "loadavg": load, "log": log_stats,
                                               "runs": [asdict(r) for r in results], "summary": summary,
