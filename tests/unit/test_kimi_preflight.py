@@ -257,7 +257,6 @@ def test_wrong_target_depth_is_refused(kimi_drafter, tmp_path):
     assert "layers 61 (trained) != 30 (this target)" in bad["trained_target"].message
 
 
-
 def test_the_shipped_config_trains_the_mla_drafter(cfg, kimi):
     """The Kimi config's default draft shape is the one measured at Kimi's widths (BENCHMARKS.md): MLA, with the
     target's q/kv ranks and head dims, in the class SGLang's Kimi drafter loader reads."""

@@ -19,7 +19,7 @@ def test_tight_pairs_are_judged_against_the_target():
 
 
 def test_pairs_wider_than_the_target_are_unresolved_whatever_the_median():
-    # a run measured on the shared 2-core machine (BENCHMARKS.md): identical runs differed by 3x
+    # a run measured on the shared 2-core machine (BENCHMARKS.md): identical runs differed up to 4x
     noisy = sorted([-151.5, -112.7, -80.1, -43.6, -25.3, -10.1, -9.0, -7.6, 31.0, 47.3, 57.0])
     assert bench.verdict(-10.1, bench.pairs_iqr(noisy)).startswith("unresolved")
     assert bench.verdict(15.0, bench.pairs_iqr(noisy)).startswith("unresolved")
