@@ -114,10 +114,13 @@ BENCH_BATCHES = knob("E2E_BENCH_BATCHES", gpu="1,8", ds="1,8,32", cpu="1,8")
 BENCH_PROMPTS = int(knob("E2E_BENCH_PROMPTS", gpu=40, kimi=32, small=32, cpu=8))
 """held-out prompts in the bench (the first of heldout.jsonl; the served accept length's unseen set starts with them)"""
 BENCH_MAX_NEW_TOKENS = int(knob("E2E_BENCH_MAX_NEW_TOKENS", gpu=128, kimi=64, cpu=16))
-BENCH_ATTENTION = os.environ.get("E2E_BENCH_ATTENTION", "")
-"""SGLang attention backend of the bench's, the EAGLE check's and serve's engines (default: the config's, triton);
-regen and its offline reference stay on triton (the proven path, with its MLA running-request bound). The Kimi-width
-run's A/B: its speculative cycle grew 2-3 ms per request on triton, whose MLA verify is the generic extend kernel"""
+BENCH_ATTENTION = knob("E2E_BENCH_ATTENTION", ds="flashinfer", gpu="", cpu="")
+"""SGLang attention backend of the bench's, the EAGLE check's and serve's engines ("": the config's, triton); regen
+and its offline reference stay on triton (the proven path, with its MLA running-request bound). DeepseekV3: flashinfer,
+whose MLA verify pass reads each request's latent KV once for all 64 heads; on triton (third Kimi-width run) the
+speculative cycle grew 2-3 ms per request, SGLang 0.5.14 running TARGET_VERIFY there through the generic extend kernel
+(one program per head). The warm-up tries the backend first; where it failed there, the run falls back to triton
+(:func:`bench_attention`)"""
 BENCH_REPEATS = int(knob("E2E_BENCH_REPEATS", gpu=2, kimi=1, cpu=2))
 """interleaved rounds per engine and batch size; kimi: one (a round at batch 1 is ~25 s of the 44 GB baseline's decode,
 which the 30-minute session needs for the steps after the bench)"""
@@ -129,21 +132,24 @@ only when the run's budget has room for it (one more 44 GB engine start and ever
 BUDGET_S = float(knob("E2E_BUDGET_S", gpu=0, kimi=1500, small=1500, cpu=0))
 """the runner's seconds (from its start, ``E2E_START``) within which it must finish: a step in :data:`OPTIONAL_S`
 is skipped when fewer seconds than its estimate are left (0: no budget)"""
-OPTIONAL_S = {"offline_ref": float(knob("E2E_OFFLINE_REF_S", gpu=120, kimi=200, small=120, cpu=0)),
-              "offline_recording": 120.0, "train_step": float(knob("E2E_TRAIN_STEP_S", gpu=240, cpu=0))}
-"""the steps the budget may skip, with the seconds each is expected to take"""
+OPTIONAL_S = {"offline_recording": 120.0, "train_step": float(knob("E2E_TRAIN_STEP_S", gpu=240, cpu=0)),
+              **({"eagle_forced": float(knob("E2E_EAGLE_CHECK_S", ds=90, gpu=0, cpu=0))} if DEEPSEEK else {})}
+"""the steps the budget may skip, with the seconds each is expected to take. DeepseekV3: the seed's-bug check runs
+after serve and only when the budget has room for one more 44 GB engine start (every other step of the issue's
+acceptance comes first); SGLang's offline reference is not optional (regen's yardstick: it runs right after regen)"""
 TUNE = os.environ.get("E2E_TUNE") == "1"
 """issue 29's acceptance after ``serve``: tune, bench --schedule and the served load ramp (benchmarks/gpu_tune.py)"""
 TUNE_STEPS = ["tune", "bench_schedule", "ramp"] if TUNE else []
 FLYWHEEL = os.environ.get("E2E_FLYWHEEL", "0") == "1"
 """issue #31's acceptance instead of the bench and serve steps: benchmarks/gpu_flywheel.py (traffic from another
 domain -> one turn of `eaglenest flywheel` -> the served accept length before and after)"""
-STEP_ORDER = (["jit_wait", "configs", "ray_start", "regen", "train", "preflight", "bench", "eagle_forced", "serve",
-               *TUNE_STEPS, "jobs", "train_step", "offline_ref", "offline_recording"] if DEEPSEEK else
+STEP_ORDER = (["jit_wait", "configs", "ray_start", "regen", "offline_ref", "train", "preflight", "bench", "serve",
+               "eagle_forced", *TUNE_STEPS, "jobs", "train_step", "offline_recording"] if DEEPSEEK else
               ["configs", "ray_start", "regen", "train", "preflight", "flywheel", "jobs"] if FLYWHEEL else
               ["configs", "offline_ref", "offline_recording", "ray_start", "regen", "train", "preflight",
                "eagle_forced", "bench", "serve", *TUNE_STEPS, "jobs"])
-"""phase B's steps in order: DeepseekV3 measures what its issue needs first and the optional yardstick last"""
+"""phase B's steps in order: DeepseekV3 measures regen's yardstick right after regen (same GPU, nothing else on it)
+and the optional steps last"""
 TRAIN_PROMPTS = int(knob("E2E_TRAIN_PROMPTS", gpu=3200, ds=2048, cpu=24))
 TRAIN_AFTER_CUT = int(knob("E2E_TRAIN_AFTER_CUT", gpu=800, cpu=4))
 """up to this many of them from records after the stand-in's pre-training cut (conversations it never saw, the kind
@@ -271,7 +277,8 @@ def step_jit_warm() -> dict[str, Any]:
         return {"skipped": "DeepseekV3 on the GPU only (E2E_JIT_WARM=0 turns it off)"}
     cmd = [sys.executable, str(ROOT / "benchmarks" / "gpu_jit_warm.py"), "--preset", DS_PRESET, "--routed-experts",
            str(DS_EXPERTS[0]), "--experts-per-token", str(DS_EXPERTS[1]), "--work", str(JIT_WARM_DIR),
-           "--max-bs", str(max(int(b) for b in BENCH_BATCHES.split(",")))]
+           "--max-bs", str(max(int(b) for b in BENCH_BATCHES.split(","))), "--attention", BENCH_ATTENTION or "triton",
+           "--shapes", ",".join(DRAFT_SHAPES)]
     log = open(RESULTS / "logs" / "jit-warm.log", "w")  # noqa: SIM115 - the process outlives this step
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT)
     JIT_WARM_PID.write_text(str(proc.pid))
@@ -349,8 +356,34 @@ def scheduler_pace(text: str) -> dict[str, Any] | None:
 
 def bench_engine_extra_args() -> dict[str, Any]:
     """SGLang settings of the bench's, eagle_forced's and serve's engines on DeepseekV3: decode graphs up to the
-    bench's largest batch (``cuda_graph_max_bs_decode``; 0.5.14 has no ``cuda_graph_max_bs`` field)."""
-    return {"cuda_graph_max_bs_decode": max(int(b) for b in BENCH_BATCHES.split(","))}
+    bench's largest batch (``cuda_graph_max_bs_decode``; 0.5.14 has no ``cuda_graph_max_bs`` field), and no prefill
+    graphs (:data:`NO_PREFILL_GRAPHS`)."""
+    return {"cuda_graph_max_bs_decode": max(int(b) for b in BENCH_BATCHES.split(",")), **NO_PREFILL_GRAPHS}
+
+
+NO_PREFILL_GRAPHS = {"disable_prefill_cuda_graph": True}
+"""SGLang 0.5.14's piecewise prefill graphs (torch.compile per layer) cost the third Kimi-width run 84 s per engine
+start (69 s compiling, 15 s capturing) and serve only prefill forwards of at most 2,048 tokens: the speculative
+engines never built them (so the bench's baseline gained prefill graphs its rivals lacked), decode graphs are
+separate and stay on, and regen (CUDA graphs off while recording) prefills chunks of 8,192 tokens. Off in the bench's
+engines and in regen's offline reference; the decode pace is what both compare."""
+
+
+def bench_attention() -> tuple[str, str | None]:
+    """The bench's (and the EAGLE check's and serve's) attention backend and, where it is not
+    :data:`BENCH_ATTENTION` as asked or is unverified, why: a backend whose warm-up engine failed is replaced by
+    triton before any 44 GB engine depends on it."""
+    if not BENCH_ATTENTION or BENCH_ATTENTION == "triton" or not gpu():
+        return BENCH_ATTENTION, None
+    engines = (load("jit_wait").get("report") or {}).get("engines") or []
+    tried = [r for r in engines if r.get("attention") == BENCH_ATTENTION]
+    failed = [r for r in tried if r.get("error")]
+    if failed:
+        return "triton", (f"{BENCH_ATTENTION} failed in the warm-up ({failed[0]['engine']} engine: "
+                          f"{failed[0]['error'][:400]}); triton instead")
+    if not tried:
+        return BENCH_ATTENTION, f"{BENCH_ATTENTION} not tried by the warm-up (it ended first): unverified"
+    return BENCH_ATTENTION, None
 
 
 REGEN_FAIL_FIRST = os.environ.get("E2E_REGEN_FAIL_FIRST") == "1"
@@ -373,8 +406,9 @@ def write_configs() -> dict[str, Any]:
         # the bench, eagle_forced and serve engines run batch <= 32: decode graphs up to 32 requests, not SGLang's
         # default ladder (each captured graph replays 61 MLA + MoE layers: tens of seconds per 44 GB engine start)
         sglang["extra_args"] = bench_engine_extra_args()
-    if BENCH_ATTENTION:
-        sglang["attention_backend"] = BENCH_ATTENTION
+    attention, attention_note = bench_attention()
+    if attention:
+        sglang["attention_backend"] = attention
     drafter: dict[str, Any] = {"draft_vocab_size": 32000 if gpu() else 256}
     cfg = {
         "target": {"model": str(MODEL), "engine": "sglang" if gpu() else "hf", "device": "cuda" if gpu() else "cpu",
@@ -460,7 +494,7 @@ def write_configs() -> dict[str, Any]:
             "storage_dtype": STORAGE_DTYPE, "bulk_dir": str(BULK), "max_new_tokens": MAX_NEW_TOKENS,
             "regen_batch": REGEN_BATCH, "regen_in_flight": REGEN_IN_FLIGHT, "epochs": EPOCHS,
             "bench_prompts": BENCH_PROMPTS, "bench_repeats": BENCH_REPEATS, "bench_ceiling": BENCH_CEILING,
-            "bench_attention": BENCH_ATTENTION or "config's (triton)",
+            "bench_attention": attention or "config's (triton)", "bench_attention_note": attention_note,
             "offline_ref": OFFLINE_REF,
             "regen_mem_fraction_static": REGEN_MEM_FRACTION if gpu() else None,
             "hidden_states": hidden_state_estimate(facts["hidden_size"]), "space": free_space()}
@@ -550,6 +584,8 @@ def step_offline_ref() -> dict[str, Any]:
     target = TargetSpec.read(MODEL, context_length=cfg.target.sglang.context_length)
     kw = engine_kwargs(str(MODEL), cfg.target.sglang, dtype="bfloat16", target=target)  # regen's running-request cap
     kw["disable_radix_cache"] = True  # each prompt once; nothing to reuse, as in regen
+    if DEEPSEEK:
+        kw.update(NO_PREFILL_GRAPHS)  # 84 s of compiling for prefill batches of <= 2,048 tokens; regen's are 8,192
     Engine = sglang_symbol("sglang:Engine")
     t0 = time.perf_counter()
     eng = Engine(**kw)
@@ -564,6 +600,7 @@ def step_offline_ref() -> dict[str, Any]:
     return {"prompts": len(prompts), "output_tokens": tokens, "generate_seconds": round(secs, 2),
             "tokens_per_s": round(tokens / secs, 1), "engine_start_seconds": round(start_s, 1),
             "scheduler_pace": pace,
+            "prefill_graphs": not kw.get("disable_prefill_cuda_graph", False),
             "note": "engine start and a 64-prompt warm-up excluded; greedy, max_new_tokens as regen"}
 
 

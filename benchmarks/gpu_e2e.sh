@@ -35,7 +35,7 @@
 # synchronous Engine.generate at a time; may also be written to $E2E_WORK/overrides.env before call 2);
 # E2E_REGEN_ACTORS=2 E2E_TRAIN_WORKERS=2 E2E_NUM_GPUS=2 on a 2-GPU machine (regen data parallel, DDP training);
 # E2E_BENCH_MAX_NEW_TOKENS (128), E2E_BENCH_REPEATS (2; kimi 1), E2E_BENCH_ATTENTION (the bench/EAGLE/serve engines'
-# SGLang attention backend, e.g. flashinfer; regen stays on triton), E2E_BENCH_CEILING / E2E_OFFLINE_REF (1 | 0: the
+# SGLang attention backend; deepseek_v3 flashinfer, llama the config's triton; regen stays on triton), E2E_BENCH_CEILING / E2E_OFFLINE_REF (1 | 0: the
 # bench's ceiling engine, SGLang's offline reference; default 1), E2E_LR (5e-4), E2E_STORAGE_DTYPE (bfloat16 |
 # float8_e4m3fn), E2E_BULK_DIR (where shards, training and export go; default $E2E_WORK), E2E_FALLBACK_CAPTURE (the
 # fallback's capture; default generation with states placed after generation), E2E_REGEN_FAIL_FIRST=1 (a test: the first regen job is refused at its engine
@@ -69,39 +69,26 @@
 # tokens, capture during generation (verified for DeepseekV3 on the H200) with a prefill fallback; E2E_DRAFT_SHAPE=both:
 # a Llama-shaped and an MLA drafter trained side by side (two Ray jobs, half a GPU each, same shards), benchmarked
 # against one baseline in one `eaglenest bench` (--drafter llama=... --drafter mla=...) at batch 1, 8 and 32
-# (E2E_BENCH_BATCHES; SGLang decode graphs up to the largest), the faster at batch 1 served; the EAGLE check on the
-# Llama-shaped one (the seed's drafter class); no ceiling engine; 32 accept prompts per set; E2E_JIT_WARM=1:
-# benchmarks/gpu_jit_warm.py compiles SGLang's kernels for the stand-in's widths (a random 5-layer model of the same
-# widths and random drafters of both shapes) in the background during phase A, ended before regen (E2E_JIT_WAIT_S);
-# the order puts the optional steps last (jobs, then train_step.py at Kimi's widths for both shapes with the
-# per-kernel breakdown (E2E_TRAIN_STEP), then SGLang's offline reference), each run only if E2E_BUDGET_S (1,500 s
-# of runner time) leaves room for it. kimi: 3 epochs, lr 3e-4, 32 bench prompts x 64 tokens, pre-training 400 steps
-# (at most 210 s), fp8 hidden states (E2E_STORAGE_DTYPE) with shards, training runs, exports and the train jobs'
-# TMPDIR in /dev/shm/eaglenest-e2e (E2E_BULK_DIR); small: 4 epochs, 32 bench prompts x 128, 600 steps (180 s), bf16.
+# (E2E_BENCH_BATCHES; SGLang decode graphs up to the largest, no prefill graphs), the faster at batch 1 served; the
+# bench's, the EAGLE check's and serve's engines on flashinfer attention (E2E_BENCH_ATTENTION; triton where the warm-up
+# saw it fail); the EAGLE check on the Llama-shaped one (the seed's drafter class); no ceiling engine; 32 accept
+# prompts per set; E2E_JIT_WARM=1: benchmarks/gpu_jit_warm.py compiles SGLang's kernels for the stand-in's widths (a
+# random 5-layer model of the same widths and random drafters of the run's shapes: plain triton, then EAGLE3 and plain
+# on the bench's backend) in the background during phase A, ended before regen (E2E_JIT_WAIT_S); SGLang's offline
+# reference right after regen; the EAGLE check after serve, then jobs and train_step.py at Kimi's widths with the
+# per-kernel breakdown (E2E_TRAIN_STEP), each of those optional steps run only if E2E_BUDGET_S (1,500 s of runner
+# time) leaves room for it. kimi: 3 epochs, lr 3e-4, 32 bench prompts x 64 tokens, pre-training 400 steps (at most
+# 210 s), fp8 hidden states (E2E_STORAGE_DTYPE) with shards, training runs, exports and the train jobs' TMPDIR in
+# /dev/shm/eaglenest-e2e (E2E_BULK_DIR); small: 4 epochs, 32 bench prompts x 128, 600 steps (180 s), bf16.
 #
-# DeepseekV3 at Kimi's widths (kimi, 4 / 4) on one H200, estimated (no run yet; measure and correct):
-#   hidden states: (3 x 7168 + 7168) x 2 = 57,344 B a token in bf16, 28,676 B in fp8 (4H + 4). 2,048 samples x
-#   (~45 prompt + ~115 answer tokens: the Llama runs' 183 a sample at 160 new) ~ 330k tokens: 18.9 GB bf16, 9.5 GB
-#   fp8 (worst case, every prompt 192 tokens and every answer 128: 37.6 / 18.8 GB). Disk (64 GiB): stand-in 44.3 GB +
-#   its small base 1.3 GB + dump; the drafter (Llama-shaped, hidden 7168, 64 heads of 112, intermediate 18432, 32,000
-#   head: 1.14B trainable) checkpoints 13.7 GB (fp32 weights + Adam), written twice by Ray Train (temp + copy), export
-#   2.3 GB. Bf16 shards + checkpoint do not fit beside the stand-in, so: fp8 shards, and shards + training in
-#   /dev/shm (peak ~40 GB of the host's 128 GB, beside the model's 44 GB page cache).
-#   per step (seconds): phase 1 unpack ~15; stand-in ~340 (dump + tokenizer ~40, pre-training 0.34B (0.28B active) 400
-#   x 32 x 1,024 tokens <= 210, widening + writing 44.3 GB + the layer-by-layer check ~90); Ray ~15; regen ~160 (job
-#   and actor ~20, engine start ~75 = 44 GB from page cache + init, no CUDA graphs while recording; prefill ~90k tokens
-#   ~5; decode 128 steps at batch ~2,048, 42 GFLOP a token ~ 86 TFLOP a step ~ 0.2-0.3 s: 25-40; tail ~20; with the
-#   refused first job + prefill fallback ~230: a second model copy in the actor); train ~180 (Ray Train start +
-#   target embed/head ~40, 3 epochs x 243 steps of 8 x ~160 tokens at ~10k tok/s (train_step.py at Kimi's drafter
-#   widths) ~35 each, checkpoint + copy + export ~30); preflight ~10; eagle_forced ~90 (one engine start + 32 x 96
-#   tokens); bench ~230 (2 engine starts ~80 each; batch 1 decode ~ 42 GB of active weights / ~4 TB/s ~ 10.5 ms + the
-#   launch floor ~ 80 tok/s: baseline 16 x 96 x 2 rounds ~40, EAGLE3 ~18, batch 8 ~10); serve ~140 (Ray Serve + engine
-#   ~110, requests ~20); jobs + summary + ray stop ~15. Runner ~1,200 s (fallback ~1,270 s) + machine start and
-#   carries ~2 min: ~22-23 min of the 25. The small preset: ~875 s (13.3 GB engine starts ~55 s, ~3 ms decode steps).
-#   Device calls: call 1 `E2E_ARCH=deepseek_v3 bash benchmarks/gpu_e2e.sh --phase1` (returns after the stand-in,
-#   ~6 min), then `--phase2` calls as below until the summary prints (two for kimi: the runner needs ~14 min more).
-#   With both draft shapes: train ~250 (two jobs side by side), bench ~380 (3 engine starts, batch 1/8/32), so ~1,450
-#   before the optional steps; E2E_BUDGET_S keeps the runner within 1,500 s.
+# DeepseekV3 at Kimi's widths (kimi, 4 / 4) on one H200, measured (third run, BENCHMARKS.md; seconds): phase A 323
+# (unpack + dump ~30, stand-in 285: pre-training 210, widening + writing 44.3 GB + the check ~75); the second call
+# ~26 later; configs + Ray 18; regen 166 (job + engine start ~90, generation 71 at batch ~1,000, fp8 states 28,676 B a
+# token: 9.3 GB for 324k tokens in /dev/shm beside the 44 GB page cache); both shapes' training 495 (two jobs side by
+# side; 3 epochs of 245 steps ~263 of it); preflight 24; bench 376 (3 engine starts, the baseline's 84 s of prefill
+# graphs now left out, batch 1 at 54 tok/s: 38 s of the baseline's decode); EAGLE check 79; serve 138 (healthy in 95);
+# ray stop 10. With the offline reference (~130 without prefill graphs) the runner needs ~1,650 s: device calls
+# `... --phase1` (~325 s), then `--phase2` calls until the summary prints (three; E2E_CALL_WAIT_S sizes the last).
 set -uo pipefail
 ROOT=${E2E_ROOT:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)}  # the runner runs from a copy: E2E_ROOT
 cd "$ROOT"

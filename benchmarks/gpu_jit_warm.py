@@ -7,12 +7,16 @@ phase A (the stand-in's pre-training and widening), so the compiled kernels are 
 ``TVM_FFI_CACHE_DIR``) when regen starts its engine.
 
 It builds a random DeepseekV3 with the stand-in's exact widths (hidden, MLA ranks and head dims, experts, vocabulary)
-but only ``--layers`` layers (a few GB), random drafters of both draft shapes for it, and starts SGLang the ways the
-run will: plain (prefill, decode and the decode graphs up to the bench's batch), and EAGLE3 with each drafter
-(draft, verify with its tree mask, their graphs). Its outputs are discarded; only the caches matter. The engines take
-little GPU memory (``max_total_tokens`` caps the KV pool), so pre-training on the same GPU is unaffected.
+but only ``--layers`` layers (a few GB), random drafters of the run's draft shapes for it, and starts SGLang the ways
+the run will: plain on triton (regen's and its offline reference's backend: prefill, decode, the decode graphs up to
+the bench's batch), EAGLE3 with each drafter on ``--attention`` (the bench's, the EAGLE check's and serve's backend:
+draft, verify with its tree mask, their graphs), then plain on ``--attention`` (the bench's baseline). Its outputs are
+discarded; only the caches matter, and each engine's record (start seconds or the error) tells the run whether
+``--attention`` works on this machine before any 44 GB engine depends on it. The engines take little GPU memory
+(``max_total_tokens`` caps the KV pool), so pre-training on the same GPU is unaffected.
 
-    python3 benchmarks/gpu_jit_warm.py --preset default --routed-experts 4 --experts-per-token 4 --work /tmp/jitwarm
+    python3 benchmarks/gpu_jit_warm.py --preset default --routed-experts 4 --experts-per-token 4 --work /tmp/jitwarm \
+        --attention flashinfer
 """
 
 from __future__ import annotations
@@ -54,8 +58,9 @@ def build_target(cfg: dict[str, Any], folder: Path, device: str) -> Path:
     return folder
 
 
-def build_drafters(target: Path, work: Path, draft_vocab: int = 32000) -> dict[str, Path]:
-    """A random drafter of each draft shape for ``target`` in eaglenest's SGLang export format."""
+def build_drafters(target: Path, work: Path, draft_vocab: int = 32000,
+                   shapes: tuple[str, ...] = ("llama", "mla")) -> dict[str, Path]:
+    """A random drafter of each of ``shapes`` for ``target`` in eaglenest's SGLang export format."""
     import torch
     from safetensors import safe_open
 
@@ -77,7 +82,7 @@ def build_drafters(target: Path, work: Path, draft_vocab: int = 32000) -> dict[s
     mapping = build_vocab_mapping(torch.arange(facts.vocab_size, 0, -1, dtype=torch.float64),
                                   min(draft_vocab, facts.vocab_size))
     out = {}
-    for shape in ("llama", "mla"):
+    for shape in shapes:
         cfg = drafter_model_config(facts, taps, mapping.draft_vocab_size, draft_shape=shape)
         drafter = Eagle3Drafter(cfg)
         drafter.init_from_target(tensors["model.embed_tokens.weight"], tensors["lm_head.weight"], mapping.d2t,
@@ -87,24 +92,37 @@ def build_drafters(target: Path, work: Path, draft_vocab: int = 32000) -> dict[s
 
 
 def warm_extra_args(max_bs: int) -> dict[str, Any]:
-    """The warm-up engines' SGLang settings beyond eaglenest's: decode graphs up to ``max_bs``, a KV pool capped so
-    the engine stays small beside the stand-in's pre-training on the same GPU, token ids in (no tokenizer)."""
-    return {"cuda_graph_max_bs_decode": max_bs, "max_total_tokens": 65536, "skip_tokenizer_init": True}
+    """The warm-up engines' SGLang settings beyond eaglenest's: decode graphs up to ``max_bs`` and no prefill graphs
+    (as the run's engines), a KV pool capped so the engine stays small beside the stand-in's pre-training on the same
+    GPU, token ids in (no tokenizer)."""
+    return {"cuda_graph_max_bs_decode": max_bs, "disable_prefill_cuda_graph": True, "max_total_tokens": 65536,
+            "skip_tokenizer_init": True}
 
 
-def warm_engines(target: Path, drafters: dict[str, Path], max_bs: int, log: Any = print) -> list[dict[str, Any]]:
-    """Start SGLang plain and with each drafter (EAGLE3 3-1-4); decode at batch 1 and ``max_bs`` in each."""
+def warm_plan(drafters: dict[str, Path], attention: str) -> list[tuple[str, str]]:
+    """(engine, attention backend) in the order the warm-up starts them: regen's plain triton engine first (the run
+    needs it first), then the speculative engines on ``attention`` (the riskiest: their result decides the bench's
+    backend), then the plain baseline on ``attention`` when it is not triton."""
+    plan = [("plain", "triton"), *[(name, attention) for name in drafters]]
+    return plan + ([("plain", attention)] if attention != "triton" else [])
+
+
+def warm_engines(target: Path, drafters: dict[str, Path], max_bs: int, attention: str = "triton",
+                 log: Any = print) -> list[dict[str, Any]]:
+    """Start SGLang as :func:`warm_plan` says (EAGLE3 3-1-4 with a drafter); decode at batch 1 and ``max_bs`` in
+    each."""
     from eaglenest.config import SGLangEngineConfig, SpecConfig
     from eaglenest.contracts.target import TargetSpec
     from eaglenest.engines.sglang.args import engine_kwargs
     from eaglenest.engines.sglang.engine import sglang_symbol
     from eaglenest.engines.sglang.spec import speculative_engine_kwargs
 
-    cfg = SGLangEngineConfig(mem_fraction_static=0.88, context_length=2048, extra_args=warm_extra_args(max_bs))
-    facts = TargetSpec.read(str(target), context_length=cfg.context_length)
+    facts = TargetSpec.read(str(target), context_length=2048)
     Engine = sglang_symbol("sglang:Engine")
     records = []
-    for name in ["plain", *drafters]:
+    for name, backend in warm_plan(drafters, attention):
+        cfg = SGLangEngineConfig(mem_fraction_static=0.88, context_length=2048, attention_backend=backend,
+                                 extra_args=warm_extra_args(max_bs))
         t0 = time.perf_counter()
         try:
             if name == "plain":
@@ -120,9 +138,10 @@ def warm_engines(target: Path, drafters: dict[str, Path], max_bs: int, log: Any 
                                                                      "ignore_eos": True})
             finally:
                 eng.shutdown()
-            rec = {"engine": name, "start_s": round(start_s, 1), "total_s": round(time.perf_counter() - t0, 1)}
+            rec = {"engine": name, "attention": backend, "start_s": round(start_s, 1),
+                   "total_s": round(time.perf_counter() - t0, 1)}
         except Exception as e:  # noqa: BLE001 - a warm-up that fails costs the run nothing but the compile time
-            rec = {"engine": name, "error": f"{type(e).__name__}: {e}"[:1500],
+            rec = {"engine": name, "attention": backend, "error": f"{type(e).__name__}: {e}"[:1500],
                    "total_s": round(time.perf_counter() - t0, 1)}
         log(f"[jit warm] {json.dumps(rec)}")
         records.append(rec)
@@ -137,6 +156,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", type=int, default=5, help="layers of the warm-up model (>= 5: three distinct taps)")
     p.add_argument("--max-bs", type=int, default=32, help="the largest batch the run decodes with CUDA graphs")
     p.add_argument("--work", default="/tmp/jitwarm")
+    p.add_argument("--attention", default="triton",
+                   help="SGLang attention backend of the speculative engines and the baseline (regen's stays triton)")
+    p.add_argument("--shapes", default="llama,mla", help="draft shapes to warm (comma-separated)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--build-only", action="store_true", help="build the model and drafters, start no engine")
     a = p.parse_args(argv)
@@ -146,10 +168,10 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(a.work)
     cfg = warm_config(a.preset, a.routed_experts, a.experts_per_token, a.layers)
     target = build_target(cfg, work / "target", a.device)
-    drafters = build_drafters(target, work)
+    drafters = build_drafters(target, work, shapes=tuple(x for x in a.shapes.split(",") if x))
     print(f"[jit warm] built a {a.layers}-layer model and {len(drafters)} drafters in "
           f"{time.perf_counter() - t0:.1f} s", flush=True)
-    records = [] if a.build_only else warm_engines(target, drafters, a.max_bs)
+    records = [] if a.build_only else warm_engines(target, drafters, a.max_bs, a.attention)
     (work / "warm.json").write_text(json.dumps({"engines": records, "seconds": round(time.perf_counter() - t0, 1)},
                                                indent=2))
     print(f"[jit warm] done in {time.perf_counter() - t0:.1f} s", flush=True)

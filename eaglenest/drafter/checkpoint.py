@@ -71,7 +71,8 @@ def optimizer_from_files(tensors: dict[str, torch.Tensor], meta: dict[str, Any])
 
 
 def state_fingerprint(opt_state: dict[str, Any]) -> str:
-    """A hash of an optimizer state (every tensor's bytes + the group hyperparameters), to prove a faithful reload."""
+    """A hash of an optimizer state (every tensor's bytes + the group hyperparameters), to prove a faithful reload.
+    CPU tensors are hashed in place (no copy: at Kimi's widths the state is ~9.5 GB)."""
     h = hashlib.sha256()
     for pid in sorted(opt_state["state"], key=int):
         for name in sorted(opt_state["state"][pid]):
@@ -80,7 +81,7 @@ def state_fingerprint(opt_state: dict[str, Any]) -> str:
             if torch.is_tensor(v):
                 v = v.detach().to("cpu").contiguous()
                 h.update(str(v.dtype).encode() + str(tuple(v.shape)).encode())
-                h.update(v.reshape(-1).view(torch.uint8).numpy().tobytes() if v.numel() else b"")
+                h.update(memoryview(v.reshape(-1).view(torch.uint8).numpy()) if v.numel() else b"")
             else:
                 h.update(repr(v).encode())
     groups = [{k: v for k, v in g.items() if k != "params"} | {"params": list(g["params"])}
@@ -104,9 +105,9 @@ def save_training_checkpoint(
     save_file(drafter_tensors(drafter), str(out / WEIGHTS), metadata={"format": "eaglenest-drafter-train"})
     drafter.config.save(out / CONFIG)
     mapping.save(out / VOCAB_FILE)
-    opt_state = optimizer.state_dict()
-    tensors, meta = optimizer_to_files(opt_state)
+    tensors, meta = optimizer_to_files(optimizer.state_dict())
     save_file(tensors, str(out / OPT_TENSORS))
+    opt_state = optimizer_from_files(tensors, meta)  # the CPU copies just written: hashed without a second copy
     (out / OPT_META).write_text(json.dumps(meta, indent=1, sort_keys=True, default=_json_default) + "\n")
     full_state = dict(state)
     full_state["scheduler"] = scheduler.state_dict() if scheduler is not None else None
@@ -144,7 +145,9 @@ def is_training_checkpoint(path: str | Path) -> bool:
     return all((Path(path) / f).is_file() for f in REQUIRED)
 
 
-def load_training_checkpoint(path: str | Path) -> TrainingCheckpoint:
+def load_training_checkpoint(path: str | Path, *, optimizer: bool = True) -> TrainingCheckpoint:
+    """A checkpoint folder, read; ``optimizer=False`` leaves the optimizer's tensors unread (an export needs the
+    weights only, and at Kimi's widths the optimizer state is ~9.5 GB)."""
     p = Path(path)
     missing = [f for f in REQUIRED if not (p / f).is_file()]
     if missing:
@@ -155,7 +158,7 @@ def load_training_checkpoint(path: str | Path) -> TrainingCheckpoint:
         config=DrafterModelConfig.load(p / CONFIG),
         weights=load_file(str(p / WEIGHTS)),
         mapping=VocabMapping.load(p / VOCAB_FILE),
-        optimizer_state=optimizer_from_files(load_file(str(p / OPT_TENSORS)), meta),
+        optimizer_state=optimizer_from_files(load_file(str(p / OPT_TENSORS)), meta) if optimizer else {},
         state=json.loads((p / STATE).read_text()),
     )
 

@@ -55,7 +55,7 @@ def export_checkpoint(
             f"no drafter training checkpoint under {checkpoint} (expected drafter.safetensors, train_state.json, ...; "
             "run `eaglenest train` first or pass the checkpoint folder)"
         )
-    ckpt = load_training_checkpoint(src)
+    ckpt = load_training_checkpoint(src, optimizer=False)
     cfg = _with_target_architecture(ckpt.config)
     tensors = dict(ckpt.weights)
     if include_embedding:

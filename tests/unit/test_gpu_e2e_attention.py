@@ -1,0 +1,63 @@
+"""The GPU script's choice of the bench's attention backend: the warm-up tries it before any 44 GB engine depends on
+it (triton for regen first, then the speculative engines, then the baseline), and a backend that failed there is
+replaced by triton with the warm-up's error as the reason."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+
+def _module(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+gpu_e2e = _module("gpu_e2e")
+gpu_jit_warm = _module("gpu_jit_warm")
+
+
+def test_the_warm_up_starts_regen_s_engine_first_then_the_speculative_ones_on_the_bench_s_backend() -> None:
+    drafters = {"llama": Path("a"), "mla": Path("b")}
+    assert gpu_jit_warm.warm_plan(drafters, "flashinfer") == [
+        ("plain", "triton"), ("llama", "flashinfer"), ("mla", "flashinfer"), ("plain", "flashinfer")]
+    assert gpu_jit_warm.warm_plan({"mla": Path("b")}, "triton") == [("plain", "triton"), ("mla", "triton")]
+
+
+def _warm_report(monkeypatch: pytest.MonkeyPatch, engines: list[dict]) -> None:
+    monkeypatch.setattr(gpu_e2e, "BENCH_ATTENTION", "flashinfer")
+    monkeypatch.setattr(gpu_e2e, "gpu", lambda: True)
+    monkeypatch.setattr(gpu_e2e, "load", lambda name: {"report": {"engines": engines}} if name == "jit_wait" else {})
+
+
+def test_a_backend_that_failed_in_the_warm_up_is_replaced_by_triton(monkeypatch: pytest.MonkeyPatch) -> None:
+    _warm_report(monkeypatch, [{"engine": "plain", "attention": "triton", "start_s": 60.0},
+                               {"engine": "mla", "attention": "flashinfer", "error": "RuntimeError: no kernel"}])
+    backend, why = gpu_e2e.bench_attention()
+    assert backend == "triton"
+    assert "flashinfer failed in the warm-up (mla engine: RuntimeError: no kernel)" in why
+
+
+def test_a_backend_the_warm_up_ran_is_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    _warm_report(monkeypatch, [{"engine": "plain", "attention": "triton", "start_s": 60.0},
+                               {"engine": "mla", "attention": "flashinfer", "start_s": 30.0}])
+    assert gpu_e2e.bench_attention() == ("flashinfer", None)
+
+
+def test_a_backend_the_warm_up_never_reached_is_kept_but_called_unverified(monkeypatch: pytest.MonkeyPatch) -> None:
+    _warm_report(monkeypatch, [{"engine": "plain", "attention": "triton", "error": "killed"}])
+    backend, why = gpu_e2e.bench_attention()
+    assert backend == "flashinfer" and "unverified" in why
+
+
+def test_the_bench_s_engines_build_no_prefill_graphs() -> None:
+    assert gpu_e2e.bench_engine_extra_args()["disable_prefill_cuda_graph"] is True
+    assert gpu_jit_warm.warm_extra_args(32)["disable_prefill_cuda_graph"] is True
