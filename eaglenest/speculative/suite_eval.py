@@ -36,8 +36,8 @@ def run_turns(records: Sequence[Record], answer: Answer, *,
     """Ask every record's turns in order: turn 1 of all records, then each follow-up after the previous answer.
 
     ``answer(conversations, records, turn)`` returns one result per conversation (with ``.text``); ``fits`` says
-    whether a conversation may be asked. Returns (record, turn, result) per asked turn; a turn that does not fit is
-    returned with result None and ends its conversation."""
+    whether a conversation may be asked. Returns (record, turn, result) per asked turn; a turn that does not fit, or
+    whose answer is None (failed), is returned with result None and ends its conversation."""
     out: list[tuple[Record, int, Any]] = []
     active = [(r, list(r["messages"])) for r in records]
     turn = 1
@@ -49,6 +49,8 @@ def run_turns(records: Sequence[Record], answer: Answer, *,
         nxt = []
         for (r, m), res in zip(asked, results, strict=True):
             out.append((r, turn, res))
+            if res is None:  # the answer failed (``answer`` may return None): its conversation ends there
+                continue
             follow = r.get("followups") or []
             if turn - 1 < len(follow):
                 nxt.append((r, m + [{"role": "assistant", "content": res.text},

@@ -23,13 +23,17 @@ def table_rows(doc: dict[str, Any]) -> list[tuple[str, str, dict[str, Any]]]:
 
 def suites_markdown(doc: dict[str, Any]) -> str:
     """The table as Markdown (printed by ``eaglenest eval --suite``, kept next to suites.json)."""
-    depth = len(next(iter(doc["suites"].values()))["per_position"]["depth"]) if doc["suites"] else 0
+    depth = max((len(pp["depth"]) for rep in doc["suites"].values() if (pp := rep.get("per_position"))), default=0)
     head = ["suite", "category", "requests", "accept length"] + [f">= {d}" for d in range(1, depth + 1)]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for suite, label, r in table_rows(doc):
-        pp = r["per_position"]["accepted_at_least"]
+        pp = (r.get("per_position") or {}).get("accepted_at_least") or [float("nan")] * depth  # served: not reported
         cells = [suite, label, str(r["requests"]), f"{r['accept_length']:.3f}"] + [f"{a:.2f}" for a in pp]
         lines.append("| " + " | ".join(cells) + " |")
+    failed = {n: f for n, rep in doc["suites"].items() if (f := rep.get("failed_requests"))}
+    if failed:
+        lines.append("")
+        lines += [f"{n}: failed requests: " + "; ".join(f"{k} (x{c})" for k, c in f.items()) for n, f in failed.items()]
     skipped = {n: s for n, rep in doc["suites"].items() if (s := rep.get("skipped_too_long"))}
     if skipped:
         lines.append("")
@@ -61,14 +65,20 @@ def plot_suites(doc: dict[str, Any], path: str | Path) -> Path:
     axes[0].set_ylabel("accept length (tokens / verify forward)")
     axes[0].set_title("accept length per suite (solid) and category")
     for s in suites:
-        pp = doc["suites"][s]["per_position"]
+        pp = doc["suites"][s].get("per_position")
+        if not pp:  # a served endpoint reports accept lengths only
+            continue
         axes[1].plot(pp["depth"], pp["accepted_at_least"], marker="o", color=colors[s], label=s)
         axes[1].set_xticks(pp["depth"])
     axes[1].set_ylim(0, 1.05)
     axes[1].set_xlabel("draft depth")
     axes[1].set_ylabel("verify steps accepting >= depth")
     axes[1].set_title("per-position acceptance")
-    axes[1].legend(fontsize=8)
+    if axes[1].lines:
+        axes[1].legend(fontsize=8)
+    else:
+        axes[1].text(0.5, 0.5, "not reported by the served API", ha="center", va="center",
+                     transform=axes[1].transAxes)
     fig.tight_layout()
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)

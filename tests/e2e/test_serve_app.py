@@ -55,7 +55,7 @@ def served(ray_session, tiny_target_path, tmp_path_factory):
         AppSpec(_cfg(t, model_name="sick", self_test_min_accept_length=4.5), str(drafter), "sick", "/sick"),
     ]
     urls = start_apps(apps, port=_free_port())  # the three replicas start in parallel
-    yield dict(zip(("main", "strict", "sick"), urls, strict=True))
+    yield {**dict(zip(("main", "strict", "sick"), urls, strict=True)), "drafter_path": drafter}
     stop_serve()
 
 
@@ -508,3 +508,71 @@ def test_logprobs_show_special_tokens_and_offsets_point_into_the_text(served, ti
     for tok, at in zip(tokens, offsets, strict=True):
         assert text[at:at + len(tok)] == tok or (tok in special and 0 <= at <= len(text)), (tok, at)
     assert "".join(t for t in tokens if t not in special) == text
+
+
+def test_the_suite_table_through_the_served_api(served, tiny_engine):
+    """The field's suites (the installed packages' real files) asked through the served API with the openai client:
+    MT-Bench's second turns carry the served first answers, BFCL's tools go through (a prompt past the served limit
+    is a counted 400, not a lost table), and the table pools each reply's ``usage.spec``; the reference decoder on
+    the same prompts (``eaglenest eval --suite``) gives the same figures."""
+    from eaglenest.config import SpecConfig
+    from eaglenest.drafters.eagle3.model import load_drafter
+    from eaglenest.engines.base import SamplingParams
+    from eaglenest.speculative import evaluate_suites, evaluate_suites_served, load_suite, openai_ask
+    from eaglenest.speculative.evaluate import prompt_ids
+    from eaglenest.speculative.suite_report import suites_markdown
+
+    suites = {n: load_suite(n, 3) for n in ("mt-bench", "humaneval", "bfcl")}
+    too_long = {r["id"] for records, _ in suites.values() for r in records
+                if len(prompt_ids(tiny_engine.tokenizer, {"messages": r["messages"], "tools": r.get("tools")})) > 1536}
+    asked: list[tuple[list, dict, object]] = []
+    base = openai_ask(_client(served["main"]), max_tokens=24)
+
+    def ask(messages, record):
+        reply = base(messages, record)
+        asked.append((messages, record, reply))
+        return reply
+
+    doc = evaluate_suites_served(ask, suites, concurrency=2, endpoint=served["main"])
+    first = {r["id"]: a.text for m, r, a in asked if len(m) == 1}
+    followed = [(m, r) for m, r, _ in asked if len(m) > 1]
+    assert followed and all(m[1] == {"role": "assistant", "content": first[r["id"]]} for m, r in followed)
+    fitting = {n: ([r for r in records if r["id"] not in too_long], src) for n, (records, src) in suites.items()}
+    for name, (records, _) in fitting.items():
+        rep = doc["suites"][name]
+        failed = sum(rep["failed_requests"].values())
+        assert failed == len(suites[name][0]) - len(records)
+        assert all("maximum context length" in k for k in rep["failed_requests"])
+        assert rep["requests"] == len(records) + sum(len(r["followups"]) for r in records)
+        assert rep["completion_tokens"] == sum(a.completion_tokens for _, r, a in asked if r["suite"] == name)
+        assert rep["accept_length"] >= 1.0 and rep["per_position"] is None
+    assert doc["suites"]["mt-bench"]["per_turn"]["turn 2"]["requests"] == len(followed)
+    assert "| mt-bench | all | 6 |" in suites_markdown(doc)
+    drafter = load_drafter(str(served["drafter_path"]), device="cpu", dtype=tiny_engine.dtype)
+    ref = evaluate_suites(tiny_engine, drafter, fitting, SpecConfig(),
+                          sampling=SamplingParams(temperature=0.0, max_new_tokens=24))
+    for name in suites:
+        assert doc["suites"][name]["completion_tokens"] == ref["suites"][name]["completion_tokens"]
+        assert abs(doc["suites"][name]["accept_length"] - ref["suites"][name]["accept_length"]) < 0.02
+
+
+def test_eval_cli_asks_a_running_serve(served, tmp_path, capsys):
+    """``eaglenest eval --endpoint URL --suite ...``: the table of a deployment, written as suites.json/.md/.png; the
+    mistakes a user makes with it are refused with the fix."""
+    import json
+
+    from eaglenest.cli import main as cli_main
+
+    out = tmp_path / "served"
+    assert cli_main(["eval", "--endpoint", served["main"], "--suite", "mt-bench,humaneval", "--num-prompts", "2",
+                     "--max-new-tokens", "8", "--concurrency", "2", "--output", str(out)]) == 0
+    doc = json.loads((out / "suites.json").read_text())
+    assert doc["endpoint"] == served["main"] and doc["suites"]["mt-bench"]["requests"] == 4
+    assert (out / "suites.png").stat().st_size > 10_000
+    assert "| mt-bench | turn 2 | 2 | " in capsys.readouterr().out
+    assert cli_main(["eval", "--endpoint", served["main"], "--prompts", "x.jsonl"]) == 2
+    assert "--endpoint takes --suite" in capsys.readouterr().err
+    assert cli_main(["eval", "--suite", "humaneval"]) == 2
+    assert "give --target and --drafter (or --endpoint" in capsys.readouterr().err
+    assert cli_main(["eval", "--endpoint", "http://127.0.0.1:9", "--suite", "humaneval", "--num-prompts", "1"]) == 2
+    assert "cannot reach http://127.0.0.1:9" in capsys.readouterr().err
