@@ -182,7 +182,10 @@ trap '[ -f "$E2E_WORK/ray-head.pid" ] && kill -TERM -- "-$(cat "$E2E_WORK/ray-he
 mkdir -p "$E2E_WORK/bin" "$E2E_WORK/results/logs" "$E2E_WORK/data"
 rm -f "$E2E_WORK/phaseA.done" "$E2E_WORK/all.done" "$E2E_WORK/phase2.go" "$E2E_WORK/overrides.env" "$E2E_WORK/ray-head.pid"
 MODE=${E2E_MODE:-gpu}
-echo "== runner ($MODE) $(date -u +%FT%TZ) commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
+# the device's copy of the tree may carry an older .git than its files: say when the files differ from that commit
+DIFFERING=$(git diff --name-only HEAD -- 2>/dev/null | wc -l)
+TREE_NOTE=$([ "$DIFFERING" -gt 0 ] && echo " (files differ from it: $DIFFERING)")
+echo "== runner ($MODE) $(date -u +%FT%TZ) commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')$TREE_NOTE"
 if [ "$MODE" = gpu ]; then
   # shellcheck disable=SC1091
   source .gpu/bin/install.sh
