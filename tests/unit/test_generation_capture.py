@@ -270,7 +270,8 @@ def test_two_batches_in_flight_keep_each_others_rows(tmp_path, reserve: bool, ri
         state[name] = (rids, seqs, rec.capture(seqs, hints, prefill=lambda s, r: pytest.fail("no prefill")))
         done[f"{name}-cap"].set()
 
-    threads = [threading.Thread(target=worker, args=(n,)) for n in ("a", "b")]
+    # daemon: a failed assertion below must not leave the process waiting on a worker that waits for its go
+    threads = [threading.Thread(target=worker, args=(n,), daemon=True) for n in ("a", "b")]
     for t in threads:
         t.start()
     for step in ("a-gen", "b-gen", "a-cap"):
@@ -278,9 +279,14 @@ def test_two_batches_in_flight_keep_each_others_rows(tmp_path, reserve: bool, ri
         assert done[step].wait(30)
     b_rids = state.get("b", (None,))[0] or []
     assert not b_rids  # b has not captured yet
-    rec.sink.poll()
-    with rec.sink._lock:
-        live = set(rec.sink._index) | set(rec.sink._slots)
+    deadline = time.monotonic() + 30  # b's rows leave its writer threads asynchronously: read until they are all in
+    while True:
+        rec.sink.poll()
+        with rec.sink._lock:
+            live = set(rec.sink._index) | set(rec.sink._slots)
+        if len(live) >= 4 or time.monotonic() > deadline:
+            break
+        time.sleep(0.01)
     assert len(live) == 4 and all(r.startswith("eaglenest-") for r in live)  # b's two turns, two requests each
     go["b-cap"].set()
     assert done["b-cap"].wait(30)
