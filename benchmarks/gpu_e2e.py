@@ -1079,10 +1079,13 @@ def served_suites(client: Any) -> dict[str, Any]:
     table = suites_markdown(doc)
     (out / "suites.md").write_text(table)
     plot_suites(doc, out / "suites.png")
-    keys = ("accept_length", "requests", "completion_tokens", "failed_requests")
+    def acc(row: dict[str, Any]) -> float | None:
+        return None if row["accept_length"] is None else round(row["accept_length"], 3)
+
+    keys = ("requests", "completion_tokens", "failed_requests")
     return {"seconds": round(time.time() - t0, 1), "table": table, "wheels": wheels,
-            "suites": {n: {k: r.get(k) for k in keys} | {"per_category": {c: round(v["accept_length"], 3)
-                                                                          for c, v in r["per_category"].items()}}
+            "suites": {n: {"accept_length": acc(r), **{k: r.get(k) for k in keys},
+                           "per_category": {c: acc(v) for c, v in r["per_category"].items()}}
                        for n, r in doc["suites"].items()}}
 
 
@@ -1314,7 +1317,7 @@ def summarize() -> dict[str, Any]:
                      f"({r['completion_tokens']} tokens)")
     su = sv.get("suites") or {}
     for name, r in (su.get("suites") or {}).items():
-        lines.append(f"served suite {name}: accept length {r['accept_length']:.3f} over {r['requests']} requests "
+        lines.append(f"served suite {name}: accept length {r['accept_length']} over {r['requests']} requests "
                      f"({r['completion_tokens']} tokens; failed {sum((r.get('failed_requests') or {}).values())}); "
                      f"per category {r.get('per_category')}")
     if su.get("skipped") or su.get("error"):

@@ -28,7 +28,8 @@ def suites_markdown(doc: dict[str, Any]) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for suite, label, r in table_rows(doc):
         pp = (r.get("per_position") or {}).get("accepted_at_least") or [float("nan")] * depth  # served: not reported
-        cells = [suite, label, str(r["requests"]), f"{r['accept_length']:.3f}"] + [f"{a:.2f}" for a in pp]
+        acc = "n/a" if r["accept_length"] is None else f"{r['accept_length']:.3f}"  # every request of it failed
+        cells = [suite, label, str(r["requests"]), acc] + [f"{a:.2f}" for a in pp]
         lines.append("| " + " | ".join(cells) + " |")
     failed = {n: f for n, rep in doc["suites"].items() if (f := rep.get("failed_requests"))}
     if failed:
@@ -57,7 +58,7 @@ def plot_suites(doc: dict[str, Any], path: str | Path) -> Path:
     xs = range(len(rows))
     from matplotlib.colors import to_rgba
 
-    axes[0].bar(xs, [r["accept_length"] for _, _, r in rows],
+    axes[0].bar(xs, [r["accept_length"] or 0.0 for _, _, r in rows],
                 color=[to_rgba(colors[s], 1.0 if label == "all" else 0.5) for s, label, _ in rows])
     axes[0].set_xticks(list(xs), [f"{s}" if label == "all" else label for s, label, _ in rows], rotation=60,
                        ha="right", fontsize=8)

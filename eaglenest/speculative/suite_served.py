@@ -54,7 +54,8 @@ def openai_ask(client: Any, *, model: str = "eaglenest", max_tokens: int = 128, 
 def _row(answers: Sequence[ServedAnswer]) -> dict[str, Any]:
     tokens = sum(a.completion_tokens for a in answers)
     steps = sum(a.verify_steps for a in answers)
-    return {"accept_length": accept_length(steps, tokens - steps), "requests": len(answers), "verify_steps": steps,
+    return {"accept_length": accept_length(steps, tokens - steps) if answers else None,  # None: nothing answered
+            "requests": len(answers), "verify_steps": steps,
             "accepted_tokens": tokens - steps, "completion_tokens": tokens, "per_position": None}
 
 
