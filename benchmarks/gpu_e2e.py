@@ -354,19 +354,19 @@ def scheduler_pace(text: str) -> dict[str, Any] | None:
             "full_batch_running_reqs": max(n for n, _, _ in full) if full else None}
 
 
-def bench_engine_extra_args() -> dict[str, Any]:
-    """SGLang settings of the bench's, eagle_forced's and serve's engines on DeepseekV3: decode graphs up to the
-    bench's largest batch (``cuda_graph_max_bs_decode``; 0.5.14 has no ``cuda_graph_max_bs`` field), and no prefill
-    graphs (:data:`NO_PREFILL_GRAPHS`)."""
-    return {"cuda_graph_max_bs_decode": max(int(b) for b in BENCH_BATCHES.split(",")), **NO_PREFILL_GRAPHS}
-
-
 NO_PREFILL_GRAPHS = {"disable_prefill_cuda_graph": True}
 """SGLang 0.5.14's piecewise prefill graphs (torch.compile per layer) cost the third Kimi-width run 84 s per engine
 start (69 s compiling, 15 s capturing) and serve only prefill forwards of at most 2,048 tokens: the speculative
 engines never built them (so the bench's baseline gained prefill graphs its rivals lacked), decode graphs are
 separate and stay on, and regen (CUDA graphs off while recording) prefills chunks of 8,192 tokens. Off in the bench's
 engines and in regen's offline reference; the decode pace is what both compare."""
+
+
+def bench_engine_extra_args() -> dict[str, Any]:
+    """SGLang settings of the bench's, eagle_forced's and serve's engines on DeepseekV3: decode graphs up to the
+    bench's largest batch (``cuda_graph_max_bs_decode``; 0.5.14 has no ``cuda_graph_max_bs`` field), and no prefill
+    graphs (:data:`NO_PREFILL_GRAPHS`)."""
+    return {"cuda_graph_max_bs_decode": max(int(b) for b in BENCH_BATCHES.split(",")), **NO_PREFILL_GRAPHS}
 
 
 def bench_attention() -> tuple[str, str | None]:
@@ -1059,7 +1059,7 @@ def served_suites(client: Any) -> dict[str, Any]:
     """Accept length per suite, category and turn through the served API (issue #32's GPU table): the field's
     prompt suites from their packages' own files, MT-Bench's second turns after the served first answers."""
     from eaglenest.speculative import SuiteError, evaluate_suites_served, load_suite, openai_ask
-    from eaglenest.speculative.suite_report import plot_suites, suites_markdown
+    from eaglenest.speculative.suite_report import write_suites
 
     names = [n for n in SUITE_NAMES.split(",") if n]
     if not names:
@@ -1073,12 +1073,7 @@ def served_suites(client: Any) -> dict[str, Any]:
     t0 = time.time()
     doc = evaluate_suites_served(openai_ask(client, max_tokens=128 if gpu() else 16), suites, concurrency=8,
                                  endpoint=f"http://127.0.0.1:{SERVE_PORT}")
-    out = RESULTS / "suites"
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "suites.json").write_text(json.dumps(doc, indent=2) + "\n")
-    table = suites_markdown(doc)
-    (out / "suites.md").write_text(table)
-    plot_suites(doc, out / "suites.png")
+    table, _ = write_suites(doc, RESULTS / "suites")
     def acc(row: dict[str, Any]) -> float | None:
         return None if row["accept_length"] is None else round(row["accept_length"], 3)
 

@@ -108,7 +108,7 @@ def tensor_to_bytes(t: torch.Tensor, dtype: str, states: int = 1) -> bytes:
     """Row-major bytes of ``t`` (``[T, width]``) in the storage dtype (bf16 goes through int16 views: numpy has no
     bf16); fp8 quantises each of the ``states`` equal parts of a row with its own power-of-two scale."""
     if dtype == FP8:
-        return _fp8_bytes(t, states)
+        return bytes(_fp8_buffer(t, states))
     t = t.detach().to("cpu", DTYPES[dtype]).contiguous()
     if t.dtype == torch.bfloat16:
         return t.view(torch.int16).numpy().tobytes()
@@ -137,10 +137,6 @@ def bytes_to_tensor(buf: bytes, dtype: str, width: int, states: int = 1) -> torc
         raise ValueError(f"corrupt hidden-state blob: {len(buf)} bytes is not a multiple of {itemsize}*{width}")
     raw = torch.frombuffer(bytearray(buf), dtype=torch.int16 if td == torch.bfloat16 else td)
     return raw.view(td).view(-1, width) if td == torch.bfloat16 else raw.view(-1, width)
-
-
-def _fp8_bytes(t: torch.Tensor, states: int) -> bytes:
-    return bytes(_fp8_buffer(t, states))
 
 
 def _fp8_buffer(t: torch.Tensor, states: int) -> memoryview:

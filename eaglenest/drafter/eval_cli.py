@@ -151,16 +151,12 @@ def _run_served(args: argparse.Namespace, suites: dict) -> int:
 
 def _write_suites(args: argparse.Namespace, doc: dict) -> int:
     """Print the per-suite table; with --output, suites.json / suites.md / suites.png."""
-    from eaglenest.speculative.suite_report import plot_suites, suites_markdown
+    from eaglenest.speculative.suite_report import suites_markdown, write_suites
 
-    table = suites_markdown(doc)
-    print(table, end="")
+    print(suites_markdown(doc), end="")
     if args.output:
+        _, png = write_suites(doc, args.output)
         out = Path(args.output)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "suites.json").write_text(json.dumps(doc, indent=2) + "\n")
-        (out / "suites.md").write_text(table)
-        png = plot_suites(doc, out / "suites.png")
         print(f"wrote {out / 'suites.json'}, {out / 'suites.md'} and {png}")
     return 0
 

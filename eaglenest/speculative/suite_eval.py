@@ -59,6 +59,21 @@ def run_turns(records: Sequence[Record], answer: Answer, *,
     return out
 
 
+def breakdown(done: Sequence[tuple[Record, int, Any]], records: Sequence[Record],
+              row: Callable[[list[Any]], dict[str, Any]], *, empty_categories: bool = True) -> dict[str, Any]:
+    """One suite's report from its answered turns ``done`` ((record, turn, result)): ``row`` of all of them, then
+    per category (in the records' order; ``empty_categories=False`` leaves out a category nothing was answered in)
+    and, for multi-turn suites, per turn. Shared by the reference decoder's table and the served one."""
+    report = row([res for _, _, res in done])
+    per_category = {c: [res for r, _, res in done if r["domain"] == c]
+                    for c in dict.fromkeys(r["domain"] for r in records)}
+    report["per_category"] = {c: row(got) for c, got in per_category.items() if got or empty_categories}
+    turns = sorted({t for _, t, _ in done})
+    if len(turns) > 1:
+        report["per_turn"] = {f"turn {t}": row([res for _, tt, res in done if tt == t]) for t in turns}
+    return report
+
+
 def evaluate_suite(engine: Any, drafter: Any, records: Sequence[Record], spec: SpecConfig, *,
                    sampling: SamplingParams, mode: str | None = None, batch_size: int = 1,
                    progress: bool = False) -> dict[str, Any]:
@@ -86,13 +101,7 @@ def evaluate_suite(engine: Any, drafter: Any, records: Sequence[Record], spec: S
 
     asked = run_turns(records, answer, fits=lambda m, r: len(ids_of(m, r)) <= room)
     done = [(r, t, res) for r, t, res in asked if res is not None]
-    depth = spec.num_steps
-    report = _row([res for _, _, res in done], depth)
-    cats = list(dict.fromkeys(r["domain"] for r in records))
-    report["per_category"] = {c: _row([res for r, _, res in done if r["domain"] == c], depth) for c in cats}
-    turns = sorted({t for _, t, _ in done})
-    if len(turns) > 1:
-        report["per_turn"] = {f"turn {t}": _row([res for _, tt, res in done if tt == t], depth) for t in turns}
+    report = breakdown(done, records, lambda results: _row(results, spec.num_steps))
     skipped = Counter(r["domain"] for r, _, res in asked if res is None)
     report["skipped_too_long"] = dict(skipped)
     report["mode"] = dec.mode

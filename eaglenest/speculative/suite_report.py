@@ -43,6 +43,19 @@ def suites_markdown(doc: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def write_suites(doc: dict[str, Any], out: str | Path) -> tuple[str, Path]:
+    """``suites.json``, ``suites.md`` and ``suites.png`` of ``doc`` in folder ``out``; returns the Markdown table and
+    the PNG's path."""
+    import json
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "suites.json").write_text(json.dumps(doc, indent=2) + "\n")
+    table = suites_markdown(doc)
+    (out / "suites.md").write_text(table)
+    return table, plot_suites(doc, out / "suites.png")
+
+
 def plot_suites(doc: dict[str, Any], path: str | Path) -> Path:
     """PNG: accept length per suite and category (bars) and per-position acceptance per suite (curves)."""
     import matplotlib

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from eaglenest.contracts.metrics import accept_length
-from eaglenest.speculative.suite_eval import Messages, Record, run_turns
+from eaglenest.speculative.suite_eval import Messages, Record, breakdown, run_turns
 
 
 @dataclass(frozen=True)
@@ -75,13 +75,8 @@ def evaluate_suite_served(ask: Ask, records: Sequence[Record], *, concurrency: i
             return list(pool.map(one, zip(convs, recs, strict=True)))
 
     asked = [(r, t, a) for r, t, a in run_turns(records, answer) if a is not None]
-    report = _row([a for _, _, a in asked])
-    cats = list(dict.fromkeys(r["domain"] for r in records))
-    report["per_category"] = {c: _row(got) for c in cats  # a category whose every request failed: in failures only
-                              if (got := [a for r, _, a in asked if r["domain"] == c])}
-    turns = sorted({t for _, t, _ in asked})
-    if len(turns) > 1:
-        report["per_turn"] = {f"turn {t}": _row([a for _, tt, a in asked if tt == t]) for t in turns}
+    # a category whose every request failed shows in the failures only
+    report = breakdown(asked, records, _row, empty_categories=False)
     report["failed_requests"] = dict(errors)
     return report
 
