@@ -1,24 +1,20 @@
 """fp8 storage's quantiser scales bf16 states in bf16 (regen's fast path) and must write exactly the bytes of the
 format's definition: per row and state, the power-of-two scale 2^ceil(log2(amax / 448)), the row divided by it in
-float32 and rounded to e4m3, then the int8 exponents. The definition is spelled out here in float32 and compared byte
+float32 and rounded to e4m3, then the int8 exponents. The definition (benchmarks/fp8_quantise.py) is compared byte
 for byte on rows spanning 80 binary orders of magnitude, zero rows, a zero state and negative extremes."""
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
-from eaglenest.contracts.shards import FP8, FP8_MAX, bytes_to_tensor, tensor_to_buffer, tensor_to_bytes
+from eaglenest.contracts.shards import FP8, bytes_to_tensor, tensor_to_buffer, tensor_to_bytes
 
-
-def definition(t: torch.Tensor, states: int) -> bytes:
-    x = t.to(torch.float32)
-    rows, width = x.shape
-    g = x.reshape(rows, states, width // states)
-    amax = g.abs().amax(dim=-1).clamp_min(1e-30)
-    exp = torch.ceil(torch.log2(amax / FP8_MAX)).clamp(-127, 127)
-    q = (g / torch.exp2(exp).unsqueeze(-1)).to(torch.float8_e4m3fn).reshape(rows, width)
-    return q.view(torch.uint8).numpy().tobytes() + exp.to(torch.int8).numpy().tobytes()
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from fp8_quantise import float32_definition as definition  # noqa: E402 - the format, spelled out in float32
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
