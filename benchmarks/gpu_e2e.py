@@ -113,10 +113,11 @@ BENCH_BATCHES = knob("E2E_BENCH_BATCHES", gpu="1,8", ds="1,8,32", cpu="1,8")
 """the bench's batch sizes (every engine starts once and is measured at each)"""
 BENCH_PROMPTS = int(knob("E2E_BENCH_PROMPTS", gpu=40, kimi=32, small=32, cpu=8))
 """held-out prompts in the bench (the first of heldout.jsonl; the served accept length's unseen set starts with them)"""
-BENCH_MAX_NEW_TOKENS = int(knob("E2E_BENCH_MAX_NEW_TOKENS", gpu=128, cpu=16))
-"""new tokens per bench prompt: as many as regen's answers (the drafter's data, ``MAX_NEW_TOKENS``; at 64 the fourth
-Kimi-width run measured only the first half of such an answer: accept 2.85 there vs 3.05 served at 128 on the same
-prompts)"""
+BENCH_MAX_NEW_TOKENS = int(knob("E2E_BENCH_MAX_NEW_TOKENS", gpu=128, kimi=64, cpu=16))
+"""new tokens per bench prompt. Kimi: 64, half of regen's answers (``MAX_NEW_TOKENS``): at 128 the bench's batch-1
+rounds alone would take ~80 s more of the 30-minute session than the whole loop has (the fifth run's plan); the accept
+length over whole answers comes from serve (128 tokens, two held-out prompt sets). In the fourth run the same prompts
+gave 2.85 at 64 tokens and 3.05 served at 128: a weak stand-in's answers grow easier to predict as they go"""
 BENCH_ATTENTION = knob("E2E_BENCH_ATTENTION", ds="flashinfer", gpu="", cpu="")
 """SGLang attention backend of the bench's, the EAGLE check's and serve's engines ("": the config's, triton); regen
 and its offline reference stay on triton (the proven path, with its MLA running-request bound). DeepseekV3: flashinfer,
@@ -984,19 +985,6 @@ def eaglenest_series(body: str) -> list[str]:
                    if ln.startswith("ray_eaglenest_serve")})[:40]
 
 
-def served_depth_accept(ev: dict[str, Any]) -> float | None:
-    """The simulated accept length cut at the served chain's draft steps (``1 + sum_k prod_{j<=k} acc_j`` for
-    ``k < num_steps``): the trainer's ``sim_accept_length`` runs over every TTT step, one more than 3-1-4 drafts."""
-    accs = [ev.get(f"acc_{k}") for k in range(SPEC["num_steps"])]
-    if any(a is None for a in accs):
-        return None
-    prod, sim = 1.0, 1.0
-    for a in accs:
-        prod *= float(a)
-        sim += prod
-    return round(sim, 3)
-
-
 def trainer_heldout_prompts(n: int) -> list[dict[str, Any]]:
     """First user turns of regen samples the trainer held out (``train.eval_fraction``; it never trained on them),
     found by the shards' ``source_id`` in regen's input file."""
@@ -1307,8 +1295,7 @@ def summarize() -> dict[str, Any]:
     for shape, r in (s["train"].get("runs") or {}).items():
         ev = r.get("last_eval") or {}
         acc = {k: round(v, 3) for k, v in ev.items() if k.startswith(("acc_", "sim_"))}
-        lines.append(f"train ({shape}): {r.get('job_status')}, last held-out eval {acc}; simulated at the served "
-                     f"{SPEC['num_steps']} draft steps: {served_depth_accept(ev)}")
+        lines.append(f"train ({shape}): {r.get('job_status')}, last held-out eval {acc}")
     ef = s["eagle_forced"]
     w = ef.get("widths") or {}
     widths = (f"the drafter's fc reads {w.get('drafter_fc_input')} = 3 x {w.get('target_hidden')} (aux layers "

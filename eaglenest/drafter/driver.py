@@ -177,7 +177,9 @@ def train_drafter(cfg: EaglenestConfig, data_dir: str | Path | None, output_dir:
     fe = summary["final_eval"]
     if fe:
         print(f"[eaglenest train] done: step {fe['step']} held-out acc_0 {fe['acc_0']:.3f}, simulated accept length "
-              f"{fe['sim_accept_length']:.2f}; export {export_dir}", flush=True)
+              f"{fe['sim_accept_length']:.2f} over the {len([k for k in fe if k.startswith('acc_')])} TTT steps, "
+              f"{fe.get('sim_accept_chain', fe['sim_accept_length']):.2f} at the 3-step chain it launches with; "
+              f"export {export_dir}", flush=True)
     return summary
 
 

@@ -186,3 +186,7 @@ def test_step_metrics_accept_length() -> None:
     m = step_metrics(torch.tensor([2.0, 4.0, 6.0]), torch.tensor([8.0, 5.0, 2.0]), torch.tensor([10.0, 10.0, 10.0]))
     assert m["acc_0"] == pytest.approx(0.8) and m["loss_2"] == pytest.approx(0.6)
     assert m["sim_accept_length"] == pytest.approx(1 + 0.8 + 0.8 * 0.5 + 0.8 * 0.5 * 0.2)
+    assert m["sim_accept_chain"] == m["sim_accept_length"]  # three TTT steps: the whole 3-step chain
+    deeper = step_metrics(torch.ones(5), torch.tensor([8.0, 5.0, 2.0, 9.0, 9.0]), torch.full((5,), 10.0))
+    assert deeper["sim_accept_chain"] == pytest.approx(1 + 0.8 + 0.8 * 0.5 + 0.8 * 0.5 * 0.2)
+    assert deeper["sim_accept_length"] > deeper["sim_accept_chain"]  # the 4th and 5th steps the engine never drafts

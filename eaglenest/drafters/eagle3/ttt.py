@@ -252,18 +252,28 @@ class TTTObjective(nn.Module):
         return TTTOutput(loss, torch.stack(ce_sums), torch.stack(corrects), torch.stack(counts))
 
 
+SERVED_CHAIN_STEPS = 3
+"""draft steps of the chain an export is launched with by default (3-1-4: ``serving.sglang_flags``)"""
+
+
 def step_metrics(ce_sum: torch.Tensor, correct: torch.Tensor, count: torch.Tensor) -> dict[str, float]:
-    """``loss_k`` / ``acc_k`` per step and the simulated accept length ``1 + sum_k prod_{j<=k} acc_j``."""
+    """``loss_k`` / ``acc_k`` per step and the simulated accept length ``1 + sum_k prod_{j<=k} acc_j``: over every
+    TTT step (``sim_accept_length``) and cut at the default served chain's draft steps (``sim_accept_chain``, what a
+    3-1-4 engine can reach: TTT usually unrolls more steps than the engine drafts)."""
     out: dict[str, float] = {}
     cnt = count.double().clamp(min=1)
     losses = (ce_sum.double() / cnt).tolist()
     accs = (correct.double() / cnt).tolist()
     prod, sim = 1.0, 1.0
+    chain = 1.0
     for k, (lk, ak) in enumerate(zip(losses, accs, strict=True)):
         out[f"loss_{k}"] = lk
         out[f"acc_{k}"] = ak
         prod *= ak
         sim += prod
+        if k < SERVED_CHAIN_STEPS:
+            chain = sim
     out["sim_accept_length"] = sim
+    out["sim_accept_chain"] = chain
     out["tokens"] = float(count[0]) if count.numel() else 0.0
     return out
