@@ -38,7 +38,7 @@ from eaglenest.drafter.inputs import online_inputs, shard_inputs
 from eaglenest.drafter.online import EPOCHS_FILE, engine_rows, hidden_state_files
 from eaglenest.drafter.plot import plot_training_curves
 from eaglenest.drafter.shape import resolve_model_config
-from eaglenest.drafters.eagle3.config import DrafterModelConfig
+from eaglenest.drafters.eagle3.config import LAUNCH_NUM_STEPS, DrafterModelConfig
 from eaglenest.drafters.vocab import VOCAB_FILE
 from eaglenest.engines.location import resolve_target_path
 from eaglenest.regen import answer_files, cached_ids
@@ -178,8 +178,8 @@ def train_drafter(cfg: EaglenestConfig, data_dir: str | Path | None, output_dir:
     if fe:
         print(f"[eaglenest train] done: step {fe['step']} held-out acc_0 {fe['acc_0']:.3f}, simulated accept length "
               f"{fe['sim_accept_length']:.2f} over the {len([k for k in fe if k.startswith('acc_')])} TTT steps, "
-              f"{fe.get('sim_accept_chain', fe['sim_accept_length']):.2f} at the 3-step chain it launches with; "
-              f"export {export_dir}", flush=True)
+              f"{fe.get('sim_accept_chain', fe['sim_accept_length']):.2f} at the {LAUNCH_NUM_STEPS}-step chain it "
+              f"launches with; export {export_dir}", flush=True)
     return summary
 
 

@@ -17,6 +17,9 @@ from pathlib import Path
 from typing import Any
 
 DRAFT_SHAPES = ("llama", "mla")
+LAUNCH_NUM_STEPS = 3
+"""Draft steps of the chain an export is launched with unless told otherwise (SGLang 3-1-4, vLLM 3 speculative
+tokens: ``serving``), and where the trainer cuts its simulated accept length (``ttt.step_metrics``)."""
 MLA_WIDTHS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 """The MLA ranks and head widths (DeepSeek-V3 / Kimi-K2.5 text-config keys of the same names)."""
 

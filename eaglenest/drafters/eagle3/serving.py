@@ -15,7 +15,7 @@ import shlex
 from pathlib import Path
 from typing import Any
 
-from eaglenest.drafters.eagle3.config import DrafterModelConfig
+from eaglenest.drafters.eagle3.config import LAUNCH_NUM_STEPS, DrafterModelConfig
 from eaglenest.drafters.eagle3.engine_ids import FORMAT_ENGINES, IDS_KEY, WRITTEN
 from eaglenest.drafters.registry import EAGLE3
 from eaglenest.targets import arch_for
@@ -25,12 +25,14 @@ VLLM_VERSION = "0.32.0"
 SGLANG_VERSION = "0.5.14"
 
 
-def vllm_speculative_config(drafter: str | Path, num_speculative_tokens: int = 3) -> dict[str, Any]:
+def vllm_speculative_config(drafter: str | Path, num_speculative_tokens: int = LAUNCH_NUM_STEPS
+                             ) -> dict[str, Any]:
     """vLLM's ``speculative_config`` for an eaglenest EAGLE-3 export (``method`` is not optional)."""
     return {"method": EAGLE3.vllm_method, "model": str(drafter), "num_speculative_tokens": int(num_speculative_tokens)}
 
 
-def sglang_flags(drafter: str | Path, num_steps: int = 3, topk: int = 1, num_draft_tokens: int = 4) -> list[str]:
+def sglang_flags(drafter: str | Path, num_steps: int = LAUNCH_NUM_STEPS, topk: int = 1,
+                 num_draft_tokens: int = LAUNCH_NUM_STEPS + 1) -> list[str]:
     """``sglang.launch_server`` flags for an eaglenest EAGLE-3 export (the algorithm is derived, never ``EAGLE``)."""
     return ["--speculative-algorithm", EAGLE3.sglang_algorithm, "--speculative-draft-model-path", str(drafter),
             "--speculative-num-steps", str(num_steps), "--speculative-eagle-topk", str(topk),

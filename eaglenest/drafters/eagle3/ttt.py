@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from eaglenest.drafters.eagle3.config import LAUNCH_NUM_STEPS
 from eaglenest.drafters.eagle3.model import Eagle3Drafter
 from eaglenest.drafters.eagle3.ttt_flex import flex_available, flex_ttt_attention
 from eaglenest.drafters.vocab import VocabMapping
@@ -252,10 +253,6 @@ class TTTObjective(nn.Module):
         return TTTOutput(loss, torch.stack(ce_sums), torch.stack(corrects), torch.stack(counts))
 
 
-SERVED_CHAIN_STEPS = 3
-"""draft steps of the chain an export is launched with by default (3-1-4: ``serving.sglang_flags``)"""
-
-
 def step_metrics(ce_sum: torch.Tensor, correct: torch.Tensor, count: torch.Tensor) -> dict[str, float]:
     """``loss_k`` / ``acc_k`` per step and the simulated accept length ``1 + sum_k prod_{j<=k} acc_j``: over every
     TTT step (``sim_accept_length``) and cut at the default served chain's draft steps (``sim_accept_chain``, what a
@@ -271,7 +268,7 @@ def step_metrics(ce_sum: torch.Tensor, correct: torch.Tensor, count: torch.Tenso
         out[f"acc_{k}"] = ak
         prod *= ak
         sim += prod
-        if k < SERVED_CHAIN_STEPS:
+        if k < LAUNCH_NUM_STEPS:
             chain = sim
     out["sim_accept_length"] = sim
     out["sim_accept_chain"] = chain
