@@ -41,7 +41,7 @@ from eaglenest.drafter.checkpoint import (
     state_fingerprint,
 )
 from eaglenest.drafter.data import collate
-from eaglenest.drafter.epochs import EvalBatches, TrainEpochs, stream_batches
+from eaglenest.drafter.epochs import EvalBatches, TrainEpochs, cache_budget_bytes, stream_batches
 from eaglenest.drafter.init_from import load_init_weights
 from eaglenest.drafter.loop import Cadence, Parts, TrainState, train_loop
 from eaglenest.drafter.metrics import TrainMetrics
@@ -51,8 +51,6 @@ from eaglenest.drafters.eagle3.config import DrafterModelConfig
 from eaglenest.drafters.eagle3.ttt import TeacherHead, TTTObjective
 from eaglenest.drafters.vocab import VocabMapping
 
-EVAL_CACHE_BYTES = 512 << 20
-TRAIN_CACHE_BYTES = 512 << 20
 """A worker's train split up to this size is kept in memory after its first pass: restarting a Ray Data stream
 costs seconds per epoch, which dominates many-epoch runs over small data (the demo)."""
 
@@ -110,6 +108,8 @@ class Worker:
                            world=self.world)
         self.reporter = Reporter(self.out, tc.run_name, self.total_steps, enabled=self.rank == 0)
         self.state = TrainState(world=self.world)
+        self.cache_bytes = cache_budget_bytes(tc.memory_cache_gib)
+        """host memory this worker may keep a pass of its training rows in (and as much for its held-out rows)"""
         self._resume(ckpt)
 
     # ------------------------------------------------------------------------------------------------- the run
@@ -119,7 +119,8 @@ class Worker:
         eval_batches = None
         if tc.eval_fraction > 0:
             try:  # the driver drops the eval dataset when the split holds no sample (small data, small fraction)
-                eval_batches = EvalBatches(ray.train.get_dataset_shard("eval"), tc.batch_size, EVAL_CACHE_BYTES)
+                eval_batches = EvalBatches(ray.train.get_dataset_shard("eval"), tc.batch_size,
+                                           self.cache_bytes)
             except KeyError:
                 eval_batches = None
         cadence = Cadence(total_steps=self.total_steps, stop_at_total=self.online is None or tc.max_steps is not None,
@@ -145,7 +146,7 @@ class Worker:
         """Epoch after epoch over the shards until the planned step count; a resumed epoch skips the batches its
         checkpoint trained on (the data position)."""
         tc, state = self.tc, self.state
-        epochs = TrainEpochs(ray.train.get_dataset_shard("train"), tc.batch_size, tc.seed, TRAIN_CACHE_BYTES)
+        epochs = TrainEpochs(ray.train.get_dataset_shard("train"), tc.batch_size, tc.seed, self.cache_bytes)
         while state.step < self.total_steps:
             skip = state.epoch_batches
             for i, table in enumerate(epochs.epoch(state.epoch)):
