@@ -68,6 +68,11 @@ class SGLangEngineConfig(Section):
         "recorded states reach by DMA (pinned in the scheduler; states of the forwards in flight to the reader: 4 GiB "
         "holds ~38 decode forwards of 3,200 requests at H 4096); 0: "
         "each forward's states go through a chunk file instead")
+    warmup_prompts: int = Field(
+        64, ge=0, description="regen: short prompts an engine generates and throws away once started, before its first "
+        "batch: the first forwards compile kernels, grow memory pools and start the recorder (seconds at Kimi's "
+        "widths), which would otherwise land in the first batch; 0: no warm-up")
+    warmup_new_tokens: int = Field(32, ge=1, description="regen: tokens each warm-up prompt decodes (EOS ignored)")
     concurrent_generate: bool = Field(
         True, description="regen: the batches an engine actor has in flight (regen.batches_in_flight) go to SGLang "
         "together through its asyncio loop, so their requests decode in one running batch; false: one synchronous "

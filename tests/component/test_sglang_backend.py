@@ -334,3 +334,18 @@ def test_batched_decoding_gives_the_texts_of_one_by_one_decoding(tiny_engine, sk
     ids = tok.encode(text, add_special_tokens=False)
     cleaned = tok.decode(ids, clean_up_tokenization_spaces=True)
     assert decode_texts(tok, [ids], skip_special_tokens=False, clean_up_tokenization_spaces=True) == [cleaned]
+
+
+def test_regen_warm_up_requests_are_distinct_greedy_and_decode_every_step(tiny_target_path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    from eaglenest.engines.sglang.warmup import warmup_requests
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_target_path))
+    prompts, sampling = warmup_requests(tok, 8, 32)
+    assert len(prompts) == 8 and len({tuple(p) for p in prompts}) == 8
+    assert all(5 <= len(p) <= 128 and max(p) < len(tok) for p in prompts)
+    assert sampling["temperature"] == 0.0 and sampling["top_k"] == 1
+    assert sampling["max_new_tokens"] == 32 and sampling["ignore_eos"] is True  # no request ends early
+    assert warmup_requests(tok, 0, 32)[0] == []
+    assert SGLangEngineConfig().warmup_prompts == 64 and SGLangEngineConfig(warmup_prompts=0).warmup_prompts == 0

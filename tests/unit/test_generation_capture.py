@@ -330,6 +330,37 @@ def test_rows_arriving_after_their_request_was_released_are_not_kept(tmp_path) -
 
 
 
+def test_a_warm_up_generating_beside_a_batch_leaves_no_rows_and_the_batch_whole(tmp_path) -> None:
+    """Regen's engine warm-up (throw-away request ids, released up front) sharing forwards with a real batch: none of
+    its rows is kept, none is owned by the calling thread, and the batch's states are still the teacher-forced ones.
+    Control: the same warm-up requests under ordinary ids would have left their rows in the sink."""
+    model, sched, rec = setup(tmp_path, writers=1)
+    g = torch.Generator().manual_seed(3)
+    warm_prompts = [torch.randint(1, V, (n,), generator=g).tolist() for n in (4, 6)]
+    prompts = [torch.randint(1, V, (n,), generator=g).tolist() for n in (5, 7)]
+    warm = rec.throwaway_rids(len(warm_prompts))
+    rids = rec.new_rids(len(prompts))
+    gens = sched.generate(warm_prompts + prompts, [3, 3, 4, 2], warm + rids)[len(warm):]
+    rec.expect(rids, prompts, gens)
+    seqs = [p + gen.token_ids for p, gen in zip(prompts, gens, strict=True)]
+    masks = [[0] * len(p) + [1] * len(gen.token_ids) for p, gen in zip(prompts, gens, strict=True)]
+    hints = [CaptureHint(gen.meta["capture_ref"], m) for gen, m in zip(gens, masks, strict=True)]
+    caps = rec.capture(seqs, hints, prefill=lambda s, r: pytest.fail("every sequence has its recordings"))
+    for seq, cap in zip(seqs, caps, strict=True):
+        got = torch.cat([cap.aux_hidden_states, cap.last_hidden_state], dim=-1)[:-1]
+        torch.testing.assert_close(got, model.model.reference(seq)[:-1], rtol=1e-6, atol=1e-6)
+    assert all(rec.sink.rows(r) == 0 for r in warm)
+    assert not rec._owned  # the warm-up's ids were never the thread's to release
+    # control: ordinary ids for the same requests keep their rows until a capture consumes them
+    kept = rec.new_rids(len(warm_prompts))
+    sched.generate(warm_prompts, [3, 3], kept)
+    deadline = time.monotonic() + 10
+    while rec.sink.rows(kept[0]) == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert rec.sink.rows(kept[0]) > 0
+    rec.close()
+
+
 def test_chunks_written_out_of_order_are_read_in_forward_order(tmp_path) -> None:
     """The hooks write chunks from several threads, so forward k + 1's file can land before forward k's. The reader
     takes them in forward order: it waits for k, and where a position was recorded twice (a retracted, recomputed

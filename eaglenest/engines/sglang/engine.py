@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -87,6 +88,7 @@ from eaglenest.engines.sglang.symbols import (
     server_arg_fields,
     sglang_symbol,
 )
+from eaglenest.engines.sglang.warmup import warmup_requests
 
 if TYPE_CHECKING:
     from eaglenest.engines.sglang.stream import SGLangStreams
@@ -158,6 +160,8 @@ class SGLangEngine(TargetEngine):
         self._calls = threading.Lock()  # Engine.generate drives the engine's event loop: one call at a time
         self._driver: EngineLoopDriver | None = None
         self._starting = threading.Lock()
+        self.warmup_seconds: float | None = None
+        """seconds of regen's warm-up generation, once it ran"""
 
     @property
     def device(self) -> torch.device:
@@ -198,8 +202,26 @@ class SGLangEngine(TargetEngine):
         return self._engine
 
     def start(self) -> None:
-        """Start the engine now rather than inside the first request (so a batch's timing is the batch's alone)."""
+        """Start the engine now rather than inside the first request (so a batch's timing is the batch's alone);
+        regen's engine then warms up (:meth:`warm_up`)."""
         _ = self.engine
+        if self.regen and self.engine_cfg.warmup_prompts > 0 and self.warmup_seconds is None:
+            self.warm_up()
+
+    def warm_up(self) -> float:
+        """Generate ``target.sglang.warmup_prompts`` short prompts and throw them away (their recorded rows are dropped
+        as they arrive): the first forwards' kernel compiles, pool growth and recorder start happen here, not in the
+        first batch (eaglenest.engines.sglang.warmup). Returns its seconds."""
+        n, new = self.engine_cfg.warmup_prompts, self.engine_cfg.warmup_new_tokens
+        prompts, sampling = warmup_requests(self.tokenizer, n, new)
+        rid = {"rid": self.recorder.throwaway_rids(n)} if self.recorder is not None else {}
+        t0 = time.perf_counter()
+        with self._one_call():
+            self._generate_call()(input_ids=prompts, sampling_params=sampling, **rid)
+        self.warmup_seconds = time.perf_counter() - t0
+        print(f"[eaglenest engine] warm-up: {n} prompts x {new} new tokens in {self.warmup_seconds:.1f} s, before "
+              "the first batch", flush=True)
+        return self.warmup_seconds
 
     def prewarm_capture(self, rows_per_batch: int, batches: int) -> int:
         """Capture during generation: make the host memory of ``batches`` batches of ``rows_per_batch`` recorded rows

@@ -68,12 +68,24 @@ class GenerationRecorder:
         self._owned: dict[int, list[str]] = {}  # per calling thread: the requests of the batch it works on
         self._lock = threading.Lock()
 
+    def _fresh_rids(self, n: int) -> list[str]:
+        rids = [f"eaglenest-{self._prefix}-{self._n + i}" for i in range(n)]
+        self._n += n
+        return rids
+
     def new_rids(self, n: int) -> list[str]:
         """Fresh request ids, owned by the calling thread until its next :meth:`capture` consumes them."""
         with self._lock:
-            rids = [f"eaglenest-{self._prefix}-{self._n + i}" for i in range(n)]
-            self._n += n
+            rids = self._fresh_rids(n)
             self._owned.setdefault(threading.get_ident(), []).extend(rids)
+        return rids
+
+    def throwaway_rids(self, n: int) -> list[str]:
+        """Fresh request ids whose rows nobody reads (an engine's warm-up): released up front, so the sink drops their
+        rows as they arrive and no batch's capture ever waits for or sees them."""
+        with self._lock:
+            rids = self._fresh_rids(n)
+        self.sink.discard(rids)
         return rids
 
     def reserve(self, rids: Sequence[str], prompts: Sequence[Sequence[int]], max_new_tokens: int) -> bool:
