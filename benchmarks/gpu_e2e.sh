@@ -78,7 +78,8 @@
 # on the bench's backend) in the background during phase A, ended before regen (E2E_JIT_WAIT_S); SGLang's offline
 # reference right after regen; the EAGLE check after serve, then jobs and train_step.py at Kimi's widths with the
 # per-kernel breakdown (E2E_TRAIN_STEP), each of those optional steps run only if E2E_BUDGET_S (1,500 s of runner
-# time) leaves room for it. kimi: 5 epochs (after the first from each worker's memory), lr 3e-4, 32 bench prompts x 64 tokens, pre-training 400 steps (at most
+# time) leaves room for it. kimi: 4 epochs (after the first from each worker's memory), lr 3e-4, 32 bench
+# prompts x 64 tokens, pre-training 400 steps (at most
 # 210 s), fp8 hidden states (E2E_STORAGE_DTYPE) with shards, training runs, exports and the train jobs' TMPDIR in
 # /dev/shm/eaglenest-e2e (E2E_BULK_DIR); small: 4 epochs, 32 bench prompts x 128, 600 steps (180 s), bf16.
 #
@@ -86,8 +87,8 @@
 # (unpack + dump ~30, stand-in 285: pre-training 210, widening + writing 44.3 GB + the check ~75); the second call
 # ~26 later; configs + Ray 18; regen 166 (job + engine start ~90, generation 71 at batch ~1,000, fp8 states 28,676 B a
 # token: 9.3 GB for 324k tokens in /dev/shm beside the 44 GB page cache); both shapes' training 495 (two jobs side by
-# side; 3 epochs of 245 steps ~263 of it, each pass restarting Ray Data's stream; now 5, the later ones replayed
-# from memory, expected in about the same time); preflight 24; bench 376 (3 engine starts, the baseline's 84 s of prefill
+# side; 3 epochs of 245 steps ~263 of it, each pass restarting Ray Data's stream; now 4, the later ones replayed
+# from memory, expected in ~410 s); preflight 24; bench 376 (3 engine starts, the baseline's 84 s of prefill
 # graphs now left out, batch 1 at 54 tok/s: 38 s of the baseline's decode); EAGLE check 79; serve 138 (healthy in 95);
 # ray stop 10. With the offline reference (~130 without prefill graphs) the runner needs ~1,650 s: device calls
 # `... --phase1` (~325 s), then `--phase2` calls until the summary prints (three; E2E_CALL_WAIT_S sizes the last).
