@@ -188,6 +188,32 @@ def test_speculative_kwargs_from_a_checked_drafter(tmp_path: Path, target: Path)
     assert kw["disable_radix_cache"] is False
 
 
+@pytest.mark.parametrize(("hidden", "attention", "asked", "expected"), [
+    (448, "flashinfer", None, "triton"),  # 4 heads of 112: Kimi's Llama-shaped head (64 x 112) in small
+    (448, "triton", None, None),  # triton runs any head size: nothing to override
+    (512, "flashinfer", None, None),  # control: 128 is one of flashinfer's sizes
+    (448, "flashinfer", "triton", "triton"),  # asked for what works: kept
+])
+def test_a_draft_head_size_flashinfer_lacks_drafts_on_triton(tmp_path: Path, hidden: int, attention: str,
+                                                             asked: str | None, expected: str | None) -> None:
+    target = write_target(tmp_path / "t", hidden=hidden, heads=4)
+    drafter = export_eagle3_drafter(tmp_path / "d", physical_ids=PHYS, hidden=hidden, heads=4)
+    extra = {"speculative_draft_attention_backend": asked} if asked else {}
+    kw, _ = speculative_engine_kwargs(str(target), SGLangEngineConfig(attention_backend=attention, extra_args=extra),
+                                      drafter, SpecConfig())
+    assert kw.get("speculative_draft_attention_backend") == expected
+    assert kw["attention_backend"] == attention  # the target keeps its backend
+
+
+def test_flashinfer_asked_for_a_draft_head_size_it_lacks_is_refused_with_the_fix(tmp_path: Path) -> None:
+    target = write_target(tmp_path / "t", hidden=448, heads=4)
+    drafter = export_eagle3_drafter(tmp_path / "d", physical_ids=PHYS, hidden=448, heads=4)
+    cfg = SGLangEngineConfig(attention_backend="flashinfer",
+                             extra_args={"speculative_draft_attention_backend": "flashinfer"})
+    with pytest.raises(SpeculativeConfigError, match="head_dim 112.*speculative_draft_attention_backend to triton"):
+        speculative_engine_kwargs(str(target), cfg, drafter, SpecConfig())
+
+
 def test_eagle_refused_for_an_eagle3_drafter(tmp_path: Path, target: Path) -> None:
     drafter = write_eagle3_drafter(tmp_path / "d", physical_ids=PHYS)
     with pytest.raises(SpeculativeConfigError, match="accept length would sit at 1.0"):

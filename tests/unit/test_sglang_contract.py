@@ -64,6 +64,17 @@ def test_serverargs_from_our_speculative_kwargs(folders: tuple[Path, Path], shap
     assert sa.attention_backend == "triton" and sa.sampling_backend == "pytorch" and sa.grammar_backend == "none"
 
 
+def test_a_drafter_flashinfer_cannot_run_drafts_on_triton_in_sglangs_own_args(tmp_path: Path) -> None:
+    """The Llama-shaped head at Kimi's widths has 112-wide heads, which flashinfer lacks: the target keeps flashinfer
+    (its MLA verify pass), the draft gets SGLang's own speculative_draft_attention_backend = triton."""
+    target = write_target(tmp_path / "t", hidden=448, heads=4)
+    drafter = export_eagle3_drafter(tmp_path / "d", physical_ids=default_aux_layer_ids(8), hidden=448, heads=4)
+    kw, _ = speculative_engine_kwargs(str(target), SGLangEngineConfig(attention_backend="flashinfer"), drafter,
+                                      SpecConfig())
+    sa = ServerArgs(**kw, **CPU_ONLY)
+    assert sa.attention_backend == "flashinfer" and sa.speculative_draft_attention_backend == "triton"
+
+
 def test_generation_and_capture_kwargs(folders: tuple[Path, Path]) -> None:
     target, _ = folders
     gen = ServerArgs(**engine_kwargs(str(target), SGLangEngineConfig()), **CPU_ONLY)

@@ -18,7 +18,7 @@ from eaglenest.config import SGLangEngineConfig, SpecConfig
 from eaglenest.contracts.layers import engine_captured_layers
 from eaglenest.contracts.target import TargetSpec
 from eaglenest.drafters.eagle3.format import DrafterExport, read_drafter
-from eaglenest.drafters.preflight import preflight_or_raise
+from eaglenest.drafters.preflight import SpeculativeConfigError, preflight_or_raise
 from eaglenest.engines.sglang.args import engine_kwargs
 
 
@@ -55,6 +55,44 @@ def speculative_launch(drafter: DrafterExport, target: TargetSpec, spec: SpecCon
                              captured_layers=tuple(captured))
 
 
+FLASHINFER_HEAD_DIMS = (64, 128, 256, 512)
+"""The head sizes flashinfer's (non-MLA) attention kernels are built for (its ``DISPATCH_HEAD_DIM``). An EAGLE draft
+on flashinfer merges partial attention states while SGLang captures the draft's CUDA graphs, and raises on any other
+size: the Llama-shaped head at Kimi-K2.5's widths (64 heads of 7168 / 64 = 112) killed the sixth Kimi-width run's bench
+engine at start."""
+
+
+def draft_head_dim(drafter: DrafterExport) -> int | None:
+    """The attention head size of a Llama-shaped drafter's layer (None for MLA drafters, whose heads are not one
+    size, or a config without the numbers)."""
+    if drafter.draft_shape != "llama":
+        return None
+    cfg = drafter.config
+    if cfg.get("head_dim"):
+        return int(cfg["head_dim"])
+    heads, hidden = cfg.get("num_attention_heads"), cfg.get("hidden_size")
+    return int(hidden) // int(heads) if heads and hidden else None
+
+
+def draft_attention_backend(kw: dict[str, Any], drafter: DrafterExport) -> str | None:
+    """The backend the drafter's own attention must run on when the target's cannot run it (None: the target's).
+
+    A Llama-shaped drafter whose head size flashinfer lacks drafts on triton beside a flashinfer target (whose MLA
+    verify pass is the reason to run flashinfer at all); an explicit ``speculative_draft_attention_backend:
+    flashinfer`` for such a drafter is refused with the fix rather than left to fail inside the engine's start."""
+    head_dim = draft_head_dim(drafter)
+    asked = kw.get("speculative_draft_attention_backend")
+    backend = asked or kw.get("decode_attention_backend") or kw.get("attention_backend")
+    if backend != "flashinfer" or head_dim is None or head_dim in FLASHINFER_HEAD_DIMS:
+        return None
+    if asked:
+        raise SpeculativeConfigError(
+            f"speculative_draft_attention_backend: flashinfer cannot run this drafter's attention (head_dim "
+            f"{head_dim}; flashinfer's kernels take {', '.join(map(str, FLASHINFER_HEAD_DIMS))}): set "
+            "target.sglang.extra_args.speculative_draft_attention_backend to triton, or leave it unset")
+    return "triton"
+
+
 def speculative_engine_kwargs(
     model_path: str,
     engine_cfg: SGLangEngineConfig,
@@ -69,8 +107,12 @@ def speculative_engine_kwargs(
 ) -> tuple[dict[str, Any], SpeculativeLaunch]:
     """``sglang.Engine`` kwargs for speculative serving, built only after the preflight passed."""
     target = target or TargetSpec.read(model_path, context_length=engine_cfg.context_length)
-    launch = speculative_launch(read_drafter(drafter_path), target, spec, expected_physical_ids=expected_physical_ids)
+    drafter = read_drafter(drafter_path)
+    launch = speculative_launch(drafter, target, spec, expected_physical_ids=expected_physical_ids)
     kw = engine_kwargs(model_path, engine_cfg, dtype=dtype, seed=seed, trust_remote_code=trust_remote_code,
                        target=target)
     kw.update(launch.engine_kwargs())
+    draft_backend = draft_attention_backend(kw, drafter)
+    if draft_backend is not None:
+        kw["speculative_draft_attention_backend"] = draft_backend
     return kw, launch
