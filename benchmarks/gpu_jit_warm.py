@@ -107,10 +107,16 @@ def warm_plan(drafters: dict[str, Path], attention: str) -> list[tuple[str, str]
     return plan + ([("plain", attention)] if attention != "triton" else [])
 
 
+DIED_DURING_START = ("the warm-up process ended during this engine's start (SGLang ends its parent's whole process "
+                     "tree when a scheduler fails to start): see jit-warm.log")
+
+
 def warm_engines(target: Path, drafters: dict[str, Path], max_bs: int, attention: str = "triton",
-                 log: Any = print) -> list[dict[str, Any]]:
+                 log: Any = print, save: Any = None) -> list[dict[str, Any]]:
     """Start SGLang as :func:`warm_plan` says (EAGLE3 3-1-4 with a drafter); decode at batch 1 and ``max_bs`` in
-    each."""
+    each. ``save(records)``, when given, is called before each engine start with that engine marked as failed
+    (:data:`DIED_DURING_START`) and after it with its outcome, so a start that kills this process still leaves its
+    failure in the report."""
     from eaglenest.config import SGLangEngineConfig, SpecConfig
     from eaglenest.contracts.target import TargetSpec
     from eaglenest.engines.sglang.args import engine_kwargs
@@ -124,6 +130,8 @@ def warm_engines(target: Path, drafters: dict[str, Path], max_bs: int, attention
         cfg = SGLangEngineConfig(mem_fraction_static=0.88, context_length=2048, attention_backend=backend,
                                  extra_args=warm_extra_args(max_bs))
         t0 = time.perf_counter()
+        if save is not None:
+            save([*records, {"engine": name, "attention": backend, "error": DIED_DURING_START}])
         try:
             if name == "plain":
                 kw = engine_kwargs(str(target), cfg, dtype="bfloat16", target=facts)
@@ -145,6 +153,8 @@ def warm_engines(target: Path, drafters: dict[str, Path], max_bs: int, attention
                    "total_s": round(time.perf_counter() - t0, 1)}
         log(f"[jit warm] {json.dumps(rec)}")
         records.append(rec)
+        if save is not None:
+            save(records)
     return records
 
 
@@ -171,9 +181,12 @@ def main(argv: list[str] | None = None) -> int:
     drafters = build_drafters(target, work, shapes=tuple(x for x in a.shapes.split(",") if x))
     print(f"[jit warm] built a {a.layers}-layer model and {len(drafters)} drafters in "
           f"{time.perf_counter() - t0:.1f} s", flush=True)
-    records = [] if a.build_only else warm_engines(target, drafters, a.max_bs, a.attention)
-    (work / "warm.json").write_text(json.dumps({"engines": records, "seconds": round(time.perf_counter() - t0, 1)},
-                                               indent=2))
+    def save(records: list[dict[str, Any]]) -> None:
+        (work / "warm.json").write_text(json.dumps({"engines": records, "seconds": round(time.perf_counter() - t0, 1)},
+                                                   indent=2))
+
+    records = [] if a.build_only else warm_engines(target, drafters, a.max_bs, a.attention, save=save)
+    save(records)
     print(f"[jit warm] done in {time.perf_counter() - t0:.1f} s", flush=True)
     return 0
 

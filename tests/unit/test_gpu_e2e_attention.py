@@ -46,6 +46,16 @@ def test_a_backend_that_failed_in_the_warm_up_is_replaced_by_triton(monkeypatch:
     assert "flashinfer failed in the warm-up (mla engine: RuntimeError: no kernel)" in why
 
 
+def test_an_engine_start_that_killed_the_warm_up_counts_as_failed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SGLang ends its parent's process tree when a scheduler fails to start (the sixth Kimi-width run's Llama-shaped
+    draft on flashinfer): the warm-up saves each engine as failed before starting it, so the report it leaves names
+    that engine and the bench falls back to triton instead of calling flashinfer merely unverified."""
+    _warm_report(monkeypatch, [{"engine": "plain", "attention": "triton", "start_s": 60.0},
+                               {"engine": "llama", "attention": "flashinfer", "error": gpu_jit_warm.DIED_DURING_START}])
+    backend, why = gpu_e2e.bench_attention()
+    assert backend == "triton" and "llama engine: the warm-up process ended during this engine's start" in why
+
+
 def test_a_backend_the_warm_up_ran_is_kept(monkeypatch: pytest.MonkeyPatch) -> None:
     _warm_report(monkeypatch, [{"engine": "plain", "attention": "triton", "start_s": 60.0},
                                {"engine": "mla", "attention": "flashinfer", "start_s": 30.0}])
