@@ -224,7 +224,9 @@ def sglang_factory(tc, expected: tuple[int, int] = (1, 256)):
     """SGLang integration point: one checked ``SGLangEngine`` per variant (eaglenest.engines.sglang.engine).
 
     ``factory(spec, drafter)``: the plain engine (``spec`` None) or one static shape; ``factory(None, drafter,
-    plan=...)``: a step plan (a tuned schedule, or "off") launched as serve launches it (``plan.sglang_plan``)."""
+    plan=...)``: a step plan (a tuned schedule, or "off") launched as serve launches it (``plan.sglang_plan``).
+    Each engine's start raises on a scheduler failure rather than ending the bench, so the other variants are still
+    measured (``start_failure_raises``)."""
     from eaglenest.engines.sglang.engine import SGLangEngine
 
     def factory(spec, drafter_dir, plan=None):
@@ -233,9 +235,12 @@ def sglang_factory(tc, expected: tuple[int, int] = (1, 256)):
             for note in launch.notes:
                 print(f"eaglenest: {note}", file=sys.stderr)
             if launch.mode == "plain":
-                return SGLangEngine(tc)
-            return SGLangEngine.speculative(tc, str(drafter_dir), launch.spec, adaptive=launch.adaptive)
-        return SGLangEngine(tc) if spec is None else SGLangEngine.speculative(tc, str(drafter_dir), spec)
+                return SGLangEngine(tc, start_failure_raises=True)
+            return SGLangEngine.speculative(tc, str(drafter_dir), launch.spec, adaptive=launch.adaptive,
+                                            start_failure_raises=True)
+        if spec is None:
+            return SGLangEngine(tc, start_failure_raises=True)
+        return SGLangEngine.speculative(tc, str(drafter_dir), spec, start_failure_raises=True)
 
     return factory
 

@@ -9,10 +9,10 @@ median baseline tok/s. Greedy outputs of every config are checked against the ba
 The SGLang engine (``engine="sglang"``) starts one ``sglang.Engine`` per variant (a GPU rarely holds several), runs
 them one after another and runs the baseline again at the end to show drift; accept length comes from SGLang's own
 per-request ``spec_verify_ct``. It needs a GPU and ``pip install eaglenest[gpu]``. A variant whose engine fails to
-start or run is reported under ``failed`` with its error; the others are still measured. Not covered: a failure
+start or run is reported under ``failed`` with its error; the others are still measured. That includes a failure
 inside SGLang's scheduler process while the engine starts (a kernel that rejects the drafter's shapes during CUDA-graph
-capture), on which SGLang's own SIGQUIT handler ends this whole process; preflight and the launch rules
-(``eaglenest.engines.sglang.spec``) refuse or avoid the known ones first.
+capture), on which SGLang's own SIGQUIT handler would end this whole process: the bench's engines start with a
+reporting handler instead (``eaglenest.engines.sglang.launch_failure``; not yet exercised on a GPU).
 
 Several drafters (e.g. the Llama-shaped and the MLA draft shape of one target) can be benchmarked in one run against
 one baseline: pass ``drafter`` as a ``{label: drafter}`` mapping; each config is then named ``label:steps-topk-tokens``.

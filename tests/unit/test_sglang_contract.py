@@ -75,6 +75,22 @@ def test_a_drafter_flashinfer_cannot_run_drafts_on_triton_in_sglangs_own_args(tm
     assert sa.attention_backend == "flashinfer" and sa.speculative_draft_attention_backend == "triton"
 
 
+def test_the_launch_phase_takes_our_sigquit_handler(folders: tuple[Path, Path]) -> None:
+    """eaglenest.engines.sglang.launch_failure relies on ServerArgs taking ``custom_sigquit_handler`` and on the
+    engine's launch registering it in place of the handler that ends the process tree, and on a dead scheduler making
+    the start raise (``_wait_for_scheduler_ready``)."""
+    from eaglenest.engines.sglang.launch_failure import launch_failure_logged
+
+    target, _ = folders
+    sa = ServerArgs(**engine_kwargs(str(target), SGLangEngineConfig()), custom_sigquit_handler=launch_failure_logged,
+                    **CPU_ONLY)
+    assert sa.custom_sigquit_handler is launch_failure_logged
+    src = " ".join(Path(importlib.util.find_spec("sglang.srt.entrypoints.engine").origin).read_text().split())
+    assert "if server_args.custom_sigquit_handler is None:" in src
+    assert "signal.signal(signal.SIGQUIT, server_args.custom_sigquit_handler)" in src
+    assert "raise _scheduler_died_error(" in src
+
+
 def test_generation_and_capture_kwargs(folders: tuple[Path, Path]) -> None:
     target, _ = folders
     gen = ServerArgs(**engine_kwargs(str(target), SGLangEngineConfig()), **CPU_ONLY)

@@ -78,6 +78,7 @@ from eaglenest.engines.sglang.args import (
     run_generate,
 )
 from eaglenest.engines.sglang.driver import EngineLoopDriver
+from eaglenest.engines.sglang.launch_failure import start_raising_on_failure
 from eaglenest.engines.sglang.limits import check_server_args
 from eaglenest.engines.sglang.recorded import GenerationRecorder
 from eaglenest.engines.sglang.spec import SpeculativeLaunch, speculative_engine_kwargs
@@ -107,7 +108,8 @@ class SGLangEngine(TargetEngine):
     thread_safe = True  # regen: batches of several threads generate together (EngineLoopDriver); else serialised
 
     def __init__(self, cfg: TargetConfig, *, model_path: str | None = None, drafter: str | None = None,
-                 spec: SpecConfig | None = None, regen: bool = False, adaptive: AdaptiveSpec | None = None):
+                 spec: SpecConfig | None = None, regen: bool = False, adaptive: AdaptiveSpec | None = None,
+                 start_failure_raises: bool = False):
         require_sglang()
         if cfg.device == "cpu":
             raise ValueError("target.engine sglang runs on GPUs; use target.engine: hf for target.device: cpu")
@@ -160,6 +162,9 @@ class SGLangEngine(TargetEngine):
         self._calls = threading.Lock()  # Engine.generate drives the engine's event loop: one call at a time
         self._driver: EngineLoopDriver | None = None
         self._starting = threading.Lock()
+        self.start_failure_raises = start_failure_raises
+        """a scheduler failing while the engine starts makes the start raise instead of ending this process (a bench
+        of several engines; eaglenest.engines.sglang.launch_failure)"""
         self.warmup_seconds: float | None = None
         """seconds of regen's warm-up generation, once it ran"""
 
@@ -176,11 +181,11 @@ class SGLangEngine(TargetEngine):
 
     @classmethod
     def speculative(cls, cfg: TargetConfig, drafter: str, spec: SpecConfig | None = None, *,
-                    adaptive: AdaptiveSpec | None = None) -> SGLangEngine:
+                    adaptive: AdaptiveSpec | None = None, start_failure_raises: bool = False) -> SGLangEngine:
         """An engine that generates with an EAGLE-3 drafter; the launch is checked before anything starts.
         ``adaptive``: SGLang's adaptive speculation with per-bucket candidate steps (eaglenest.engines.sglang.adaptive)
         instead of one static shape."""
-        return cls(cfg, drafter=drafter, spec=spec, adaptive=adaptive)
+        return cls(cfg, drafter=drafter, spec=spec, adaptive=adaptive, start_failure_raises=start_failure_raises)
 
     # ------------------------------------------------------------------------------------------------ generation
     @property
@@ -193,7 +198,8 @@ class SGLangEngine(TargetEngine):
             Engine = sglang_symbol("sglang:Engine")
             check_server_args(self.engine_kwargs, server_arg_fields(), installed_sglang_version() or "?")
             with environment(self.engine_env):
-                engine = Engine(**self.engine_kwargs)
+                engine = (start_raising_on_failure(Engine, self.engine_kwargs) if self.start_failure_raises
+                          else Engine(**self.engine_kwargs))
             if self.recorder is not None:
                 self.recorder.sink.start()
             if self.regen and self.engine_cfg.concurrent_generate:
