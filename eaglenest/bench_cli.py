@@ -230,17 +230,15 @@ def sglang_factory(tc, expected: tuple[int, int] = (1, 256)):
     from eaglenest.engines.sglang.engine import SGLangEngine
 
     def factory(spec, drafter_dir, plan=None):
+        adaptive = None
         if plan is not None:
             launch = plan.sglang_plan(tc.sglang.extra_args, expected=expected, provenance="eaglenest bench/tune")
             for note in launch.notes:
                 print(f"eaglenest: {note}", file=sys.stderr)
-            if launch.mode == "plain":
-                return SGLangEngine(tc, start_failure_raises=True)
-            return SGLangEngine.speculative(tc, str(drafter_dir), launch.spec, adaptive=launch.adaptive,
-                                            start_failure_raises=True)
+            spec, adaptive = (None, None) if launch.mode == "plain" else (launch.spec, launch.adaptive)
         if spec is None:
             return SGLangEngine(tc, start_failure_raises=True)
-        return SGLangEngine.speculative(tc, str(drafter_dir), spec, start_failure_raises=True)
+        return SGLangEngine.speculative(tc, str(drafter_dir), spec, adaptive=adaptive, start_failure_raises=True)
 
     return factory
 
