@@ -140,20 +140,24 @@ OPTIONAL_S = {"offline_recording": 120.0, "train_step": float(knob("E2E_TRAIN_ST
               **({"eagle_forced": float(knob("E2E_EAGLE_CHECK_S", ds=90, gpu=0, cpu=0))} if DEEPSEEK else {})}
 """the steps the budget may skip, with the seconds each is expected to take. DeepseekV3: the seed's-bug check runs
 after serve and only when the budget has room for one more 44 GB engine start (every other step of the issue's
-acceptance comes first); SGLang's offline reference is not optional (regen's yardstick: it runs right after regen)"""
+acceptance comes first); SGLang's offline reference is not optional (regen's yardstick: it runs before Ray starts)"""
 TUNE = os.environ.get("E2E_TUNE") == "1"
 """issue 29's acceptance after ``serve``: tune, bench --schedule and the served load ramp (benchmarks/gpu_tune.py)"""
 TUNE_STEPS = ["tune", "bench_schedule", "ramp"] if TUNE else []
 FLYWHEEL = os.environ.get("E2E_FLYWHEEL", "0") == "1"
 """issue #31's acceptance instead of the bench and serve steps: benchmarks/gpu_flywheel.py (traffic from another
 domain -> one turn of `eaglenest flywheel` -> the served accept length before and after)"""
-STEP_ORDER = (["jit_wait", "configs", "ray_start", "regen", "offline_ref", "train", "preflight", "bench", "serve",
+STEP_ORDER = (["jit_wait", "configs", "offline_ref", "ray_start", "regen", "train", "preflight", "bench", "serve",
                "eagle_forced", *TUNE_STEPS, "jobs", "train_step", "offline_recording"] if DEEPSEEK else
               ["configs", "ray_start", "regen", "train", "preflight", "flywheel", "jobs"] if FLYWHEEL else
               ["configs", "offline_ref", "offline_recording", "ray_start", "regen", "train", "preflight",
                "eagle_forced", "bench", "serve", *TUNE_STEPS, "jobs"])
-"""phase B's steps in order: DeepseekV3 measures regen's yardstick right after regen (same GPU, nothing else on it)
-and the optional steps last"""
+"""the steps after the stand-in, in order: DeepseekV3 measures regen's yardstick (SGLang alone, the same GPU with
+nothing else on it) before Ray starts, and the optional steps last"""
+BEFORE_RAY = ("jit_wait", "configs", "offline_ref") if DEEPSEEK else ()
+"""DeepseekV3: the steps the first device call runs after the stand-in, with no Ray (its bundle arrives with the
+second call; the first call's carry is full). Call 1 then ends at ~510 s instead of ~330, and the whole run fits
+in three calls: a fourth, short one risked the machine's return between calls (the seventh attempt lost serve so)"""
 TRAIN_PROMPTS = int(knob("E2E_TRAIN_PROMPTS", gpu=3200, ds=2048, cpu=24))
 TRAIN_AFTER_CUT = int(knob("E2E_TRAIN_AFTER_CUT", gpu=800, cpu=4))
 """up to this many of them from records after the stand-in's pre-training cut (conversations it never saw, the kind
@@ -967,7 +971,7 @@ def regen_summary(regen: dict[str, Any]) -> str:
                        f" s of {whole.get('seconds')} s), so the whole run is the figure")
     if regen.get("generate_only_vs_offline") is not None:
         steady_text += f"; generation only, one batch in flight: {regen['generate_only_vs_offline']}x"
-    # DeepseekV3 runs the offline yardstick after regen: its figure is read here, not from regen's record
+    # the yardstick's figure, from regen's record or (a run that measured it after regen) its own
     offline = regen.get("offline_engine_generate_tokens_per_s") or load("offline_ref").get("tokens_per_s")
     whole_tps = regen.get("whole_run_tokens_per_s")
     whole_vs = f" = {whole_tps / offline:.3f}x" if offline and whole_tps else ""
@@ -1352,8 +1356,9 @@ def main(argv: list[str]) -> int:
     if argv and argv[0] == "summary":
         summarize()
         return 0
-    if argv and argv[0] == "order":
-        print(" ".join(STEP_ORDER))
+    if argv and argv[0] == "order":  # "order before-ray": call 1's steps; "order": the rest
+        before = argv[1:2] == ["before-ray"]
+        print(" ".join(s for s in STEP_ORDER if (s in BEFORE_RAY) == before))
         return 0
     print(__doc__)
     return 2

@@ -22,8 +22,10 @@
 #   call 2: carry [".gpu/r1", ".gpu/jit", ".whl-fw"]           command: bash benchmarks/gpu_e2e.sh --phase2
 #           (.whl-fw: the suites' wheels; serve asks MT-Bench, HumanEval and BFCL through the served API for issue
 #           #32's per-suite table, E2E_SUITES / E2E_SUITE_PROMPTS (24 a suite); the flywheel reads its prompts there)
-# (.gpu/jit: SGLang's JIT cache from an earlier device call's `save_jit_cache`, optional; phase A never starts SGLang)
-# (If the runner is still going when call 2 ends, another `--phase2` call collects the rest.)
+# (.gpu/jit: SGLang's JIT cache from an earlier device call's `save_jit_cache`, optional; restored before regen)
+# (If the runner is still going when call 2 ends, another `--phase2` call collects the rest: at Kimi's widths the
+# first call runs on to SGLang's offline reference (no Ray needed) so that the third call is the last; give it
+# E2E_CALL_WAIT_S = the lease's budget_left_s - 20, at most 590, timeout 600.)
 # Knobs: E2E_PRETRAIN_STEPS, E2E_TRAIN_PROMPTS, E2E_TRAIN_AFTER_CUT (how many of them from records the stand-in
 # never saw; default 800), E2E_EPOCHS (default 4), E2E_TTT_STEPS, E2E_MAX_NEW_TOKENS, E2E_CAPTURE (generation | prefill:
 # how regen gets hidden states; default generation), E2E_REGEN_BATCH / E2E_REGEN_IN_FLIGHT (regen batch size and
@@ -76,7 +78,7 @@
 # prompts per set; E2E_JIT_WARM=1: benchmarks/gpu_jit_warm.py compiles SGLang's kernels for the stand-in's widths (a
 # random 5-layer model of the same widths and random drafters of the run's shapes: plain triton, then EAGLE3 and plain
 # on the bench's backend) in the background during phase A, ended before regen (E2E_JIT_WAIT_S); SGLang's offline
-# reference right after regen; the EAGLE check after serve, then jobs and train_step.py at Kimi's widths with the
+# reference right after it, before Ray starts (call 1); the EAGLE check after serve, then jobs and train_step.py at Kimi's widths with the
 # per-kernel breakdown (E2E_TRAIN_STEP), each of those optional steps run only if E2E_BUDGET_S (1,500 s of runner
 # time) leaves room for it. kimi: 4 epochs (after the first from each worker's memory), lr 3e-4, 32 bench
 # prompts x 64 tokens, pre-training 400 steps (at most
@@ -90,8 +92,11 @@
 # side; 3 epochs of 245 steps ~263 of it, each pass restarting Ray Data's stream; now 4, the later ones replayed
 # from memory, expected in ~410 s); preflight 24; bench 376 (3 engine starts, the baseline's 84 s of prefill
 # graphs now left out, batch 1 at 54 tok/s: 38 s of the baseline's decode); EAGLE check 79; serve 138 (healthy in 95);
-# ray stop 10. With the offline reference (~130 without prefill graphs) the runner needs ~1,650 s: device calls
-# `... --phase1` (~325 s), then `--phase2` calls until the summary prints (three; E2E_CALL_WAIT_S sizes the last).
+# ray stop 10. The seventh run (BENCHMARKS.md): phase A 332, JIT wait 47, configs 9, offline reference 118, Ray 7,
+# regen 147, training 464, preflight 18, bench 264 (JIT-warm kernels, 3 engines): with serve and the EAGLE check the
+# runner needs ~1,640 s. Device calls: `... --phase1` (DeepseekV3: phase A, then the steps that need no Ray, the
+# offline reference among them: ~510 s), then two `--phase2` calls, each made the moment the last returns; the
+# second with E2E_CALL_WAIT_S = the lease's budget_left_s - 20 (at most 590) and timeout 600, so no fourth is needed.
 set -uo pipefail
 ROOT=${E2E_ROOT:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)}  # the runner runs from a copy: E2E_ROOT
 cd "$ROOT"
@@ -216,6 +221,9 @@ fi
 
 step jit_warm  # DeepseekV3 on the GPU: SGLang's kernels compiled in the background meanwhile (gpu_jit_warm.py)
 step standin
+for s in $(python3 benchmarks/gpu_e2e.py order before-ray); do  # DeepseekV3: what needs no Ray (SGLang's yardstick)
+  step "$s"
+done
 touch "$E2E_WORK/phaseA.done"
 echo "== phase A done at +$(( $(date +%s) - START )) s"
 
@@ -231,7 +239,12 @@ if [ "$MODE" = gpu ]; then  # Ray (and the JIT cache, if there is one) arrive wi
 fi
 # knobs decided between the calls (e.g. E2E_CONCURRENT_GENERATE=0 after a failed smoke test) reach the config here
 # shellcheck disable=SC1091
-[ -f "$E2E_WORK/overrides.env" ] && { cat "$E2E_WORK/overrides.env"; source "$E2E_WORK/overrides.env"; }
+if [ -f "$E2E_WORK/overrides.env" ]; then
+  cat "$E2E_WORK/overrides.env"
+  # shellcheck disable=SC1091
+  source "$E2E_WORK/overrides.env"
+  case " $(python3 benchmarks/gpu_e2e.py order before-ray) " in *" configs "*) step configs ;; esac  # written again
+fi
 # the order is gpu_e2e.py's (DeepseekV3: the optional offline yardstick last, within E2E_BUDGET_S)
 for s in $(python3 benchmarks/gpu_e2e.py order); do
   step "$s"

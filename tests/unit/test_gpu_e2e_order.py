@@ -1,0 +1,57 @@
+"""The GPU script's step order: at Kimi's widths the first device call (whose carry has no room for Ray's bundle) runs
+the steps after the stand-in that need no Ray, SGLang's offline reference among them, so the run fits in three calls."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "benchmarks" / "gpu_e2e.py"
+
+
+def _order(arch: str, *args: str) -> list[str]:
+    env = {**os.environ, "E2E_ARCH": arch}
+    out = subprocess.run([sys.executable, str(SCRIPT), "order", *args], env=env, capture_output=True, text=True,
+                         check=True, cwd=ROOT)
+    return out.stdout.split()
+
+
+def test_deepseek_runs_sglang_s_yardstick_before_ray_and_every_other_step_after() -> None:
+    before, after = _order("deepseek_v3", "before-ray"), _order("deepseek_v3")
+    assert before == ["jit_wait", "configs", "offline_ref"]
+    assert after[:2] == ["ray_start", "regen"] and not set(before) & set(after)
+    assert {"train", "preflight", "bench", "serve", "eagle_forced"} <= set(after)
+
+
+def test_llama_keeps_one_list() -> None:
+    assert _order("llama", "before-ray") == []
+    assert _order("llama")[0] == "configs" and "offline_ref" in _order("llama")
+
+
+BLOCK_RAY = """
+import sys
+class NoRay:
+    def find_spec(self, name, path=None, target=None):
+        if name == "ray" or name.startswith("ray."):
+            raise ImportError("ray is not on this call's machine yet: " + name)
+sys.meta_path.insert(0, NoRay())
+sys.path.insert(0, "benchmarks")
+import gpu_e2e  # noqa: F401
+from eaglenest.config import load_config  # noqa: F401
+from eaglenest.contracts.target import TargetSpec  # noqa: F401
+from eaglenest.engines.base import render_chat_ids  # noqa: F401
+from eaglenest.engines.sglang.args import engine_kwargs  # noqa: F401
+from eaglenest.engines.sglang.engine import sglang_symbol  # noqa: F401
+from eaglenest.engines.standin import chat_of  # noqa: F401
+print("imported without ray")
+"""
+
+
+def test_the_steps_before_ray_import_nothing_of_ray() -> None:
+    env = {**os.environ, "E2E_ARCH": "deepseek_v3"}
+    out = subprocess.run([sys.executable, "-c", BLOCK_RAY], env=env, capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "imported without ray" in out.stdout
