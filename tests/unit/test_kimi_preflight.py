@@ -257,11 +257,17 @@ def test_wrong_target_depth_is_refused(kimi_drafter, tmp_path):
     assert "layers 61 (trained) != 30 (this target)" in bad["trained_target"].message
 
 
-def test_the_shipped_config_trains_the_mla_drafter(cfg, kimi):
-    """The Kimi config's default draft shape is the one measured at Kimi's widths (BENCHMARKS.md): MLA, with the
-    target's q/kv ranks and head dims, in the class SGLang's Kimi drafter loader reads."""
+def test_the_shipped_config_trains_the_measured_winner_and_mla_on_request(cfg, kimi):
+    """The Kimi config's default draft shape is the one measured faster at Kimi's widths (BENCHMARKS.md): the
+    Llama-shaped head, 64 heads of 7168 / 64 = 112; ``draft_shape: mla`` gives the MLA drafter with the target's q/kv
+    ranks and head dims, in the class SGLang's Kimi drafter loader reads."""
     mcfg = resolve_model_config(cfg, kimi, cfg.target.aux_layer_ids, cfg.train.drafter.draft_vocab_size)
     conf = hf_config(mcfg, "sglang", "bfloat16")
+    assert conf["architectures"] == [SHAPES["llama"]]
+    assert (conf["hidden_size"], conf["num_attention_heads"]) == (H, 64)
+    mla = _with_shape(cfg, "mla")
+    conf = hf_config(resolve_model_config(mla, kimi, cfg.target.aux_layer_ids, cfg.train.drafter.draft_vocab_size),
+                     "sglang", "bfloat16")
     assert conf["architectures"] == [SHAPES["mla"]]
     assert [conf[k] for k in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
                               "v_head_dim")] == [1536, 512, 128, 64, 128]
