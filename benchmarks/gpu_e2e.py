@@ -137,7 +137,8 @@ BUDGET_S = float(knob("E2E_BUDGET_S", gpu=0, kimi=1500, small=1500, cpu=0))
 """the runner's seconds (from its start, ``E2E_START``) within which it must finish: a step in :data:`OPTIONAL_S`
 is skipped when fewer seconds than its estimate are left (0: no budget)"""
 OPTIONAL_S = {"offline_recording": 120.0, "train_step": float(knob("E2E_TRAIN_STEP_S", gpu=240, cpu=0)),
-              **({"eagle_forced": float(knob("E2E_EAGLE_CHECK_S", ds=75, gpu=0, cpu=0))} if DEEPSEEK else {})}
+              **({"eagle_forced": float(knob("E2E_EAGLE_CHECK_S", ds=75, gpu=0, cpu=0)),
+                  "capture_parity": float(knob("E2E_PARITY_S", ds=60, gpu=0, cpu=0))} if DEEPSEEK else {})}
 """the steps the budget may skip, with the seconds each is expected to take. DeepseekV3: the seed's-bug check runs
 after serve and only when the budget has room for one more 44 GB engine start (every other step of the issue's
 acceptance comes first); SGLang's offline reference is not optional (regen's yardstick: it runs before Ray starts)"""
@@ -148,7 +149,8 @@ FLYWHEEL = os.environ.get("E2E_FLYWHEEL", "0") == "1"
 """issue #31's acceptance instead of the bench and serve steps: benchmarks/gpu_flywheel.py (traffic from another
 domain -> one turn of `eaglenest flywheel` -> the served accept length before and after)"""
 STEP_ORDER = (["jit_wait", "configs", "offline_ref", "ray_start", "regen", "train", "preflight", "bench", "serve",
-               "eagle_forced", *TUNE_STEPS, "jobs", "train_step", "offline_recording"] if DEEPSEEK else
+               "eagle_forced", "capture_parity", *TUNE_STEPS, "jobs", "train_step", "offline_recording"]
+              if DEEPSEEK else
               ["configs", "ray_start", "regen", "train", "preflight", "flywheel", "jobs"] if FLYWHEEL else
               ["configs", "offline_ref", "offline_recording", "ray_start", "regen", "train", "preflight",
                "eagle_forced", "bench", "serve", *TUNE_STEPS, "jobs"])
@@ -1138,6 +1140,18 @@ def step_eagle_forced() -> dict[str, Any]:
             "widths": drafter_widths(), "preflight_refusal": load("preflight").get("eagle_refusal")}
 
 
+PARITY_SEQUENCES = int(knob("E2E_PARITY_SEQUENCES", gpu=16, cpu=4))
+"""regen's stored samples compared with the target's prefill capture (capture_parity)"""
+
+
+def step_capture_parity() -> dict[str, Any]:
+    """Regen's stored states (recorded while generating) vs the target's own prefill capture of the same sequences,
+    with a one-layer-off control (benchmarks/e2e_parity.py)."""
+    import e2e_parity
+
+    return e2e_parity.run(sys.modules[__name__], PARITY_SEQUENCES)
+
+
 TRAIN_STEP = knob("E2E_TRAIN_STEP", kimi=1, gpu=0, cpu=0) == "1"
 
 
@@ -1187,7 +1201,8 @@ STEPS: dict[str, Callable[[], dict[str, Any]]] = {
     "offline_ref": step_offline_ref,
     "offline_recording": step_offline_recording,
     "ray_start": step_ray_start, "regen": step_regen, "train": step_train, "preflight": step_preflight,
-    "bench": step_bench, "serve": step_serve, "eagle_forced": step_eagle_forced, "jobs": step_jobs,
+    "bench": step_bench, "serve": step_serve, "eagle_forced": step_eagle_forced,
+    "capture_parity": step_capture_parity, "jobs": step_jobs,
     "train_step": step_train_step, "flywheel": step_flywheel,
     "ray_stop": step_ray_stop,
     # issue 29 (E2E_TUNE=1): tune a schedule, bench it side by side, ramp the served load (benchmarks/gpu_tune.py)
@@ -1317,6 +1332,13 @@ def summarize() -> dict[str, Any]:
                      f"{ef.get('preflight_refusal')}")
     elif widths:
         lines.append(f"seed's bug (not run here: needs SGLang): {widths}")
+    cp = s["capture_parity"]
+    if cp.get("sequences"):
+        lines.append(f"regen's stored states vs the {cp['reference']} of the same {cp['sequences']} sequences "
+                     f"({cp['tokens']} tokens, taps {cp['taps']}, {cp['storage']}): worst relative error aux "
+                     f"{cp['aux']} / final {cp['last']} against the reference stored the same way (as it is: "
+                     f"{cp['aux_raw']} / {cp['last_raw']}), one layer off (taps {cp['control_taps']}) "
+                     f"{cp['control_aux']}; tolerance {cp['tolerance']}: {'passed' if cp['ok'] else 'FAILED'}")
     sv = s["serve"]
     if sv.get("stream"):
         lines.append(f"serve job: healthy after {sv.get('seconds_to_healthy')} s; stream TTFT "

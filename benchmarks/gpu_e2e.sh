@@ -78,7 +78,9 @@
 # prompts per set; E2E_JIT_WARM=1: benchmarks/gpu_jit_warm.py compiles SGLang's kernels for the stand-in's widths (a
 # random 5-layer model of the same widths and random drafters of the run's shapes: plain triton, then EAGLE3 and plain
 # on the bench's backend) in the background during phase A, ended before regen (E2E_JIT_WAIT_S); SGLang's offline
-# reference right after it, before Ray starts (call 1); the EAGLE check after serve, then jobs and train_step.py at Kimi's widths with the
+# reference right after it, before Ray starts (call 1); the EAGLE check after serve, then capture_parity (regen's
+# stored states vs SGLang's prefill capture of the same E2E_PARITY_SEQUENCES samples, 16, with a one-layer-off
+# control: benchmarks/e2e_parity.py; budget-gated like the EAGLE check), then jobs and train_step.py at Kimi's widths with the
 # per-kernel breakdown (E2E_TRAIN_STEP), each of those optional steps run only if E2E_BUDGET_S (1,500 s of runner
 # time) leaves room for it. kimi: 4 epochs (after the first from each worker's memory), lr 3e-4, 32 bench
 # prompts x 64 tokens, pre-training 400 steps (at most
