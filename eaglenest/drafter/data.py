@@ -78,12 +78,17 @@ def is_kept(sample_id: str, keep: float, seed: int) -> bool:
     return int.from_bytes(digest[:8], "big") / 2.0**64 < keep
 
 
+def side_mask(ids: Sequence[str], *, fraction: float, seed: int, want_eval: bool, keep: float = 1.0) -> pa.Array:
+    """Which of these sample ids are on one side of the split (``keep`` < 1 subsamples a ``train.mix`` folder
+    first, :mod:`eaglenest.drafter.mix`)."""
+    return pa.array([is_kept(i, keep, seed) and is_eval_sample(i, fraction, seed) == want_eval for i in ids],
+                    type=pa.bool_())
+
+
 def split_table(table: pa.Table, *, fraction: float, seed: int, want_eval: bool, keep: float = 1.0) -> pa.Table:
-    """Keep the rows of one side of the split (a ``map_batches`` function over pyarrow tables); ``keep`` < 1
-    subsamples a ``train.mix`` folder first (:mod:`eaglenest.drafter.mix`)."""
-    mask = [is_kept(i, keep, seed) and is_eval_sample(i, fraction, seed) == want_eval
-            for i in table.column("id").to_pylist()]
-    return table.filter(pa.array(mask, type=pa.bool_()))
+    """Keep the rows of one side of the split (a ``map_batches`` function over pyarrow tables)."""
+    return table.filter(side_mask(table.column("id").to_pylist(), fraction=fraction, seed=seed, want_eval=want_eval,
+                                  keep=keep))
 
 
 def collate(table: pa.Table, *, dtype: str, hidden_size: int, max_seq_len: int) -> Batch:
@@ -179,8 +184,8 @@ def held_out_tables(files: Sequence[str | Path], fraction: float, seed: int, kee
         parts = []
         for rg in range(pf.num_row_groups):
             ids = pf.read_row_group(rg, columns=["id"]).column("id").to_pylist()
-            if any(is_kept(i, keep, seed) and is_eval_sample(i, fraction, seed) for i in ids):
-                parts.append(split_table(pf.read_row_group(rg, columns=COLUMNS), fraction=fraction, seed=seed,
-                                         want_eval=True, keep=keep))
+            mask = side_mask(ids, fraction=fraction, seed=seed, want_eval=True, keep=keep)
+            if mask.true_count:
+                parts.append(pf.read_row_group(rg, columns=COLUMNS).filter(mask))
         out.append(pa.concat_tables(parts) if parts else pf.schema_arrow.empty_table().select(COLUMNS))
     return out
