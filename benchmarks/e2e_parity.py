@@ -14,6 +14,7 @@ between decoding and prefilling in bf16: the latter is held to the capture check
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import ModuleType
@@ -21,13 +22,11 @@ from typing import Any
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.gpu_sglang import rel_err  # noqa: E402 - the GPU checks' one definition of the error
+
 TOLERANCE = 3e-2
 """bf16 kernels of a batched decode vs a prefill differ in rounding (the capture check's tolerance)"""
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
 def stored_samples(data_dir: Path, n: int) -> tuple[Any, list[dict[str, Any]]]:
@@ -118,14 +117,15 @@ def run(e2e: ModuleType, n: int) -> dict[str, Any]:
     manifest, samples = stored_samples(e2e.REGEN_OUT, n)
     taps = [int(k) for k in manifest.aux_layer_ids]
     shift = 1 if max(taps) + 1 < manifest.num_layers else -1  # the control's taps: one layer on (or back)
+    control_taps = [k + shift for k in taps]
+    seqs = [s["input_ids"] for s in samples]
     capture, close = sglang_reference(e2e, manifest) if e2e.gpu() else transformers_reference(e2e)
     try:
-        seqs = [s["input_ids"] for s in samples]
-        reference, shifted = capture(seqs, taps), capture(seqs, [k + shift for k in taps])
+        reference, shifted = capture(seqs, taps), capture(seqs, control_taps)
     finally:
         close()
     return {"status": "ok", "sequences": len(samples), "tokens": sum(len(s) for s in seqs), "taps": taps,
-            "control_taps": [k + shift for k in taps],
+            "control_taps": control_taps,
             "storage": manifest.dtype, "engine": manifest.engine,
             "reference": "sglang prefill capture" if e2e.gpu() else "transformers hidden states",
             **compare(samples, reference, shifted, manifest.dtype)}

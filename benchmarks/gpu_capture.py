@@ -19,6 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.gpu_sglang import rel_err  # noqa: E402
 from eaglenest.contracts.layers import LayerIdError, default_aux_layer_ids  # noqa: E402
 from eaglenest.engines.hf import HFEngine  # noqa: E402
 
@@ -47,11 +48,6 @@ def build_model(device: str, dtype: torch.dtype, size: str):
     with torch.device(device):
         model = LlamaForCausalLM(cfg).to(dtype)
     return model.eval()
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
 def main() -> int:

@@ -139,9 +139,10 @@ is skipped when fewer seconds than its estimate are left (0: no budget)"""
 OPTIONAL_S = {"offline_recording": 120.0, "train_step": float(knob("E2E_TRAIN_STEP_S", gpu=240, cpu=0)),
               **({"eagle_forced": float(knob("E2E_EAGLE_CHECK_S", ds=75, gpu=0, cpu=0)),
                   "capture_parity": float(knob("E2E_PARITY_S", ds=60, gpu=0, cpu=0))} if DEEPSEEK else {})}
-"""the steps the budget may skip, with the seconds each is expected to take. DeepseekV3: the seed's-bug check runs
-after serve and only when the budget has room for one more 44 GB engine start (every other step of the issue's
-acceptance comes first); SGLang's offline reference is not optional (regen's yardstick: it runs before Ray starts)"""
+"""the steps the budget may skip, with the seconds each is expected to take. DeepseekV3: the seed's-bug check and
+then the capture parity run after serve, each only when the budget has room for one more 44 GB engine or model load
+(every other step of the issue's acceptance comes first); SGLang's offline reference is not optional (regen's
+yardstick: it runs before Ray starts)"""
 TUNE = os.environ.get("E2E_TUNE") == "1"
 """issue 29's acceptance after ``serve``: tune, bench --schedule and the served load ramp (benchmarks/gpu_tune.py)"""
 TUNE_STEPS = ["tune", "bench_schedule", "ramp"] if TUNE else []
