@@ -10,7 +10,11 @@ environment names the proxy callback, as ``eaglenest serve``'s does), two applic
   on the two cores the server runs on, is the client's own time; the report prints it beside the rest. The
   histogram's delta over exactly those 128 requests must agree with the clients: the mean within 10 %, and at every
   bucket bound the count at or below it must be what a 10 % error on at least 95 % of the requests allows (the
-  clients' count at or below ``le / 1.1`` .. ``le / 0.9``, widened by 5 % of the requests). Kept short for CI: a
+  clients' count at or below ``le / 1.1`` .. ``le / 0.9 + READ_LAG_S``, widened by 5 % of the requests). The
+  ``READ_LAG_S`` term is the client's, not the server's: the first batch's chunks reach a client whose one event
+  loop is still sending the other 112 requests (its own time, ~0.1 s mean), so it reads them up to that much late,
+  and a whole batch of 16 crosses a bound at once (a CI run saw 16 served by 0.3 s that the clients read at
+  0.346 s and later). Kept short for CI: a
   baseline replica, 32 tokens per request (``ignore_eos``), so a round is eight batches of 16 and lasts seconds.
 - ``/narrow``: a replica that takes 5 requests at once (``max_concurrent_requests`` 1 plus Serve's headroom of 4).
   Five requests whose bodies are still arriving hold those places, so the next request waits in Ray Serve's
@@ -38,6 +42,7 @@ STREAMS = 128
 MODEL, NARROW = "ttft-load", "narrow"
 MAX_TOKENS = 32
 HOLD_S = 3.0
+READ_LAG_S = 0.1  # how late a client busy sending other requests may read a chunk the server already sent
 TAG = "x-test-stream"
 HISTOGRAMS = ("ray_eaglenest_serve_ttft_seconds", "ray_eaglenest_serve_queue_seconds")
 PROMPTS = ["Hello! Who are you?", "Write a short poem about the sea.", "What is 12 times 7? Explain briefly.",
@@ -218,7 +223,7 @@ def test_ttft_histogram_matches_the_clients_under_128_streams(urls, metrics_port
         if le in ("sum", "count", "+Inf"):
             continue
         lo = sum(c <= float(le) / 1.1 for c in client_ttft) - slack
-        hi = sum(c <= float(le) / 0.9 for c in client_ttft) + slack
+        hi = sum(c <= float(le) / 0.9 + READ_LAG_S for c in client_ttft) + slack
         assert lo <= count <= hi, f"le={le}: histogram {count:.0f}, clients allow {lo}..{hi}; {report}"
     assert 0 < queue["sum"] < ttft["sum"], report
 
