@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.gpu_sglang import rel_err  # noqa: E402 - the GPU checks' one definition of the error
+from benchmarks.gpu_sglang import read_positions, worst_rel_errs  # noqa: E402 - the GPU checks' one definition
 
 TOLERANCE = 3e-2
 """bf16 kernels of a batched decode vs a prefill differ in rounding (the capture check's tolerance)"""
@@ -60,20 +60,18 @@ def as_stored(t: torch.Tensor, dtype: str, states: int) -> torch.Tensor:
 
 def compare(samples: list[dict[str, Any]], reference: list[Any], shifted: list[Any], dtype: str) -> dict[str, Any]:
     """Worst relative errors over ``samples`` at the positions training reads (see the module docstring)."""
-    from eaglenest.contracts.states import unread_state_positions
 
-    worst = {"aux": 0.0, "last": 0.0, "aux_raw": 0.0, "last_raw": 0.0, "control_aux": float("inf")}
-    for s, ref, off in zip(samples, reference, shifted, strict=True):
-        n = len(s["input_ids"])
-        read = [x for x in range(n) if x not in unread_state_positions(n, s["loss_mask"])]
+    def row(s: dict[str, Any], ref: Any, off: Any) -> dict[str, tuple[Any, Any]]:
+        read = read_positions(len(s["input_ids"]), s["loss_mask"])
         aux, last = s["aux"][read].float(), s["last"][read].float()
         ref_aux, ref_last = ref.aux_hidden_states[read].float().cpu(), ref.last_hidden_state[read].float().cpu()
-        worst["aux_raw"] = max(worst["aux_raw"], rel_err(aux, ref_aux))
-        worst["last_raw"] = max(worst["last_raw"], rel_err(last, ref_last))
-        worst["aux"] = max(worst["aux"], rel_err(aux, as_stored(ref_aux, dtype, 3).float()))
-        worst["last"] = max(worst["last"], rel_err(last, as_stored(ref_last, dtype, 1).float()))
-        off_aux = as_stored(off.aux_hidden_states[read].float().cpu(), dtype, 3).float()
-        worst["control_aux"] = min(worst["control_aux"], rel_err(aux, off_aux))
+        off_aux = off.aux_hidden_states[read].float().cpu()
+        return {"aux": (aux, as_stored(ref_aux, dtype, 3).float()),
+                "last": (last, as_stored(ref_last, dtype, 1).float()),
+                "aux_raw": (aux, ref_aux), "last_raw": (last, ref_last),
+                "control_aux": (aux, as_stored(off_aux, dtype, 3).float())}
+
+    worst = worst_rel_errs(row(*t) for t in zip(samples, reference, shifted, strict=True))
     rounded = {k: round(v, 5) for k, v in worst.items()}
     ok = worst["aux"] <= TOLERANCE and worst["last"] <= TOLERANCE and worst["control_aux"] > TOLERANCE
     return {**rounded, "tolerance": TOLERANCE, "ok": ok}

@@ -36,7 +36,7 @@ import subprocess
 import sys
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -402,23 +402,41 @@ def worker_eagle_forced(out: Path) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------ check 5: capture during generation
+def read_positions(n: int, loss_mask: Sequence[int]) -> list[int]:
+    """The positions of an ``n``-token sample whose states training reads (the only ones a parity check may judge)."""
+    from eaglenest.contracts.states import unread_state_positions
+
+    unread = unread_state_positions(n, loss_mask)
+    return [x for x in range(n) if x not in unread]
+
+
+def worst_rel_errs(rows: Iterable[dict[str, tuple[Any, Any]]]) -> dict[str, float]:
+    """Per key, the worst relative error over ``rows`` of ``{key: (recorded, reference)}``: the largest, but for
+    ``control_*`` keys the smallest (a control must be off by more than the tolerance on every sample)."""
+    worst: dict[str, float] = {}
+    for row in rows:
+        for key, (a, b) in row.items():
+            err = rel_err(a, b)
+            pick = min if key.startswith("control_") else max
+            worst[key] = pick(worst.get(key, err), err)
+    return worst
+
+
 def states_vs_prefill(runner: Any, aux: Sequence[int], seqs: list[list[int]], masks: list[list[int]],
                       caps: list) -> dict[str, float]:
     """Recorded states vs SGLang's prefill capture of the same sequences (``SGLangCaptureRunner``, taps ``aux``) at
     every position training reads: the worst relative errors (aux, final) and, as a control, the smallest aux error
     against a capture one layer off (an off-by-one tap must fail the tolerance)."""
-    from eaglenest.contracts.states import unread_state_positions
-
     pre = runner.capture(seqs, list(aux))
     shifted = runner.capture(seqs, [k + 1 for k in aux])
-    worst = {"aux": 0.0, "last": 0.0, "control_aux": float("inf")}
-    for i, s in enumerate(seqs):
-        read = [x for x in range(len(s)) if x not in unread_state_positions(len(s), masks[i])]
-        worst["aux"] = max(worst["aux"], rel_err(caps[i].aux_hidden_states[read], pre[i].aux_hidden_states[read]))
-        worst["last"] = max(worst["last"], rel_err(caps[i].last_hidden_state[read], pre[i].last_hidden_state[read]))
-        worst["control_aux"] = min(worst["control_aux"], rel_err(caps[i].aux_hidden_states[read],
-                                                                 shifted[i].aux_hidden_states[read]))
-    return worst
+
+    def row(i: int) -> dict[str, tuple[Any, Any]]:
+        read, cap = read_positions(len(seqs[i]), masks[i]), caps[i]
+        return {"aux": (cap.aux_hidden_states[read], pre[i].aux_hidden_states[read]),
+                "last": (cap.last_hidden_state[read], pre[i].last_hidden_state[read]),
+                "control_aux": (cap.aux_hidden_states[read], shifted[i].aux_hidden_states[read])}
+
+    return worst_rel_errs(row(i) for i in range(len(seqs)))
 
 
 def worker_generation(out: Path, *, batches: int = 4, batch_size: int = 64, max_new: int = 96,

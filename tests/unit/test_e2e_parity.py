@@ -55,3 +55,26 @@ def test_a_tap_off_by_one_fails_even_when_the_values_match_the_wrong_layer() -> 
     stored = _stored(off, "bfloat16")  # what an off-by-one recorder would have stored
     got = e2e_parity.compare([stored], [ref], [off], "bfloat16")
     assert not got["ok"] and got["control_aux"] == 0.0 and got["aux"] > 0.5
+
+
+def test_generation_check_judges_the_read_positions_and_the_controls_smallest_error() -> None:
+    """gpu_sglang.states_vs_prefill (the generation-capture checks') shares compare's reduction: the worst recorded
+    error, the control's best, positions training never reads left out."""
+    import benchmarks.gpu_sglang as gpu_sglang
+
+    layers = [_layers(3), _layers(4)]
+
+    class Prefill:  # what SGLangCaptureRunner.capture returns for the taps asked, per sequence
+        def capture(self, seqs: list[list[int]], taps: list[int]) -> list[SimpleNamespace]:
+            return [_capture(layers[i], taps) for i in range(len(seqs))]
+
+    caps = [_capture(lay, [1, 2, 3]) for lay in layers]
+    mask = [0] * 4 + [1] * (T - 4)
+    read = gpu_sglang.read_positions(T, mask)
+    unread = sorted(set(range(T)) - set(read))
+    assert unread  # the last position's states are never read: corrupting them must not count
+    caps[1].aux_hidden_states[unread] = 1e6
+    worst = gpu_sglang.states_vs_prefill(Prefill(), [1, 2, 3], [list(range(T))] * 2, [mask] * 2, caps)
+    assert worst["aux"] == 0.0 and worst["last"] == 0.0 and worst["control_aux"] > 0.5
+    caps[0].aux_hidden_states[read[0]] += 1.0
+    assert gpu_sglang.states_vs_prefill(Prefill(), [1, 2, 3], [list(range(T))] * 2, [mask] * 2, caps)["aux"] > 0
