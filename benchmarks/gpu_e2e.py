@@ -1264,7 +1264,8 @@ def summarize() -> dict[str, Any]:
                if "pad_mass_max" in pres else "")
         lines.append(f"stand-in ({st.get('arch', 'llama')}): {_count(st['wide']['base_parameters'])} pre-trained "
                      f"{st['pretrain']['steps']} steps in {st['pretrain']['seconds']} s "
-                     f"({st['pretrain']['tokens_per_s']} tok/s, final loss {st['pretrain']['final_loss']}), grown to "
+                     f"({st['pretrain']['tokens_per_s']} tok/s, final loss {st['pretrain']['final_loss']}, LR at the "
+                     f"end {st['pretrain'].get('lr_at_end', '?')} of its peak), grown to "
                      f"{_count(st['wide']['parameters'])}"
                      + (f" ({_count(st['wide']['active_per_token'])} active per token, "
                         f"{st['size']['bytes'] / 1e9:.3g} GB)" if st.get("size") else "")

@@ -22,10 +22,11 @@ from eaglenest.contracts.target import TargetSpec
 from eaglenest.drafter.batch import Batch, pad_batch
 from eaglenest.drafter.loop import Cadence, Parts, TrainState, train_loop
 from eaglenest.drafter.shape import drafter_model_config
-from eaglenest.drafter.steps import compute_dtype_for, init_drafter, make_optimizer, warmup_cosine
+from eaglenest.drafter.steps import compute_dtype_for, init_drafter, make_optimizer
 from eaglenest.drafters.eagle3.model import DrafterModelConfig, Eagle3Drafter
 from eaglenest.drafters.eagle3.ttt import TeacherHead, TTTObjective
 from eaglenest.drafters.vocab import VocabMapping, build_vocab_mapping, count_tokens
+from eaglenest.lr_schedule import warmup_cosine
 
 HISTORY_EVERY = 25
 """steps between the records :attr:`FitResult.history` keeps"""

@@ -7,8 +7,7 @@
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -44,18 +43,6 @@ def make_optimizer(params: Iterable[torch.nn.Parameter], *, lr: float, weight_de
     """AdamW with EAGLE-3's betas (fused kernels on GPUs when asked)."""
     return torch.optim.AdamW(list(params), lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay,
                              **({"fused": True} if fused else {}))
-
-
-def warmup_cosine(total_steps: int, warmup_steps: int, floor: float = 0.0) -> Callable[[int], float]:
-    """LR multiplier: linear warm-up over ``warmup_steps``, then a cosine from 1 down to ``floor``."""
-
-    def f(step: int) -> float:
-        if warmup_steps and step < warmup_steps:
-            return (step + 1) / warmup_steps
-        progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
-        return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
-
-    return f
 
 
 def ttt_forward(batch: Batch, teacher: TeacherHead, module: Any, autocast: Any) -> TTTOutput:

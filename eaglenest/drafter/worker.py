@@ -46,10 +46,11 @@ from eaglenest.drafter.init_from import load_init_weights
 from eaglenest.drafter.loop import Cadence, Parts, TrainState, train_loop
 from eaglenest.drafter.metrics import TrainMetrics
 from eaglenest.drafter.online import EPOCH, EPOCHS_FILE, LEDGER, STATE_KEY
-from eaglenest.drafter.steps import compute_dtype_for, init_drafter, make_optimizer, warmup_cosine
+from eaglenest.drafter.steps import compute_dtype_for, init_drafter, make_optimizer
 from eaglenest.drafters.eagle3.config import DrafterModelConfig
 from eaglenest.drafters.eagle3.ttt import TeacherHead, TTTObjective
 from eaglenest.drafters.vocab import VocabMapping
+from eaglenest.lr_schedule import warmup_cosine
 
 """A worker's train split up to this size is kept in memory after its first pass: restarting a Ray Data stream
 costs seconds per epoch, which dominates many-epoch runs over small data (the demo)."""
