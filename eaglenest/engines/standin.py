@@ -63,8 +63,8 @@ class StandinSpec:
     tokenizer_chats: int = 6000
     heldout_records: int = 1000
     max_seconds: float | None = None
-    """a time budget: the cosine is fitted to the steps that fit in it (``engines.pretrain``; the report says how
-    many, and the weights then depend on the machine's speed)"""
+    """stop pre-training early past this (a time budget; the report then says so, and the LR the run ended at, and
+    the weights depend on the machine's speed)"""
     wide: WideShape = field(default_factory=WideShape)
 
 

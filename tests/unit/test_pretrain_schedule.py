@@ -1,5 +1,5 @@
-"""The stand-ins' pre-training under a time limit: the cosine is fitted to the steps that fit, so the weights come
-out of an annealed run instead of one cut mid-descent."""
+"""The stand-ins' pre-training schedule: the cosine spans ``schedule_steps`` (the plan's steps by default), so a run
+stopped short of it, by a shorter plan or by ``max_seconds``, ends mid-descent at the LR the report gives."""
 
 from __future__ import annotations
 
@@ -7,9 +7,10 @@ import time
 
 import torch
 
-from eaglenest.engines.pretrain import PretrainPlan, pretrain_lm, steps_that_fit
+from eaglenest.engines.pretrain import PretrainPlan, pretrain_lm
+from eaglenest.lr_schedule import warmup_cosine
 
-STEP_S = 0.02
+STREAM = torch.arange(4000) % 16  # a bigram any model can learn: next = this + 1 (mod 16)
 
 
 class Bigram(torch.nn.Module):
@@ -18,40 +19,38 @@ class Bigram(torch.nn.Module):
         self.table = torch.nn.Embedding(16, 16)
 
 
-def _paced_loss(model: Bigram, batch: torch.Tensor) -> torch.Tensor:
-    """A real next-token loss that takes at least STEP_S (so the pace is the test's, not the machine's)."""
-    time.sleep(STEP_S)
-    logits = model.table(batch[:, :-1])
-    return torch.nn.functional.cross_entropy(logits.reshape(-1, 16), batch[:, 1:].reshape(-1))
+def _loss(model: Bigram, batch: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(model.table(batch[:, :-1]).reshape(-1, 16), batch[:, 1:].reshape(-1))
 
 
 def _plan(**kw) -> PretrainPlan:
-    return PretrainPlan(**{"train_steps": 10_000, "batch_size": 4, "seq_len": 8, "learning_rate": 0.1,
-                           "warmup_steps": 5, **kw})
+    return PretrainPlan(**{"batch_size": 4, "seq_len": 8, "learning_rate": 0.1, "warmup_steps": 5, **kw})
 
 
-def test_the_steps_that_fit_follow_the_pace_and_the_time_left() -> None:
-    plan = _plan(max_seconds=10.0)
-    assert steps_that_fit(plan, done=20, elapsed_s=2.0, paced_steps=10, paced_s=1.0) == 20 + 80
-    assert steps_that_fit(plan, done=20, elapsed_s=12.0, paced_steps=10, paced_s=1.0) == 20  # already over
-    assert steps_that_fit(_plan(train_steps=50, max_seconds=10.0), 20, 2.0, 10, 1.0) == 50  # the plan caps it
-    assert steps_that_fit(_plan(), 20, 2.0, 10, 1.0) == 10_000  # no time limit: the plan's steps
-
-
-def test_a_time_limited_run_ends_annealed_within_its_time() -> None:
-    stream = torch.arange(4000) % 16
+def _run(plan: PretrainPlan, loss_fn=_loss) -> dict:
     torch.manual_seed(0)
-    report = pretrain_lm(Bigram(), stream, _plan(max_seconds=1.5), "cpu", loss_fn=_paced_loss, log=lambda m: None)
-    assert report["stopped_early"] and report["steps"] == report["schedule_steps"] < 1.5 / STEP_S, report
-    assert report["lr_at_end"] < 0.2, report  # at (or within a fit's error of) the floor; a cut cosine sat near 1.0
-    assert report["seconds"] < 1.5 + 0.5, report
-    assert report["final_loss"] < report["loss_curve"][0], report
+    return pretrain_lm(Bigram(), STREAM, plan, "cpu", loss_fn=loss_fn, log=lambda m: None)
 
 
-def test_without_a_time_limit_the_plan_runs_whole() -> None:
-    stream = torch.arange(4000) % 16
-    report = pretrain_lm(Bigram(), stream, _plan(train_steps=30), "cpu", log=lambda m: None,
-                         loss_fn=lambda m, b: torch.nn.functional.cross_entropy(
-                             m.table(b[:, :-1]).reshape(-1, 16), b[:, 1:].reshape(-1)))
-    assert report["steps"] == report["schedule_steps"] == 30 and not report["stopped_early"]
+def test_a_whole_plan_anneals_to_the_floor_and_learns() -> None:
+    report = _run(_plan(train_steps=60))
+    assert report["steps"] == 60 and not report["stopped_early"]
     assert abs(report["lr_at_end"] - 0.1) < 1e-6
+    assert report["final_loss"] < report["loss_curve"][0] - 0.5, report  # window means, first vs last
+
+
+def test_a_longer_schedule_stops_mid_descent_at_the_lr_its_cosine_gives() -> None:
+    report = _run(_plan(train_steps=30, schedule_steps=60))
+    assert report["steps"] == 30
+    assert abs(report["lr_at_end"] - warmup_cosine(60, 5, floor=0.1)(30)) < 1e-4, report
+    assert 0.4 < report["lr_at_end"] < 0.9
+
+
+def test_max_seconds_cuts_the_run_and_says_so() -> None:
+    def slow(model: Bigram, batch: torch.Tensor) -> torch.Tensor:
+        time.sleep(0.02)
+        return _loss(model, batch)
+
+    report = _run(_plan(train_steps=10_000, max_seconds=0.5), loss_fn=slow)
+    assert report["stopped_early"] and 3 <= report["steps"] < 10_000 and report["seconds"] < 0.5 + 1.0, report
+    assert report["lr_at_end"] > 0.9  # a 10,000-step cosine barely started its descent
