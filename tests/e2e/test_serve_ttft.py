@@ -8,14 +8,14 @@ environment names the proxy callback, as ``eaglenest serve``'s does), two applic
   left it (httpcore's ``send_request_body.complete`` trace event) to its first chunk (the role chunk rides with the
   first token, as vLLM sends it). What the client did before that, building 128 requests in one Python event loop
   on the two cores the server runs on, is the client's own time; the report prints it beside the rest. The
-  histogram's delta over exactly those 128 requests must agree with the clients: the mean within 10 % (less the
-  clients' read lag, below), and at every bucket bound the count at or below it must be what a 10 % error on at
-  least 95 % of the requests allows (the clients' count at or below ``le / 1.1`` .. ``le / 0.9 + READ_LAG_S``,
-  widened by 5 % of the requests). ``READ_LAG_S`` is the client's, not the server's: the first batch's chunks reach
-  a client whose one event loop is still sending the other 112 requests (its own time, ~0.1 s mean), so it reads
-  them up to that much late, and a whole batch of 16 crosses a bound at once (a CI run saw 16 served by 0.3 s that
-  the clients read at 0.346 s and later). Kept short for CI: a baseline replica, 32 tokens per request
-  (``ignore_eos``), so a round is eight batches of 16 and lasts seconds.
+  histogram's delta over exactly those 128 requests must agree with the clients: the mean within 10 % (timed from
+  the handler instead, the mean came out 11-27 % low in three runs here), and at every bucket bound the count at or
+  below it must be what a 10 % error on at least 95 % of the requests allows (the clients' count at or below
+  ``le / 1.1`` .. ``le / 0.9 + READ_LAG_S``, widened by 5 % of the requests). ``READ_LAG_S`` is the client's, not the
+  server's: the first batch's chunks reach a client whose one event loop is still sending the other 112 requests
+  (its own time, ~0.1 s mean), so it reads them up to that much late, and a whole batch of 16 crosses a bound at
+  once (a CI run saw 16 served by 0.3 s that the clients read at 0.346 s and later). Kept short for CI: a baseline
+  replica, 32 tokens per request (``ignore_eos``), so a round is eight batches of 16 and lasts seconds.
 - ``/narrow``: a replica that takes 5 requests at once (``max_concurrent_requests`` 1 plus Serve's headroom of 4).
   Five requests whose bodies are still arriving hold those places, so the next request waits in Ray Serve's
   router, at the proxy, before its handler runs: the control that the test can fail. Its TTFT and queue samples
@@ -217,7 +217,7 @@ def test_ttft_histogram_matches_the_clients_under_128_streams(urls, metrics_port
     print(report)
     print("le: histogram, clients", {le: (int(n), sum(c <= float(le) for c in client_ttft)) for le, n in ttft.items()
                                      if le not in ("sum", "count")})
-    assert client_binned * 0.9 - READ_LAG_S <= server_mean <= client_binned * 1.1, report  # the clients read late
+    assert server_mean == pytest.approx(client_binned, rel=0.10), report
     slack = STREAMS // 20
     for le, count in ttft.items():
         if le in ("sum", "count", "+Inf"):
