@@ -98,8 +98,7 @@ def pretrain_lm(model: Any, stream: torch.Tensor, plan: PretrainPlan, device: st
     model.eval()
     secs = time.perf_counter() - t0
     tokens = done * plan.batch_size * plan.seq_len
-    return {"steps": done, "planned_steps": plan.train_steps,
-            "stopped_early": done < plan.train_steps,
+    return {"steps": done, "planned_steps": plan.train_steps, "stopped_early": done < plan.train_steps,
             "tokens": tokens, "epochs": round(tokens / stream.numel(), 2),
             "seconds": round(secs, 1), "tokens_per_s": round(tokens / max(secs, 1e-9)),
             "lr_at_end": round(sched.get_last_lr()[0] / plan.learning_rate, 4),  # of the peak; the floor is 0.1
