@@ -323,6 +323,10 @@ def step_jit_wait() -> dict[str, Any]:
     JIT_WARM_PID.unlink()
     report = JIT_WARM_DIR / "warm.json"
     doc = json.loads(report.read_text()) if report.is_file() else None
+    if doc is not None:
+        import gpu_jit_warm
+
+        doc["engines"] = gpu_jit_warm.settle_records(doc.get("engines") or [], ended_by_deadline=not finished)
     shutil.rmtree(JIT_WARM_DIR, ignore_errors=True)  # host memory the run's shards and checkpoints need
     lines = [ln for ln in (RESULTS / "logs" / "jit-warm.log").read_text().splitlines() if "[jit warm]" in ln]
     return {"finished_before_phase_b": finished, "waited_s": round(time.time() - t0, 1), "report": doc,
@@ -390,13 +394,14 @@ def bench_attention() -> tuple[str, str | None]:
     if not BENCH_ATTENTION or BENCH_ATTENTION == "triton" or not gpu():
         return BENCH_ATTENTION, None
     engines = (load("jit_wait").get("report") or {}).get("engines") or []
-    tried = [r for r in engines if r.get("attention") == BENCH_ATTENTION]
+    tried = [r for r in engines if r.get("attention") == BENCH_ATTENTION and not r.get("interrupted")]
     failed = [r for r in tried if r.get("error")]
     if failed:
         return "triton", (f"{BENCH_ATTENTION} failed in the warm-up ({failed[0]['engine']} engine: "
                           f"{failed[0]['error'][:400]}); triton instead")
     if not tried:
-        return BENCH_ATTENTION, f"{BENCH_ATTENTION} not tried by the warm-up (it ended first): unverified"
+        return BENCH_ATTENTION, (f"{BENCH_ATTENTION} not tried by the warm-up (it ended or was interrupted first): "
+                                 "unverified")
     return BENCH_ATTENTION, None
 
 

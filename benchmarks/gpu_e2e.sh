@@ -16,7 +16,11 @@
 #     (in $E2E_WORK_CPU or $E2E_WORK if set, else /tmp/e2e-cpu; the folder is deleted first)
 #   E2E_ARCH=deepseek_v3 bash benchmarks/gpu_e2e.sh --cpu                     # the same with a tiny DeepseekV3
 # Device, two calls back to back (the second within the 30 s warm window; c1+c2+wheel and r1 do not fit in one
-# call's 64 MiB, and the runner keeps going in the background between them):
+# call's 64 MiB, and the runner keeps going in the background between them). Make the calls in ONE tool-call block:
+# they run one after another, the next ~4 s after the last ends (measured); a call made in a reply of its own came
+# too late once (the eighth Kimi-width attempt lost its machine between calls 1 and 2). A --phase2 that finds no
+# runner exits at once (rc 3); while waiting, each call packs the results into $OUT every minute, so one the lease
+# ends early still returns them:
 #   call 1: carry [".gpu/c1", ".gpu/c2", ".gpu/bin", ".whl"]  command: bash benchmarks/gpu_e2e.sh --phase1
 #           (DeepseekV3: E2E_ARCH=deepseek_v3 bash benchmarks/gpu_e2e.sh --phase1; every E2E_* knob goes on this command)
 #   call 2: carry [".gpu/r1", ".gpu/jit", ".whl-fw"]           command: bash benchmarks/gpu_e2e.sh --phase2
@@ -25,7 +29,7 @@
 # (.gpu/jit: SGLang's JIT cache from an earlier device call's `save_jit_cache`, optional; restored before regen)
 # (If the runner is still going when call 2 ends, another `--phase2` call collects the rest: at Kimi's widths the
 # first call runs on to SGLang's offline reference (no Ray needed) so that the third call is the last; give it
-# E2E_CALL_WAIT_S = the lease's budget_left_s - 20, at most 590, timeout 600.)
+# E2E_CALL_WAIT_S=590, timeout 600.)
 # Knobs: E2E_PRETRAIN_STEPS, E2E_TRAIN_PROMPTS, E2E_TRAIN_AFTER_CUT (how many of them from records the stand-in
 # never saw; default 800), E2E_EPOCHS (default 4), E2E_TTT_STEPS, E2E_MAX_NEW_TOKENS, E2E_CAPTURE (generation | prefill:
 # how regen gets hidden states; default generation), E2E_REGEN_BATCH / E2E_REGEN_IN_FLIGHT (regen batch size and
@@ -96,9 +100,10 @@
 # graphs now left out, batch 1 at 54 tok/s: 38 s of the baseline's decode); EAGLE check 79; serve 138 (healthy in 95);
 # ray stop 10. The seventh run (BENCHMARKS.md): phase A 332, JIT wait 47, configs 9, offline reference 118, Ray 7,
 # regen 147, training 464, preflight 18, bench 264 (JIT-warm kernels, 3 engines): with serve and the EAGLE check the
-# runner needs ~1,640 s. Device calls: `... --phase1` (DeepseekV3: phase A, then the steps that need no Ray, the
-# offline reference among them: ~510 s), then two `--phase2` calls, each made the moment the last returns; the
-# second with E2E_CALL_WAIT_S = the lease's budget_left_s - 20 (at most 590) and timeout 600, so no fourth is needed.
+# runner needs ~1,640 s. Device calls, all three in one tool-call block: `... --phase1` (DeepseekV3: phase A, then
+# the steps that need no Ray, the offline reference among them: ~510-600 s), then two `--phase2` calls, the second
+# with E2E_CALL_WAIT_S=590 and timeout 600 (the lease caps it at the device time left; the minute-by-minute packing
+# returns what was done by then), so no fourth is needed.
 set -uo pipefail
 ROOT=${E2E_ROOT:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)}  # the runner runs from a copy: E2E_ROOT
 cd "$ROOT"
@@ -112,14 +117,21 @@ WAIT_S=${E2E_CALL_WAIT_S:-580}
 pack_results() {  # at most 8 files come back from the device: a tarball of everything plus the two summaries
   [ -n "${OUT:-}" ] || return 0
   mkdir -p "$OUT"
-  tar -czf "$OUT/e2e-results.tgz" -C "$E2E_WORK" results runner.log 2>/dev/null
+  # renamed into place: a call the lease ends mid-tar still returns the previous whole tarball
+  tar -czf "$OUT/.e2e-results.tgz.part" -C "$E2E_WORK" results runner.log 2>/dev/null \
+    && mv "$OUT/.e2e-results.tgz.part" "$OUT/e2e-results.tgz"
   for f in summary.txt summary.json; do [ -f "$E2E_WORK/results/$f" ] && cp "$E2E_WORK/results/$f" "$OUT/"; done
   cp "$E2E_WORK/runner.log" "$OUT/runner.log" 2>/dev/null || true
 }
 
-wait_for() {  # wait_for FILE SECONDS: until FILE exists or the time is up (the runner keeps going either way)
-  local t0; t0=$(date +%s)
-  while [ ! -f "$1" ] && [ $(( $(date +%s) - t0 )) -lt "$2" ]; do sleep 5; done
+wait_for() {  # wait_for FILE SECONDS [PACK]: until FILE exists or the time is up (the runner keeps going either way);
+  # with PACK, the results are packed into $OUT every minute meanwhile, so a call ended by the lease (its device time
+  # spent) before its wait is up still brings back all but the last minute
+  local t0 packed; t0=$(date +%s); packed=$t0
+  while [ ! -f "$1" ] && [ $(( $(date +%s) - t0 )) -lt "$2" ]; do
+    sleep 5
+    if [ -n "${3:-}" ] && [ $(( $(date +%s) - packed )) -ge 60 ]; then pack_results; packed=$(date +%s); fi
+  done
 }
 
 step() { python3 benchmarks/gpu_e2e.py step "$1"; }
@@ -150,14 +162,20 @@ with zipfile.ZipFile(sys.argv[3] + '.part', 'w', compression=zipfile.ZIP_LZMA) a
     mkdir -p "$E2E_WORK"
     cp benchmarks/gpu_e2e.sh "$E2E_WORK/runner.sh"  # the runner reads its own copy: call 2 refreshes the tree
     E2E_ROOT="$ROOT" setsid nohup bash "$E2E_WORK/runner.sh" --run > "$E2E_WORK/runner.log" 2>&1 < /dev/null &
-    wait_for "$E2E_WORK/phaseA.done" "$WAIT_S"
+    wait_for "$E2E_WORK/phaseA.done" "$WAIT_S" pack
     tail -c 6000 "$E2E_WORK/runner.log"
     pack_results
     exit 0 ;;
 
   --phase2)
+    if [ ! -f "$E2E_WORK/runner.log" ]; then  # a fresh machine: waiting would spend the whole call on nothing
+      echo "no runner on this machine ($E2E_WORK/runner.log is missing): the machine that ran --phase1 was given back"
+      echo "between the calls (it stays warm 30 s). Start again with --phase1, and make the calls in one tool-call"
+      echo "block (they run one after another, the next seconds after the last ends) instead of one reply each."
+      exit 3
+    fi
     touch "$E2E_WORK/phase2.go"  # the runner goes on from here (after any overrides.env this command's caller wrote)
-    wait_for "$E2E_WORK/all.done" "$WAIT_S"
+    wait_for "$E2E_WORK/all.done" "$WAIT_S" pack
     tail -c 4000 "$E2E_WORK/runner.log"
     echo; cat "$E2E_WORK/results/summary.txt" 2>/dev/null
     pack_results

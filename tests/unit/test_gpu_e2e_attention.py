@@ -56,6 +56,28 @@ def test_an_engine_start_that_killed_the_warm_up_counts_as_failed(monkeypatch: p
     assert backend == "triton" and "llama engine: the warm-up process ended during this engine's start" in why
 
 
+def test_an_engine_start_the_run_interrupted_at_its_deadline_is_not_a_failure(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The eighth Kimi-width run ended the warm-up (E2E_JIT_WAIT_S) ~115 s into the Llama-shaped draft's start on
+    flashinfer: the record saved before that start is settled as interrupted, so flashinfer stays (unverified); the
+    same record from a warm-up that ended on its own still counts as failed."""
+    died = [{"engine": "plain", "attention": "triton", "start_s": 129.2},
+            {"engine": "llama", "attention": "flashinfer", "error": gpu_jit_warm.DIED_DURING_START}]
+    settled = gpu_jit_warm.settle_records(died, ended_by_deadline=True)
+    assert settled[0] == died[0] and "error" not in settled[1] and settled[1]["interrupted"] == gpu_jit_warm.INTERRUPTED
+    _warm_report(monkeypatch, settled)
+    backend, why = gpu_e2e.bench_attention()
+    assert backend == "flashinfer" and "unverified" in why
+    assert gpu_jit_warm.settle_records(died, ended_by_deadline=False) == died
+    _warm_report(monkeypatch, gpu_jit_warm.settle_records(died, ended_by_deadline=False))
+    assert gpu_e2e.bench_attention()[0] == "triton"
+
+
+def test_a_real_error_stays_an_error_even_when_the_deadline_ended_the_warm_up() -> None:
+    rec = [{"engine": "mla", "attention": "flashinfer", "error": "RuntimeError: no kernel"}]
+    assert gpu_jit_warm.settle_records(rec, ended_by_deadline=True) == rec
+
+
 def test_a_backend_the_warm_up_ran_is_kept(monkeypatch: pytest.MonkeyPatch) -> None:
     _warm_report(monkeypatch, [{"engine": "plain", "attention": "triton", "start_s": 60.0},
                                {"engine": "mla", "attention": "flashinfer", "start_s": 30.0}])
