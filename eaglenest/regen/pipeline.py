@@ -15,6 +15,7 @@ import shutil
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -266,19 +267,23 @@ def regenerate_dataset(plan_rows: Any, cfg: EaglenestConfig, identity: dict[str,
 
     rc = cfg.regen
     sampling = {s.name: _sampling(s.sampling or rc.sampling) for s in rc.sources}
-    return plan_rows.map_batches(
-        EngineActor,
-        fn_constructor_kwargs={"target": cfg.target.model_dump(), "regen": rc.model_dump(),
-                               "sampling": sampling, "identity": identity, "tracker": tracker,
-                               "ledger": None if ledger_dir is None else {"ledger_dir": ledger_dir,
-                                                                          "columns": columns, "stream": stream}},
-        batch_size=rc.batch_size, batch_format="pyarrow", zero_copy_batch=True,
-        compute=_actor_pool(rc.num_actors, rc.batches_in_flight),
-        num_cpus=rc.num_cpus_per_actor, num_gpus=rc.num_gpus_per_actor,
-        # Ray Data's default is to restart a dead actor and retry its tasks forever: a deterministic engine crash
-        # then loops with no progress and no error (seen on the H200); bounded, the job fails with the cause
-        max_restarts=rc.max_engine_restarts, max_task_retries=rc.max_engine_restarts,
-    )
+    with warnings.catch_warnings():
+        # Ray 2.60 deprecates map_batches' free-form remote arguments but names no parameter for max_restarts and
+        # max_task_retries yet: the bound below has no other spelling, so its warning only misleads a user's log
+        warnings.filterwarnings("ignore", message="`ray_remote_args` is deprecated")
+        return plan_rows.map_batches(
+            EngineActor,
+            fn_constructor_kwargs={"target": cfg.target.model_dump(), "regen": rc.model_dump(),
+                                   "sampling": sampling, "identity": identity, "tracker": tracker,
+                                   "ledger": None if ledger_dir is None else {"ledger_dir": ledger_dir,
+                                                                              "columns": columns, "stream": stream}},
+            batch_size=rc.batch_size, batch_format="pyarrow", zero_copy_batch=True,
+            compute=_actor_pool(rc.num_actors, rc.batches_in_flight),
+            num_cpus=rc.num_cpus_per_actor, num_gpus=rc.num_gpus_per_actor,
+            # Ray Data's default is to restart a dead actor and retry its tasks forever: a deterministic engine crash
+            # then loops with no progress and no error (seen on the H200); bounded, the job fails with the cause
+            max_restarts=rc.max_engine_restarts, max_task_retries=rc.max_engine_restarts,
+        )
 
 
 def _actor_pool(size: int, in_flight: int) -> Any:
