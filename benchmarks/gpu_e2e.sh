@@ -117,9 +117,11 @@ WAIT_S=${E2E_CALL_WAIT_S:-580}
 pack_results() {  # at most 8 files come back from the device: a tarball of everything plus the two summaries
   [ -n "${OUT:-}" ] || return 0
   mkdir -p "$OUT"
-  # renamed into place: a call the lease ends mid-tar still returns the previous whole tarball
-  tar -czf "$OUT/.e2e-results.tgz.part" -C "$E2E_WORK" results runner.log 2>/dev/null \
-    && mv "$OUT/.e2e-results.tgz.part" "$OUT/e2e-results.tgz"
+  # renamed into place: a call the lease ends mid-tar still returns the previous whole tarball. GNU tar exits 1 when a
+  # file changed while it was read (runner.log grows all the time): the archive is still whole, so 1 counts as done
+  local rc=0
+  tar -czf "$OUT/.e2e-results.tgz.part" --warning=no-file-changed -C "$E2E_WORK" results runner.log 2>/dev/null || rc=$?
+  [ "$rc" -le 1 ] && mv "$OUT/.e2e-results.tgz.part" "$OUT/e2e-results.tgz"
   for f in summary.txt summary.json; do [ -f "$E2E_WORK/results/$f" ] && cp "$E2E_WORK/results/$f" "$OUT/"; done
   cp "$E2E_WORK/runner.log" "$OUT/runner.log" 2>/dev/null || true
 }
