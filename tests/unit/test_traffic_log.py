@@ -125,6 +125,33 @@ def test_redact_leaves_ordinary_text(text: str) -> None:
     assert redact(text) == (text, 0)
 
 
+FRAGMENTS = ["a", " ", "-", ".", "@", "(", ")", "+", "_", "\n", "7", "12", "555", "0958", "255", "10.0", "x@y.io",
+             "sk-", "AKIA", "ghp_", "xoxb-", "Bearer ", "bEaReR\t", "abcdefghijklmnopqrstuvwxyz", "ABCDEFGHIJKLMNOP",
+             "4111 1111", "-1111-", "(555) ", "+44 ", "[redacted]", "light", "2024-05-01",
+             "12 345 678", "1.2.3.4", "1 2 3 4 5 6 7 8 9 0 1 2 3"]  # each pattern's shortest shapes too
+
+
+def test_redact_prefilter_changes_nothing() -> None:
+    """The cheap tests in NEEDS only skip scans that could not match: on random texts made of the patterns' parts,
+    redact() equals every pattern scanning every text (a wrong NEEDS entry, e.g. a literal a match need not
+    contain, shows up here as a missed redaction)."""
+    import random
+
+    from eaglenest.serve.redact import PATTERNS
+
+    def unfiltered(text: str) -> tuple[str, int]:
+        total = 0
+        for pattern in PATTERNS.values():
+            text, n = pattern.subn(MARK, text)
+            total += n
+        return text, total
+
+    rng = random.Random(0)
+    texts = ["".join(rng.choice(FRAGMENTS) for _ in range(rng.randint(1, 40))) for _ in range(5000)]
+    assert sum(unfiltered(t)[1] > 0 for t in texts) > 1000  # the texts do exercise the patterns
+    assert [redact(t) for t in texts] == [unfiltered(t) for t in texts]
+
+
 def test_rotation_keeps_the_folder_within_its_budget(tmp_path) -> None:
     log = make_log(tmp_path, sample_rate=1.0, redact=False, max_bytes=8192)
     for i in range(200):
