@@ -2,19 +2,20 @@
 
 Two applications on one Ray Serve, identical but for ``serve.traffic_log`` (off at ``/off``; on at ``/on`` with
 ``sample_rate`` 1.0, every request written, redaction on: the log's worst case); the same greedy streamed requests
-with the official openai client at each concurrency level, the two sides alternating (off-on, then on-off, ...) so
-that the machine's drift falls on both. Reported: throughput (completion tokens/s) and mean latency per run, and the
-log's cost in % of the off side's throughput, paired run by run (median of ``--repeats`` pairs), with the records the
-log wrote and dropped. Target (issue #31): <= 2 % at 16 streams.
+with the official openai client at each concurrency level, in rounds that run each side once, the order rotating
+(off-on, then on-off, ...) so that the machine's drift falls on both. Reported: throughput (completion tokens/s) and
+mean latency per run, and the log's cost in % of the off side's, paired round by round, with the records the log
+wrote and dropped. Target (issue #31): <= 2 % at 16 streams.
 
 On a shared 2-core machine two identical runs can differ by several percent, more than the 2 % target; so each cost
 is the median of many pairs with its distribution-free 95% interval, and the verdict is 'met' or 'MISSED' only when
 the interval lies wholly on one side of the target ('unresolved' otherwise). Two measures, both paired: throughput,
-and the CPU seconds the replica's process tree used per completion token (/proc; the two sides generate the same
-greedy tokens, and a CPU-bound server's throughput is the inverse of it). ``--control`` runs the same with the log off
-on both sides (an A/A run: the method's own bias and spread). Also printed: the writer thread's own CPU seconds
-(``/health``'s ``traffic_log.writer_cpu_s``) per record and as a share of the on side's serving time. The request path
-itself adds one random draw and a non-blocking queue put.
+and the CPU seconds the replica's process tree used per completion token (/proc; the sides generate the same greedy
+tokens, and a CPU-bound server's throughput is the inverse of it). ``--control`` adds a third application with the
+log off (``/ctl``) to every round, the three orders rotating through all six permutations: its pairs against
+``off`` (an A/A comparison in the same minutes) show the method's own bias and spread. Also printed: the writer
+thread's own CPU seconds (``/health``'s ``traffic_log.writer_cpu_s``) per record and as a share of the on side's
+serving time. The request path itself adds one random draw and a non-blocking queue put.
 
     OMP_NUM_THREADS=1 python benchmarks/traffic_log_overhead.py [--config configs/demo.yaml] [--drafter DIR]
         [--requests 64] [--max-tokens 64] [--levels 16] [--repeats 41] [--control] [--out F.json]
@@ -37,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from serve_overhead import PROMPTS, Level, free_port, over_http, summarize  # noqa: E402
+from tqdm import tqdm  # noqa: E402
 
 TARGET_PCT = 2.0
 """issue #31: the log may cost at most this share of serve throughput at 16 streams"""
@@ -106,6 +108,25 @@ def judged(cost: list[float]) -> dict[str, Any]:
     return {"median_pct": statistics.median(cost), "ci95_pct": list(ci), "pairs": sorted(cost), "verdict": verdict(ci)}
 
 
+ROTATIONS = {2: [("off", "on"), ("on", "off")],
+             3: [("off", "on", "ctl"), ("on", "ctl", "off"), ("ctl", "off", "on"),
+                 ("off", "ctl", "on"), ("ctl", "on", "off"), ("on", "off", "ctl")]}
+"""each round's order of the sides: every side as often in every place and after every other side, so that the
+machine's drift and one run's wake (its garbage, its caches) fall evenly on all"""
+
+
+def paired_costs(results: list[Level], cpu_ms: list[tuple[str, int, float]], side: str, c: int) -> dict[str, Any]:
+    """``side`` against ``off`` at concurrency ``c``, round by round: throughput and CPU per token, each judged."""
+    offs = [r for r in results if r.concurrency == c and r.side == "off"]
+    others = [r for r in results if r.concurrency == c and r.side == side]
+    throughput = judged([100 * (1 - o.tokens_per_s / f.tokens_per_s) for f, o in zip(offs, others, strict=True)])
+    cpu_off = [ms for sd, cc, ms in cpu_ms if cc == c and sd == "off"]
+    cpu_other = [ms for sd, cc, ms in cpu_ms if cc == c and sd == side]
+    cpu = judged([100 * (n / f - 1) for f, n in zip(cpu_off, cpu_other, strict=True)])
+    cpu["ms_per_token"] = {"off": statistics.median(cpu_off), side: statistics.median(cpu_other)}
+    return {"throughput_cost": throughput, "cpu_per_token_cost": cpu}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", default="configs/demo.yaml")
@@ -113,11 +134,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=64, help="requests per run")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--levels", type=int, nargs="+", default=[16])
-    ap.add_argument("--repeats", type=int, default=41, help="off/on pairs per level (the median pair is reported)")
+    ap.add_argument("--repeats", type=int, default=41, help="rounds per level (the median pair is reported)")
     ap.add_argument("--log-dir", default=None, help="where the on side writes (default: a temporary folder)")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     ap.add_argument("--control", action="store_true",
-                    help="an A/A run: the log off on both sides, so the pairs show the method's own bias and spread")
+                    help="a third application with the log off (ctl), in the same rounds: its A/A pairs against off "
+                         "show the method's own bias and spread beside the real ones")
     args = ap.parse_args(argv)
     for k, v in {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled",
                  "RAY_USAGE_STATS_ENABLED": "0", "TOKENIZERS_PARALLELISM": "false",
@@ -132,37 +154,35 @@ def main(argv: list[str] | None = None) -> int:
     base = {"serve.max_tokens_limit": max(args.max_tokens, 16), "serve.max_batch_size": max(args.levels)}
     log_dir = args.log_dir or tempfile.mkdtemp(prefix="eaglenest-traffic-")
     off = load_config(args.config, base)
-    on = load_config(args.config, base if args.control else
-                     {**base, "serve.traffic_log": {"path": log_dir, "sample_rate": 1.0}})
+    on = load_config(args.config, {**base, "serve.traffic_log": {"path": log_dir, "sample_rate": 1.0}})
     drafter = resolve_drafter(off, args.drafter)
-    url_off, url_on = start_apps([AppSpec(off, drafter, "off", "/off"), AppSpec(on, drafter, "on", "/on")],
-                                 port=free_port(), num_cpus=4)
+    specs = [AppSpec(off, drafter, "off", "/off"), AppSpec(on, drafter, "on", "/on")]
+    if args.control:
+        specs.append(AppSpec(off, drafter, "ctl", "/ctl"))
+    urls = dict(zip([s.name for s in specs], start_apps(specs, port=free_port(), num_cpus=4), strict=True))
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(args.requests)]
     model = off.serve.model_name
-    for url in (url_off, url_on):
+    for url in urls.values():
         over_http(url, model, prompts[:4], args.max_tokens, 4, True)  # warm-up
+    rotations = ROTATIONS[len(urls)]
     results: list[Level] = []
     cpu_per_token: list[tuple[str, int, float]] = []  # (side, concurrency, replica tree's CPU ms per token)
     try:
         for c in args.levels:
-            for r in range(args.repeats):
-                order = [("off", url_off), ("on", url_on)] if r % 2 == 0 else [("on", url_on), ("off", url_off)]
-                for side, url in order:
+            for r in tqdm(range(args.repeats), desc=f"{c} streams, rounds of {'/'.join(rotations[0])}"):
+                for side in rotations[r % len(rotations)]:
                     cpu0 = replica_tree_cpu_s(side)
-                    wall, samples = over_http(url, model, prompts, args.max_tokens, c, True)
+                    wall, samples = over_http(urls[side], model, prompts, args.max_tokens, c, True)
                     results.append(summarize(side, c, wall, samples))
                     cpu_per_token.append((side, c, 1000 * (replica_tree_cpu_s(side) - cpu0)
                                           / max(1, results[-1].tokens)))
-        log_stats = httpx.get(f"{url_on}/health", timeout=30).json().get("traffic_log") or {
-            "writer_cpu_s": 0.0, "logged": 0, "control": "the log is off on both sides"}
+        log_stats = httpx.get(f"{urls['on']}/health", timeout=30).json()["traffic_log"]
     finally:
         stop_serve()
     load = os.getloadavg()
     print(f"\ntraffic log overhead: {off.target.model} ({off.target.engine}), drafter {drafter or 'none'}, "
           f"{args.requests} requests x {args.max_tokens} tokens per run, greedy, streamed; {os.cpu_count()} CPUs, "
-          f"load average {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f}; log {log_dir}: {log_stats}"
-          + ("\nA/A CONTROL: the log is off on both sides; every 'cost' below is the method's own" if args.control
-             else ""))
+          f"load average {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f}; log {log_dir}: {log_stats}")
     print(f"{'side':<5} {'conc':>4} {'wall s':>7} {'tok/s':>8} {'lat mean':>9} {'ttft p50':>8}")
     for r in results:
         print(f"{r.side:<5} {r.concurrency:>4} {r.wall_s:>7.2f} {r.tokens_per_s:>8.1f} {r.latency_mean_s:>9.3f} "
@@ -176,20 +196,21 @@ def main(argv: list[str] | None = None) -> int:
           f"{on_wall:.1f} s of serving (warm-up included in the records)")
     summary = []
     for c in args.levels:
-        offs = [r for r in results if r.concurrency == c and r.side == "off"]
-        ons = [r for r in results if r.concurrency == c and r.side == "on"]
-        throughput = judged([100 * (1 - o.tokens_per_s / f.tokens_per_s) for f, o in zip(offs, ons, strict=True)])
-        cpu_off = [ms for side, cc, ms in cpu_per_token if cc == c and side == "off"]
-        cpu_on = [ms for side, cc, ms in cpu_per_token if cc == c and side == "on"]
-        cpu = judged([100 * (n / f - 1) for f, n in zip(cpu_off, cpu_on, strict=True)])
-        cpu["ms_per_token"] = {"off": statistics.median(cpu_off), "on": statistics.median(cpu_on)}
-        summary.append({"concurrency": c, "throughput_cost": throughput, "cpu_per_token_cost": cpu})
-        for name, row in (("throughput", throughput), ("the replica's CPU per token", cpu)):
-            lo, hi = row["ci95_pct"]
-            print(f"concurrency {c:>2}: the traffic log costs {row['median_pct']:+.2f}% {name} (median of "
-                  f"{len(row['pairs'])} pairs, 95% interval {lo:+.2f} .. {hi:+.2f})"
-                  + (f"  [target <= {TARGET_PCT:g}%: {row['verdict']}]" if c == 16 else ""))
-        print(f"   CPU per token: off {cpu['ms_per_token']['off']:.3f} ms, on {cpu['ms_per_token']['on']:.3f} ms")
+        row: dict[str, Any] = {"concurrency": c, **paired_costs(results, cpu_per_token, "on", c)}
+        if args.control:
+            row["control"] = paired_costs(results, cpu_per_token, "ctl", c)
+        summary.append(row)
+        for who, costs in (("the traffic log", row), ("A/A CONTROL (ctl, log off, vs off)", row.get("control"))):
+            if costs is None:
+                continue
+            for name, key in (("throughput", "throughput_cost"), ("the replica's CPU per token", "cpu_per_token_cost")):
+                judged_row = costs[key]
+                lo, hi = judged_row["ci95_pct"]
+                print(f"concurrency {c:>2}: {who} costs {judged_row['median_pct']:+.2f}% {name} (median of "
+                      f"{len(judged_row['pairs'])} pairs, 95% interval {lo:+.2f} .. {hi:+.2f})"
+                      + (f"  [target <= {TARGET_PCT:g}%: {judged_row['verdict']}]" if c == 16 else ""))
+            ms = costs["cpu_per_token_cost"]["ms_per_token"]
+            print("   CPU per token: " + ", ".join(f"{k} {v:.3f} ms" for k, v in ms.items()))
     if args.out:
         Path(args.out).write_text(json.dumps({"args": vars(args), "loadavg": load, "log": log_stats,
                                               "runs": [asdict(r) for r in results], "summary": summary,
