@@ -36,3 +36,17 @@ def test_many_noisy_pairs_resolve_what_few_cannot():
     assert bench.judged(few)["verdict"].startswith("unresolved")
     assert bench.judged([0.5 + rng.uniform(-6, 6) for _ in range(201)])["verdict"] == "met"
     assert bench.judged([5.0 + rng.uniform(-6, 6) for _ in range(201)])["verdict"] == "MISSED"
+
+
+def test_the_rounds_orders_are_balanced():
+    """Every side runs as often in every place of a round, and within rounds right after every other side as often
+    (with the control: six orders), so neither the machine's drift nor one run's wake favours a side."""
+    from collections import Counter
+    from itertools import pairwise
+
+    for n, orders in bench.ROTATIONS.items():
+        assert all(sorted(o) == sorted(orders[0]) and len(o) == n for o in orders)
+        places = Counter((i, side) for o in orders for i, side in enumerate(o))
+        assert len(set(places.values())) == 1 and len(places) == n * n
+        follows = Counter(pair for o in orders for pair in pairwise(o))
+        assert len(set(follows.values())) == 1 and len(follows) == n * (n - 1)
