@@ -20,16 +20,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from eaglenest.serve.redact import MARK, PATTERNS, redact  # noqa: E402
+from eaglenest.serve.redact import redact  # noqa: E402
 
 
 def redact_unfiltered(text: str) -> tuple[str, int]:
     """The old redaction: every pattern scans every text."""
-    total = 0
-    for pattern in PATTERNS.values():
-        text, n = pattern.subn(MARK, text)
-        total += n
-    return text, total
+    return redact(text, prefilter=False)
 
 
 def sharegpt_turns(records: int) -> list[str]:
