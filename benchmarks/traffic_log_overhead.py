@@ -17,8 +17,14 @@ log off (``/ctl``) to every round, the three orders rotating through all six per
 thread's own CPU seconds (``/health``'s ``traffic_log.writer_cpu_s``) per record and as a share of the on side's
 serving time. The request path itself adds one random draw and a non-blocking queue put.
 
+Pairs within one session remove the machine's drift but not a replica's own identity: identical replicas were
+measured to stay ~1% apart for their lifetime. ``--sessions K`` repeats the whole measurement K times, each with
+fresh Ray, Serve and replicas (started in rotating order), and judges the K session medians as well: that interval
+contains the replica difference, so it can resolve a cost below it (K >= 6; the A/A control's own interval should
+then hold 0).
+
     OMP_NUM_THREADS=1 python benchmarks/traffic_log_overhead.py [--config configs/demo.yaml] [--drafter DIR]
-        [--requests 64] [--max-tokens 64] [--levels 16] [--repeats 41] [--control] [--out F.json]
+        [--requests 64] [--max-tokens 64] [--levels 16] [--repeats 41] [--sessions 1] [--control] [--out F.json]
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import os
 import statistics
 import sys
 import tempfile
+from collections import Counter
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -127,6 +134,65 @@ def paired_costs(results: list[Level], cpu_ms: list[tuple[str, int, float]], sid
     return {"throughput_cost": throughput, "cpu_per_token_cost": cpu}
 
 
+def start_order(specs: list, session: int) -> list:
+    """The order in which ``session`` deploys its applications: the rounds' rotations again, so across sessions each
+    side is started first, second (and third) equally often, whatever start order might lend a replica."""
+    order = ROTATIONS[len(specs)][session % len(ROTATIONS[len(specs)])]
+    by_name = {s.name: s for s in specs}
+    return [by_name[name] for name in order]
+
+
+def across_sessions(per_session: list[dict[str, Any]], key: str) -> dict[str, Any]:
+    """Each session's median pair of ``key`` (``throughput_cost`` or ``cpu_per_token_cost``), judged as a sample of
+    sessions: with fresh replicas per session, the ~1% a replica keeps for its life varies between sessions and so
+    enters this interval, where pairs within one session cannot show it. Needs 6 sessions to bound anything."""
+    return judged([s[key]["median_pct"] for s in per_session])
+
+
+def run_session(args: argparse.Namespace, specs: list, session: int, prompts: list[str], model: str,
+                progress: tqdm) -> tuple[list[Level], list[tuple[str, int, float]], dict[str, Any]]:
+    """One session: fresh Ray, Serve and replicas for every application, ``args.repeats`` rounds per level, then
+    everything stopped. Returns the runs, each run's replica-tree CPU ms per token, and the log's /health stats."""
+    import httpx
+
+    from eaglenest.serve.cli import start_apps, stop_serve
+
+    ordered = start_order(specs, session)
+    urls = dict(zip([s.name for s in ordered], start_apps(ordered, port=free_port(), num_cpus=4), strict=True))
+    rotations = ROTATIONS[len(urls)]
+    results: list[Level] = []
+    cpu_per_token: list[tuple[str, int, float]] = []  # (side, concurrency, replica tree's CPU ms per token)
+    try:
+        for url in urls.values():
+            over_http(url, model, prompts[:4], args.max_tokens, 4, True)  # warm-up
+        for c in args.levels:
+            for r in range(args.repeats):
+                for side in rotations[r % len(rotations)]:
+                    cpu0 = replica_tree_cpu_s(side)
+                    wall, samples = over_http(urls[side], model, prompts, args.max_tokens, c, True)
+                    results.append(summarize(side, c, wall, samples))
+                    cpu_per_token.append((side, c, 1000 * (replica_tree_cpu_s(side) - cpu0)
+                                          / max(1, results[-1].tokens)))
+                progress.update(1)
+        log_stats = httpx.get(f"{urls['on']}/health", timeout=30).json()["traffic_log"]
+    finally:
+        stop_serve()
+    return results, cpu_per_token, log_stats
+
+
+def print_costs(c: int, who: str, costs: dict[str, Any], unit: str) -> None:
+    """One judged pair (throughput and CPU per token) as lines; the verdict only at the target's 16 streams."""
+    for name, key in (("throughput", "throughput_cost"), ("the replica's CPU per token", "cpu_per_token_cost")):
+        row = costs[key]
+        lo, hi = row["ci95_pct"]
+        print(f"concurrency {c:>2}: {who} costs {row['median_pct']:+.2f}% {name} (median of {len(row['pairs'])} "
+              f"{unit}, 95% interval {lo:+.2f} .. {hi:+.2f})"
+              + (f"  [target <= {TARGET_PCT:g}%: {row['verdict']}]" if c == 16 else ""))
+    if "ms_per_token" in costs["cpu_per_token_cost"]:
+        ms = costs["cpu_per_token_cost"]["ms_per_token"]
+        print("   CPU per token: " + ", ".join(f"{k} {v:.3f} ms" for k, v in ms.items()))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", default="configs/demo.yaml")
@@ -134,7 +200,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=64, help="requests per run")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--levels", type=int, nargs="+", default=[16])
-    ap.add_argument("--repeats", type=int, default=41, help="rounds per level (the median pair is reported)")
+    ap.add_argument("--repeats", type=int, default=41, help="rounds per level and session (the median pair is "
+                                                            "reported)")
+    ap.add_argument("--sessions", type=int, default=1,
+                    help="sessions, each with fresh Ray, Serve and replicas (>= 6 to judge across them: the "
+                         "difference identical replicas keep for life then enters the interval)")
     ap.add_argument("--log-dir", default=None, help="where the on side writes (default: a temporary folder)")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     ap.add_argument("--control", action="store_true",
@@ -145,48 +215,44 @@ def main(argv: list[str] | None = None) -> int:
                  "RAY_USAGE_STATS_ENABLED": "0", "TOKENIZERS_PARALLELISM": "false",
                  "RAY_SERVE_USE_GRPC_BY_DEFAULT": "1", "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}.items():
         os.environ.setdefault(k, v)
-    import httpx
 
     from eaglenest.config import load_config
-    from eaglenest.serve.cli import AppSpec, start_apps, stop_serve
+    from eaglenest.serve.cli import AppSpec
     from eaglenest.serve.deployment import resolve_drafter
 
     base = {"serve.max_tokens_limit": max(args.max_tokens, 16), "serve.max_batch_size": max(args.levels)}
     log_dir = args.log_dir or tempfile.mkdtemp(prefix="eaglenest-traffic-")
     off = load_config(args.config, base)
-    on = load_config(args.config, {**base, "serve.traffic_log": {"path": log_dir, "sample_rate": 1.0}})
     drafter = resolve_drafter(off, args.drafter)
-    specs = [AppSpec(off, drafter, "off", "/off"), AppSpec(on, drafter, "on", "/on")]
-    if args.control:
-        specs.append(AppSpec(off, drafter, "ctl", "/ctl"))
-    urls = dict(zip([s.name for s in specs], start_apps(specs, port=free_port(), num_cpus=4), strict=True))
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(args.requests)]
     model = off.serve.model_name
-    for url in urls.values():
-        over_http(url, model, prompts[:4], args.max_tokens, 4, True)  # warm-up
-    rotations = ROTATIONS[len(urls)]
-    results: list[Level] = []
-    cpu_per_token: list[tuple[str, int, float]] = []  # (side, concurrency, replica tree's CPU ms per token)
-    try:
-        for c in args.levels:
-            for r in tqdm(range(args.repeats), desc=f"{c} streams, rounds of {'/'.join(rotations[0])}"):
-                for side in rotations[r % len(rotations)]:
-                    cpu0 = replica_tree_cpu_s(side)
-                    wall, samples = over_http(urls[side], model, prompts, args.max_tokens, c, True)
-                    results.append(summarize(side, c, wall, samples))
-                    cpu_per_token.append((side, c, 1000 * (replica_tree_cpu_s(side) - cpu0)
-                                          / max(1, results[-1].tokens)))
-        log_stats = httpx.get(f"{urls['on']}/health", timeout=30).json()["traffic_log"]
-    finally:
-        stop_serve()
+    sessions: list[dict[str, Any]] = []
+    with tqdm(total=args.sessions * len(args.levels) * args.repeats,
+              desc=f"{args.sessions} session(s) x {args.repeats} rounds") as progress:
+        for k in range(args.sessions):
+            session_log = str(Path(log_dir) / f"session-{k}") if args.sessions > 1 else log_dir
+            on = load_config(args.config, {**base, "serve.traffic_log": {"path": session_log, "sample_rate": 1.0}})
+            specs = [AppSpec(off, drafter, "off", "/off"), AppSpec(on, drafter, "on", "/on")]
+            if args.control:
+                specs.append(AppSpec(off, drafter, "ctl", "/ctl"))
+            results, cpu_per_token, log_stats = run_session(args, specs, k, prompts, model, progress)
+            sessions.append({"session": k, "start_order": [s.name for s in start_order(specs, k)],
+                             "results": results, "cpu_ms_per_token": cpu_per_token, "log": log_stats})
     load = os.getloadavg()
+    results = [r for s in sessions for r in s["results"]]
+    cpu_per_token = [x for s in sessions for x in s["cpu_ms_per_token"]]
+    log_stats = {"logged": sum(s["log"]["logged"] for s in sessions),
+                 "dropped": dict(sum((Counter(s["log"]["dropped"]) for s in sessions), Counter())),
+                 "writer_cpu_s": sum(s["log"]["writer_cpu_s"] for s in sessions)}
     print(f"\ntraffic log overhead: {off.target.model} ({off.target.engine}), drafter {drafter or 'none'}, "
-          f"{args.requests} requests x {args.max_tokens} tokens per run, greedy, streamed; {os.cpu_count()} CPUs, "
-          f"load average {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f}; log {log_dir}: {log_stats}")
-    print(f"{'side':<5} {'conc':>4} {'wall s':>7} {'tok/s':>8} {'lat mean':>9} {'ttft p50':>8}")
-    for r in results:
-        print(f"{r.side:<5} {r.concurrency:>4} {r.wall_s:>7.2f} {r.tokens_per_s:>8.1f} {r.latency_mean_s:>9.3f} "
-              f"{r.ttft_p50_s:>8.3f}")
+          f"{args.requests} requests x {args.max_tokens} tokens per run, greedy, streamed; {args.sessions} "
+          f"session(s); {os.cpu_count()} CPUs, load average {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f}; log "
+          f"{log_dir}: {log_stats}")
+    print(f"{'sess':>4} {'side':<5} {'conc':>4} {'wall s':>7} {'tok/s':>8} {'lat mean':>9} {'ttft p50':>8}")
+    for s in sessions:
+        for r in s["results"]:
+            print(f"{s['session']:>4} {r.side:<5} {r.concurrency:>4} {r.wall_s:>7.2f} {r.tokens_per_s:>8.1f} "
+                  f"{r.latency_mean_s:>9.3f} {r.ttft_p50_s:>8.3f}")
     on_wall = sum(r.wall_s for r in results if r.side == "on")
     writer = {"cpu_s": log_stats["writer_cpu_s"], "records": log_stats["logged"],
               "ms_per_record": 1000 * log_stats["writer_cpu_s"] / max(1, log_stats["logged"]),
@@ -194,27 +260,27 @@ def main(argv: list[str] | None = None) -> int:
     print(f"writer thread: {writer['cpu_s']:.3f} CPU s for {writer['records']} records "
           f"({writer['ms_per_record']:.3f} ms each) = {writer['pct_of_one_core']:.2f}% of one core over the on side's "
           f"{on_wall:.1f} s of serving (warm-up included in the records)")
+    sides = [("on", "the traffic log"), ("ctl", "A/A CONTROL (ctl, log off, vs off)")][:2 if args.control else 1]
     summary = []
     for c in args.levels:
-        row: dict[str, Any] = {"concurrency": c, **paired_costs(results, cpu_per_token, "on", c)}
-        if args.control:
-            row["control"] = paired_costs(results, cpu_per_token, "ctl", c)
+        row: dict[str, Any] = {"concurrency": c}
+        for side, who in sides:
+            pooled = paired_costs(results, cpu_per_token, side, c)
+            entry: dict[str, Any] = {"pooled_pairs": pooled}
+            print_costs(c, f"{who}, pairs of all sessions", pooled, "pairs")
+            if args.sessions > 1:
+                per_session = [paired_costs(s["results"], s["cpu_ms_per_token"], side, c) for s in sessions]
+                entry["per_session"] = per_session
+                entry["across_sessions"] = {key: across_sessions(per_session, key)
+                                            for key in ("throughput_cost", "cpu_per_token_cost")}
+                print_costs(c, f"{who}, ACROSS {args.sessions} SESSIONS", entry["across_sessions"],
+                            "session medians")
+            row[side] = entry
         summary.append(row)
-        for who, costs in (("the traffic log", row), ("A/A CONTROL (ctl, log off, vs off)", row.get("control"))):
-            if costs is None:
-                continue
-            for name, key in (("throughput", "throughput_cost"), ("the replica's CPU per token", "cpu_per_token_cost")):
-                judged_row = costs[key]
-                lo, hi = judged_row["ci95_pct"]
-                print(f"concurrency {c:>2}: {who} costs {judged_row['median_pct']:+.2f}% {name} (median of "
-                      f"{len(judged_row['pairs'])} pairs, 95% interval {lo:+.2f} .. {hi:+.2f})"
-                      + (f"  [target <= {TARGET_PCT:g}%: {judged_row['verdict']}]" if c == 16 else ""))
-            ms = costs["cpu_per_token_cost"]["ms_per_token"]
-            print("   CPU per token: " + ", ".join(f"{k} {v:.3f} ms" for k, v in ms.items()))
     if args.out:
-        Path(args.out).write_text(json.dumps({"args": vars(args), "loadavg": load, "log": log_stats,
-                                              "runs": [asdict(r) for r in results], "summary": summary,
-                                              "writer": writer}, indent=2))
+        Path(args.out).write_text(json.dumps({
+            "args": vars(args), "loadavg": load, "writer": writer, "summary": summary,
+            "sessions": [{**s, "results": [asdict(r) for r in s["results"]]} for s in sessions]}, indent=2))
     return 0
 
 

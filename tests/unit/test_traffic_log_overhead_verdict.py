@@ -50,3 +50,28 @@ def test_the_rounds_orders_are_balanced():
         assert len(set(places.values())) == 1 and len(places) == n * n
         follows = Counter(pair for o in orders for pair in pairwise(o))
         assert len(set(follows.values())) == 1 and len(follows) == n * (n - 1)
+
+
+def test_sessions_start_their_applications_in_rotating_order():
+    """Across sessions every side is deployed first (second, third) equally often, so whatever a start order lends a
+    replica falls on all sides alike."""
+    from collections import Counter
+    from types import SimpleNamespace
+
+    specs = [SimpleNamespace(name=n) for n in ("off", "on", "ctl")]
+    orders = [[s.name for s in bench.start_order(specs, k)] for k in range(6)]
+    assert all(sorted(o) == ["ctl", "off", "on"] for o in orders)
+    assert len(set(Counter((i, n) for o in orders for i, n in enumerate(o)).values())) == 1
+    assert [s.name for s in bench.start_order(specs[:2], 1)] == ["on", "off"]
+
+
+def test_across_sessions_judges_the_session_medians_not_the_pooled_pairs():
+    """A replica difference of +3% in half the sessions and -1% in the other half: the pooled pairs of one session
+    look decided, the session medians carry the spread (and 5 sessions bound nothing)."""
+    per_session = [{"throughput_cost": {"median_pct": 3.0 if k % 2 else -1.0}} for k in range(12)]
+    judged_sessions = bench.across_sessions(per_session, "throughput_cost")
+    assert judged_sessions["pairs"] == sorted(s["throughput_cost"]["median_pct"] for s in per_session)
+    assert judged_sessions["verdict"].startswith("unresolved")
+    assert bench.across_sessions(per_session[:5], "throughput_cost")["ci95_pct"] == [-math.inf, math.inf]
+    quiet = [{"throughput_cost": {"median_pct": 0.2 * (k % 3)}} for k in range(12)]
+    assert bench.across_sessions(quiet, "throughput_cost")["verdict"] == "met"
