@@ -149,15 +149,15 @@ def across_sessions(per_session: list[dict[str, Any]], key: str) -> dict[str, An
     return judged([s[key]["median_pct"] for s in per_session])
 
 
-def run_session(args: argparse.Namespace, specs: list, session: int, prompts: list[str], model: str,
+def run_session(args: argparse.Namespace, ordered: list, prompts: list[str], model: str,
                 progress: tqdm) -> tuple[list[Level], list[tuple[str, int, float]], dict[str, Any]]:
-    """One session: fresh Ray, Serve and replicas for every application, ``args.repeats`` rounds per level, then
-    everything stopped. Returns the runs, each run's replica-tree CPU ms per token, and the log's /health stats."""
+    """One session: fresh Ray, Serve and replicas for every application (deployed in the order given),
+    ``args.repeats`` rounds per level, then everything stopped. Returns the runs, each run's replica-tree CPU ms per
+    token, and the log's /health stats."""
     import httpx
 
     from eaglenest.serve.cli import start_apps, stop_serve
 
-    ordered = start_order(specs, session)
     urls = dict(zip([s.name for s in ordered], start_apps(ordered, port=free_port(), num_cpus=4), strict=True))
     rotations = ROTATIONS[len(urls)]
     results: list[Level] = []
@@ -235,8 +235,9 @@ def main(argv: list[str] | None = None) -> int:
             specs = [AppSpec(off, drafter, "off", "/off"), AppSpec(on, drafter, "on", "/on")]
             if args.control:
                 specs.append(AppSpec(off, drafter, "ctl", "/ctl"))
-            results, cpu_per_token, log_stats = run_session(args, specs, k, prompts, model, progress)
-            sessions.append({"session": k, "start_order": [s.name for s in start_order(specs, k)],
+            ordered = start_order(specs, k)
+            results, cpu_per_token, log_stats = run_session(args, ordered, prompts, model, progress)
+            sessions.append({"session": k, "start_order": [s.name for s in ordered],
                              "results": results, "cpu_ms_per_token": cpu_per_token, "log": log_stats})
     load = os.getloadavg()
     results = [r for s in sessions for r in s["results"]]
