@@ -78,12 +78,14 @@ def compare(samples: list[dict[str, Any]], reference: list[Any], shifted: list[A
 
 
 def sglang_reference(e2e: ModuleType, manifest: Any) -> tuple[Callable[..., list[Any]], Callable[[], None]]:
-    """SGLang's prefill capture on the run's target, alone on the GPU (the run's engines are stopped by now)."""
+    """SGLang's prefill capture on the run's target (beside serve's engine where the run has side steps: its share
+    then ``e2e.PARITY_MEM_FRACTION``, its KV pool capped)."""
     from eaglenest.config import load_config
     from eaglenest.engines.sglang.args import capture_server_kwargs
     from eaglenest.engines.sglang.capture import SGLangCaptureRunner
 
-    cfg = load_config(e2e.REGEN_CONFIG).target.sglang.model_copy(update={"capture_mem_fraction_static": 0.6})
+    cfg = load_config(e2e.REGEN_CONFIG).target.sglang.model_copy(
+        update={"capture_mem_fraction_static": e2e.PARITY_MEM_FRACTION})
     runner = SGLangCaptureRunner(capture_server_kwargs(str(e2e.MODEL), cfg, dtype="bfloat16", max_total_tokens=16384),
                                  architecture=e2e.target_facts()["architecture"], num_layers=manifest.num_layers,
                                  max_tokens=4096)

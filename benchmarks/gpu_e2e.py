@@ -143,14 +143,32 @@ OPTIONAL_S = {"offline_recording": 120.0, "train_step": float(knob("E2E_TRAIN_ST
 then the capture parity run after serve, each only when the budget has room for one more 44 GB engine or model load
 (every other step of the issue's acceptance comes first); SGLang's offline reference is not optional (regen's
 yardstick: it runs before Ray starts)"""
+SIDE_STEPS = (("eagle_forced", "capture_parity")
+              if DEEPSEEK and knob("E2E_SIDE_WITH_SERVE", ds=1, cpu_ds=1, gpu=0, cpu=0) == "1" else ())
+"""DeepseekV3: the seed's-bug check and the capture parity run while serve is up (one after the other, in a process
+of their own started with the serve step), not after it. None of the three is a timing: serve's and the EAGLE check's
+engines cap their KV pools (``max_total_tokens``) so two 44 GB engines share the GPU in either start order, and the
+~140 s the two steps took after serve is what the ninth attempt's run lacked"""
+SHARED_GPU_ENGINE = {"mem_fraction_static": 0.9}
+"""an engine that shares the GPU with another: SGLang sizes its KV pool from what is free once its weights are in
+(free - total x (1 - fraction)), so a second engine needs a high fraction to see any room, and each caps its pool
+with ``max_total_tokens`` instead"""
+SERVE_MAX_TOTAL_TOKENS = 65536
+"""serve's KV pool beside a side step: 8 requests of <= 1,024 + 256 tokens need 10k; at Kimi's widths 4.6 GB"""
+EAGLE_CHECK_MAX_TOTAL_TOKENS = 32768
+PARITY_MEM_FRACTION = 0.9 if SIDE_STEPS else 0.6
+"""the parity run's capture runner share (see :data:`SHARED_GPU_ENGINE`; its KV pool is capped at 16,384 tokens)"""
+SERVE_CONFIG = WORK / "e2e-serve.yaml"
+"""serve's config where side steps share its GPU: decode graphs for its 8 streams, a capped KV pool"""
 TUNE = os.environ.get("E2E_TUNE") == "1"
 """issue 29's acceptance after ``serve``: tune, bench --schedule and the served load ramp (benchmarks/gpu_tune.py)"""
 TUNE_STEPS = ["tune", "bench_schedule", "ramp"] if TUNE else []
 FLYWHEEL = os.environ.get("E2E_FLYWHEEL", "0") == "1"
 """issue #31's acceptance instead of the bench and serve steps: benchmarks/gpu_flywheel.py (traffic from another
 domain -> one turn of `eaglenest flywheel` -> the served accept length before and after)"""
-STEP_ORDER = (["jit_wait", "configs", "offline_ref", "ray_start", "regen", "train", "preflight", "bench", "serve",
-               "eagle_forced", "capture_parity", *TUNE_STEPS, "jobs", "train_step", "offline_recording"]
+STEP_ORDER = ([s for s in ["jit_wait", "configs", "offline_ref", "ray_start", "regen", "train", "preflight", "bench",
+                            "serve", "eagle_forced", "capture_parity", *TUNE_STEPS, "jobs", "train_step",
+                            "offline_recording"] if s not in SIDE_STEPS]
               if DEEPSEEK else
               ["configs", "ray_start", "regen", "train", "preflight", "flywheel", "jobs"] if FLYWHEEL else
               ["configs", "offline_ref", "offline_recording", "ray_start", "regen", "train", "preflight",
@@ -165,8 +183,11 @@ TRAIN_PROMPTS = int(knob("E2E_TRAIN_PROMPTS", gpu=3200, ds=2048, cpu=24))
 TRAIN_AFTER_CUT = int(knob("E2E_TRAIN_AFTER_CUT", gpu=800, cpu=4))
 """up to this many of them from records after the stand-in's pre-training cut (conversations it never saw, the kind
 the bench's held-out prompts are; the bench's own prompts stay out)"""
-TTT_STEPS = int(knob("E2E_TTT_STEPS", gpu=4, cpu=3))
-"""The served chain drafts 3 tokens (3-1-4), so TTT unrolls 4 steps: steps the engine never drafts cost time only."""
+TTT_STEPS = int(knob("E2E_TTT_STEPS", kimi=3, gpu=4, cpu=3))
+"""The served chain drafts 3 tokens (3-1-4): the drafter runs 3 times a cycle. The Llama run unrolls 4 TTT steps; at
+Kimi's widths 3, the steps the engine drafts: a fourth step is ~24% of each training step's matmul work (one more
+pass of the decoder layer and the 32k head; the fc runs once) and its accuracy is never used (``sim_accept_chain``
+reads steps 0-2), where the 30-minute session is short by minutes"""
 EPOCHS = int(knob("E2E_EPOCHS", gpu=4, kimi=4, cpu=2))
 """Kimi widths: 4 epochs of both draft shapes side by side in less time than 3 took while every epoch restarted the
 Ray Data stream (45-75 s a pass of 9 GB of fp8 states; epochs after the first now replay each worker's memory): ~77 s
@@ -278,25 +299,41 @@ def step_standin() -> dict[str, Any]:
 
 
 JIT_WARM = knob("E2E_JIT_WARM", ds=1, gpu=0, cpu=0) == "1"
-"""DeepseekV3 on the GPU: compile SGLang's kernels for the stand-in's widths in the background during phase A
-(benchmarks/gpu_jit_warm.py), so regen's, the bench's and serve's engine starts find them compiled"""
+"""DeepseekV3 on the GPU: compile SGLang's kernels for the stand-in's widths in the background (benchmarks/
+gpu_jit_warm.py), so regen's, the bench's and serve's engine starts find them compiled"""
+JIT_WARM_SPLIT = knob("E2E_JIT_WARM_SPLIT", ds=1, gpu=0, cpu=0) == "1"
+"""the warm-up in two parts: regen's plain triton engine in phase A (beside the stand-in's pre-training), the bench's
+engines beside the drafters' training (:func:`step_train`). The ninth Kimi-width attempt ran the whole plan in phase
+A: its graph captures crawled beside pre-training (24-26 s a batch size), its 53 s wait before the offline reference
+bought nothing, and the bench's Llama-shaped engine was still uncompiled (~120 s of compiling in the seventh
+attempt's warm-up). Training leaves the GPU room (two drafters, far from its memory) and lasts ~450 s"""
 JIT_WARM_PID = WORK / "jit-warm.pid"
+JIT_WARM_BENCH_PID = WORK / "jit-warm-bench.pid"
 JIT_WARM_DIR = Path("/dev/shm/eaglenest-jitwarm")
 """the warm-up model (~8 GB at Kimi's widths) in host memory: the disk holds the 44 GB stand-in"""
+JIT_WARM_BENCH_WAIT_S = float(os.environ.get("E2E_JIT_BENCH_WAIT_S", "240"))
+"""seconds from training's start the bench's warm-up (started with training) may take before the end of training
+ends it: it needs ~200 s, training ~450 s, so it has finished by then unless training failed early"""
+
+
+def start_warm(part: str, pid_file: Path, log_name: str) -> dict[str, Any]:
+    """Start benchmarks/gpu_jit_warm.py for ``part`` of its plan in the background (its own process group;
+    :func:`end_warm` ends it)."""
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "gpu_jit_warm.py"), "--preset", DS_PRESET, "--routed-experts",
+           str(DS_EXPERTS[0]), "--experts-per-token", str(DS_EXPERTS[1]), "--work", f"{JIT_WARM_DIR}-{part}",
+           "--max-bs", str(max(int(b) for b in BENCH_BATCHES.split(","))), "--attention", BENCH_ATTENTION or "triton",
+           "--shapes", ",".join(DRAFT_SHAPES), "--part", part, "--graph-bs", ",".join(map(str, BENCH_GRAPH_BS))]
+    log = open(RESULTS / "logs" / log_name, "w")  # noqa: SIM115 - the process outlives this step
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT)
+    pid_file.write_text(f"{proc.pid} {part}")
+    return {"pid": proc.pid, "part": part, "cmd": " ".join(cmd)}
 
 
 def step_jit_warm() -> dict[str, Any]:
-    """Start benchmarks/gpu_jit_warm.py in the background (its own process group; :func:`step_jit_wait` ends it)."""
+    """Start the warm-up of regen's engine (or, unsplit, of every engine) in the background."""
     if not (gpu() and DEEPSEEK and JIT_WARM):
         return {"skipped": "DeepseekV3 on the GPU only (E2E_JIT_WARM=0 turns it off)"}
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "gpu_jit_warm.py"), "--preset", DS_PRESET, "--routed-experts",
-           str(DS_EXPERTS[0]), "--experts-per-token", str(DS_EXPERTS[1]), "--work", str(JIT_WARM_DIR),
-           "--max-bs", str(max(int(b) for b in BENCH_BATCHES.split(","))), "--attention", BENCH_ATTENTION or "triton",
-           "--shapes", ",".join(DRAFT_SHAPES)]
-    log = open(RESULTS / "logs" / "jit-warm.log", "w")  # noqa: SIM115 - the process outlives this step
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT)
-    JIT_WARM_PID.write_text(str(proc.pid))
-    return {"pid": proc.pid, "cmd": " ".join(cmd)}
+    return start_warm("regen" if JIT_WARM_SPLIT else "all", JIT_WARM_PID, "jit-warm.log")
 
 
 def running(pid: int) -> bool:
@@ -307,12 +344,12 @@ def running(pid: int) -> bool:
         return False
 
 
-def step_jit_wait() -> dict[str, Any]:
-    """Wait for the warm-up (at most ``E2E_JIT_WAIT_S``), then end it: regen's engine needs the GPU to itself."""
-    if not JIT_WARM_PID.is_file():
+def end_warm(pid_file: Path, wait_s: float, log_name: str) -> dict[str, Any]:
+    """Wait for a warm-up (at most ``wait_s``), then end it: the next engine needs the GPU to itself."""
+    if not pid_file.is_file():
         return {"skipped": "no warm-up was started"}
-    pid, t0 = int(JIT_WARM_PID.read_text()), time.time()
-    wait_s = float(os.environ.get("E2E_JIT_WAIT_S", "45"))
+    pid_text, _, part = pid_file.read_text().partition(" ")
+    pid, t0 = int(pid_text), time.time()
     while time.time() - t0 < wait_s and running(pid):
         time.sleep(1)
     finished = not running(pid)
@@ -320,17 +357,32 @@ def step_jit_wait() -> dict[str, Any]:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(pid, sig)
             time.sleep(3)
-    JIT_WARM_PID.unlink()
-    report = JIT_WARM_DIR / "warm.json"
+    pid_file.unlink()
+    work = Path(f"{JIT_WARM_DIR}-{part or 'all'}")
+    report = work / "warm.json"
     doc = json.loads(report.read_text()) if report.is_file() else None
     if doc is not None:
         import gpu_jit_warm
 
         doc["engines"] = gpu_jit_warm.settle_records(doc.get("engines") or [], ended_by_deadline=not finished)
-    shutil.rmtree(JIT_WARM_DIR, ignore_errors=True)  # host memory the run's shards and checkpoints need
-    lines = [ln for ln in (RESULTS / "logs" / "jit-warm.log").read_text().splitlines() if "[jit warm]" in ln]
-    return {"finished_before_phase_b": finished, "waited_s": round(time.time() - t0, 1), "report": doc,
-            "log": lines[-8:]}
+    shutil.rmtree(work, ignore_errors=True)  # host memory the run's shards and checkpoints need
+    lines = [ln for ln in (RESULTS / "logs" / log_name).read_text().splitlines() if "[jit warm]" in ln]
+    return {"part": part or "all", "finished_on_its_own": finished, "waited_s": round(time.time() - t0, 1),
+            "report": doc, "log": lines[-8:]}
+
+
+def step_jit_wait() -> dict[str, Any]:
+    """Wait for phase A's warm-up (at most ``E2E_JIT_WAIT_S``), then end it: regen's engine needs the GPU."""
+    rec = end_warm(JIT_WARM_PID, float(os.environ.get("E2E_JIT_WAIT_S", "45")), "jit-warm.log")
+    if "finished_on_its_own" in rec:
+        rec["finished_before_phase_b"] = rec["finished_on_its_own"]
+    return rec
+
+
+def warm_records() -> list[dict[str, Any]]:
+    """Every engine record of the run's warm-ups (phase A's, then the bench's beside training)."""
+    return [r for name in ("jit_wait", "jit_warm_bench") for r in ((load(name).get("report") or {}).get("engines")
+                                                                  or [])]
 
 
 def target_facts() -> dict[str, Any]:
@@ -380,11 +432,26 @@ separate and stay on, and regen (CUDA graphs off while recording) prefills chunk
 engines and in regen's offline reference; the decode pace is what both compare."""
 
 
+def graph_batch_sizes(batches: str) -> list[int]:
+    """Decode-graph batch sizes for an engine measured at ``batches`` (comma-separated): each of them and the powers
+    of two below the largest, where a batch that shrinks as its requests end is padded to. SGLang's own ladder up to
+    32 is 20 sizes for a speculative engine (1-8, then every second), each captured for the target's verify and
+    every draft step at 61 MLA + MoE layers; the bench measures three."""
+    sizes = {int(b) for b in batches.split(",")}
+    top = max(sizes)
+    return sorted(sizes | {1 << k for k in range(top.bit_length()) if 1 << k <= top})
+
+
+BENCH_GRAPH_BS = graph_batch_sizes(BENCH_BATCHES)
+SERVE_GRAPH_BS = graph_batch_sizes("8")
+"""serve's requests in this run go 8 at a time (the accept-length and suite clients)"""
+
+
 def bench_engine_extra_args() -> dict[str, Any]:
-    """SGLang settings of the bench's, eagle_forced's and serve's engines on DeepseekV3: decode graphs up to the
-    bench's largest batch (``cuda_graph_max_bs_decode``; 0.5.14 has no ``cuda_graph_max_bs`` field), and no prefill
-    graphs (:data:`NO_PREFILL_GRAPHS`)."""
-    return {"cuda_graph_max_bs_decode": max(int(b) for b in BENCH_BATCHES.split(",")), **NO_PREFILL_GRAPHS}
+    """SGLang settings of the bench's and the EAGLE check's engines on DeepseekV3: decode graphs at the bench's
+    batch sizes (:func:`graph_batch_sizes`; 0.5.14 has no ``cuda_graph_max_bs`` field), and no prefill graphs
+    (:data:`NO_PREFILL_GRAPHS`)."""
+    return {"cuda_graph_bs_decode": BENCH_GRAPH_BS, **NO_PREFILL_GRAPHS}
 
 
 def bench_attention() -> tuple[str, str | None]:
@@ -393,7 +460,7 @@ def bench_attention() -> tuple[str, str | None]:
     triton before any 44 GB engine depends on it."""
     if not BENCH_ATTENTION or BENCH_ATTENTION == "triton" or not gpu():
         return BENCH_ATTENTION, None
-    engines = (load("jit_wait").get("report") or {}).get("engines") or []
+    engines = warm_records()
     tried = [r for r in engines if r.get("attention") == BENCH_ATTENTION and not r.get("interrupted")]
     failed = [r for r in tried if r.get("error")]
     if failed:
@@ -476,6 +543,14 @@ def write_configs() -> dict[str, Any]:
                   "max_prompt_tokens": 1024, "max_tokens_limit": 256},
     }
     CONFIG.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    if SIDE_STEPS and gpu():
+        sc = json.loads(json.dumps(cfg))
+        sc["target"]["sglang"].update(SHARED_GPU_ENGINE)
+        sc["target"]["sglang"]["extra_args"] = {"cuda_graph_bs_decode": SERVE_GRAPH_BS, **NO_PREFILL_GRAPHS,
+                                                "max_total_tokens": SERVE_MAX_TOTAL_TOKENS}
+        SERVE_CONFIG.write_text(yaml.safe_dump(sc, sort_keys=False))
+    else:
+        SERVE_CONFIG.unlink(missing_ok=True)
     for shape in DRAFT_SHAPES:  # each shape's training run: its drafter layer, run name and share of the GPU
         tc = json.loads(json.dumps(cfg))
         tc["train"]["drafter"]["draft_shape"] = shape  # MLA widths: the target's (train.drafter's shape_kwargs)
@@ -551,6 +626,18 @@ def free_space() -> dict[str, float]:
 
 def step_configs() -> dict[str, Any]:
     return write_configs()
+
+
+def refresh_bench_attention() -> bool:
+    """Write the configs again when the bench's warm-up (beside training) changed the bench's attention backend
+    (a backend that failed there is replaced by triton before a 44 GB engine depends on it)."""
+    import yaml
+
+    written = (yaml.safe_load(CONFIG.read_text())["target"].get("sglang") or {}).get("attention_backend")
+    if written == bench_attention()[0]:
+        return False
+    write_configs()
+    return True
 
 
 def _train_prompt_ids() -> list[list[int]]:
@@ -806,12 +893,21 @@ def step_train() -> dict[str, Any]:
                          str(REGEN_OUT), "--output", str(TRAIN_OUTS[shape]), wait=False, timeout=300, env_vars=env)
         if res.returncode != 0:
             raise RuntimeError(f"ray job submit ({shape}) exited {res.returncode}: {res.stderr[-2000:]}")
+    warming = gpu() and DEEPSEEK and JIT_WARM and JIT_WARM_SPLIT
+    if warming:  # the bench's engines compiled beside training (JIT_WARM_SPLIT)
+        start_warm("bench", JIT_WARM_BENCH_PID, "jit-warm-bench.log")
     status: dict[str, str] = {}
     while time.time() - t0 < 1800:
         status = {shape: job_status(train_job_id(shape)) for shape in DRAFT_SHAPES}
         if all(v in ("SUCCEEDED", "FAILED", "STOPPED") for v in status.values()):
             break
         time.sleep(10)
+    warm = None
+    if warming:
+        warm = end_warm(JIT_WARM_BENCH_PID, max(0.0, JIT_WARM_BENCH_WAIT_S - (time.time() - t0)),
+                        "jit-warm-bench.log")
+        (RESULTS / "steps" / "jit_warm_bench.json").write_text(json.dumps(warm, indent=2, default=str))
+        warm["configs_rewritten"] = refresh_bench_attention()
     runs = {}
     for shape in DRAFT_SHAPES:
         logs = job_logs(train_job_id(shape))
@@ -830,7 +926,7 @@ def step_train() -> dict[str, Any]:
     failed = [shape for shape, r in runs.items() if r["status"] != "ok"]
     return {"status": "error" if len(failed) == len(runs) else "ok",
             "error": "; ".join(f"{shape}: {runs[shape]['error']}" for shape in failed) or None,
-            "wall_seconds": round(time.time() - t0, 1), "runs": runs, "shapes_failed": failed,
+            "wall_seconds": round(time.time() - t0, 1), "runs": runs, "shapes_failed": failed, "jit_warm_bench": warm,
             # the single-shape record's keys, for the summary and older readers
             "export": str(EXPORT), "exported": (EXPORT / "config.json").is_file(),
             "last_eval": runs[DRAFT_SHAPES[0]]["last_eval"]}
@@ -900,10 +996,13 @@ def step_serve() -> dict[str, Any]:
 
     rec: dict[str, Any] = {}
     served = served_export()
-    res = job_submit("e2e-serve", "eaglenest", "serve", "--config", str(CONFIG), "--drafter", str(served),
+    config = SERVE_CONFIG if SERVE_CONFIG.is_file() else CONFIG
+    side = start_side_steps()
+    res = job_submit("e2e-serve", "eaglenest", "serve", "--config", str(config), "--drafter", str(served),
                      "--port", str(SERVE_PORT), wait=False, timeout=300)
     rec["submit_rc"] = res.returncode
     rec["drafter"] = str(served)
+    rec["config"] = str(config)
     t0 = time.time()
     try:
         healthy = False
@@ -956,7 +1055,38 @@ def step_serve() -> dict[str, Any]:
         rec["stop_rc"] = stop.returncode
         time.sleep(3)
         rec["final_status"] = job_status("e2e-serve")
+        if side is not None:
+            rec["side_steps"] = wait_side_steps(side)
     return rec
+
+
+SIDE_WAIT_S = float(os.environ.get("E2E_SIDE_WAIT_S", "600"))
+"""the longest the serve step waits, after its own work, for the side steps"""
+
+
+def start_side_steps() -> subprocess.Popen | None:
+    """:data:`SIDE_STEPS` in a process of their own (``gpu_e2e.py side``), one after the other; their records go
+    where every step's does."""
+    if not SIDE_STEPS:
+        return None
+    log = open(RESULTS / "logs" / "side-steps.log", "w")  # noqa: SIM115 - the process outlives this call
+    return subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "side", *SIDE_STEPS], stdout=log,
+                            stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT)
+
+
+def wait_side_steps(proc: subprocess.Popen) -> dict[str, Any]:
+    """Wait for the side steps (at most :data:`SIDE_WAIT_S`; then their process group is ended)."""
+    t0 = time.time()
+    try:
+        rc = proc.wait(timeout=SIDE_WAIT_S)
+    except subprocess.TimeoutExpired:
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, sig)
+                time.sleep(3)
+        rc = None
+    return {"steps": list(SIDE_STEPS), "rc": rc, "waited_after_serve_s": round(time.time() - t0, 1),
+            "ended_by_timeout": rc is None}
 
 
 STEADY_MIN_SHARE = 0.25
@@ -1139,7 +1269,12 @@ def step_eagle_forced() -> dict[str, Any]:
     prompts = [render_chat_ids(tok, r["messages"], add_generation_prompt=True) for r in held]
     # CUDA graphs off: the check measures accept length only, and at Kimi's widths capturing the draft and verify
     # graphs (~22 s) costs more than the 32 prompts' eager decoding
-    engine_cfg = load_config(CONFIG).target.sglang.model_copy(update={"disable_cuda_graph": True})
+    engine_cfg = load_config(CONFIG).target.sglang
+    update: dict[str, Any] = {"disable_cuda_graph": True}
+    if "eagle_forced" in SIDE_STEPS:  # beside serve's engine (SHARED_GPU_ENGINE)
+        update |= {**SHARED_GPU_ENGINE,
+                   "extra_args": {**engine_cfg.extra_args, "max_total_tokens": EAGLE_CHECK_MAX_TOTAL_TOKENS}}
+    engine_cfg = engine_cfg.model_copy(update=update)
     acc = forced_eagle_accept_length(str(MODEL), engine_cfg, EXPORT, prompts, 64)
     # EAGLE3 on the same kind of prompts: the bench step
     return {"EAGLE": {"accept_length": round(acc, 3), "prompts": len(prompts), "sglang_accepted_launch": True},
@@ -1385,6 +1520,8 @@ def summarize() -> dict[str, Any]:
 def main(argv: list[str]) -> int:
     if len(argv) >= 2 and argv[0] == "step":
         return run_step(argv[1])
+    if len(argv) >= 2 and argv[0] == "side":  # steps run beside another (SIDE_STEPS), one after the other
+        return max(run_step(name) for name in argv[1:])
     if argv and argv[0] == "summary":
         summarize()
         return 0

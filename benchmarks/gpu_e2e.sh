@@ -80,11 +80,15 @@
 # bench's, the EAGLE check's and serve's engines on flashinfer attention (E2E_BENCH_ATTENTION; triton where the warm-up
 # saw it fail); the EAGLE check on the Llama-shaped one (the seed's drafter class); no ceiling engine; 32 accept
 # prompts per set; E2E_JIT_WARM=1: benchmarks/gpu_jit_warm.py compiles SGLang's kernels for the stand-in's widths (a
-# random 5-layer model of the same widths and random drafters of the run's shapes: plain triton, then EAGLE3 and plain
-# on the bench's backend) in the background during phase A, ended before regen (E2E_JIT_WAIT_S); SGLang's offline
-# reference right after it, before Ray starts (call 1); the EAGLE check after serve, then capture_parity (regen's
-# stored states vs SGLang's prefill capture of the same E2E_PARITY_SEQUENCES samples, 16, with a one-layer-off
-# control: benchmarks/e2e_parity.py; budget-gated like the EAGLE check), then jobs and train_step.py at Kimi's widths with the
+# random 5-layer model of the same widths and random drafters of the run's shapes) in two parts (E2E_JIT_WARM_SPLIT=1):
+# regen's plain triton engine in the background during phase A, ended before regen (E2E_JIT_WAIT_S), and the bench's
+# engines (EAGLE3 and plain on the bench's backend, decode graphs at the bench's batch sizes and the powers of two
+# below: E2E_BENCH_BATCHES 1,8,32 -> 1,2,4,8,16,32) beside the drafters' training; SGLang's offline
+# reference right after phase A's part, before Ray starts (call 1); TTT 3 steps (the 3-1-4 chain's drafts); the EAGLE
+# check and then capture_parity (regen's stored states vs SGLang's prefill capture of the same E2E_PARITY_SEQUENCES
+# samples, 16, with a one-layer-off control: benchmarks/e2e_parity.py) as side steps in a process of their own
+# started with serve (E2E_SIDE_WITH_SERVE=1; serve's and their engines cap their KV pools so two 44 GB engines share
+# the GPU; each budget-gated at its start), then jobs and train_step.py at Kimi's widths with the
 # per-kernel breakdown (E2E_TRAIN_STEP), each of those optional steps run only if E2E_BUDGET_S (1,500 s of runner
 # time) leaves room for it. kimi: 4 epochs (after the first from each worker's memory), lr 3e-4, 32 bench
 # prompts x 64 tokens, pre-training 400 steps (at most

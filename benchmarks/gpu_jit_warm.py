@@ -15,8 +15,14 @@ discarded; only the caches matter, and each engine's record (start seconds or th
 ``--attention`` works on this machine before any 44 GB engine depends on it. The engines take little GPU memory
 (``max_total_tokens`` caps the KV pool), so pre-training on the same GPU is unaffected.
 
+``--part`` splits the plan by when the run needs it: ``regen`` (the plain triton engine: regen and its offline
+reference, in phase A beside the stand-in's pre-training), ``bench`` (the bench's engines, with its exact decode-graph
+batch sizes ``--graph-bs``: beside the drafters' training, which leaves the GPU room and lasts longer than the
+warm-up), or ``all``. In the ninth Kimi-width attempt the whole plan beside pre-training had not reached the bench's
+engines when regen needed the GPU, so the bench would have compiled them on its own clock.
+
     python3 benchmarks/gpu_jit_warm.py --preset default --routed-experts 4 --experts-per-token 4 --work /tmp/jitwarm \
-        --attention flashinfer
+        --attention flashinfer --part bench --graph-bs 1,2,4,8,16,32
 """
 
 from __future__ import annotations
@@ -91,20 +97,34 @@ def build_drafters(target: Path, work: Path, draft_vocab: int = 32000,
     return out
 
 
-def warm_extra_args(max_bs: int) -> dict[str, Any]:
-    """The warm-up engines' SGLang settings beyond eaglenest's: decode graphs up to ``max_bs`` and no prefill graphs
-    (as the run's engines), a KV pool capped so the engine stays small beside the stand-in's pre-training on the same
-    GPU, token ids in (no tokenizer)."""
-    return {"cuda_graph_max_bs_decode": max_bs, "disable_prefill_cuda_graph": True, "max_total_tokens": 65536,
-            "skip_tokenizer_init": True}
+def warm_extra_args(max_bs: int, graph_bs: list[int] | None = None) -> dict[str, Any]:
+    """The warm-up engines' SGLang settings beyond eaglenest's: decode graphs up to ``max_bs`` (or exactly at
+    ``graph_bs``, the bench's list) and no prefill graphs (as the run's engines), a KV pool capped so the engine stays
+    small beside the stand-in's pre-training or the drafters' training on the same GPU, token ids in (no
+    tokenizer)."""
+    graphs: dict[str, Any] = ({"cuda_graph_bs_decode": list(graph_bs)} if graph_bs
+                              else {"cuda_graph_max_bs_decode": max_bs})
+    return {**graphs, "disable_prefill_cuda_graph": True, "max_total_tokens": 65536, "skip_tokenizer_init": True}
 
 
-def warm_plan(drafters: dict[str, Path], attention: str) -> list[tuple[str, str]]:
+PARTS = ("regen", "bench", "all")
+
+
+def warm_plan(drafters: dict[str, Path], attention: str, part: str = "all") -> list[tuple[str, str]]:
     """(engine, attention backend) in the order the warm-up starts them: regen's plain triton engine first (the run
     needs it first), then the speculative engines on ``attention`` (the riskiest: their result decides the bench's
-    backend), then the plain baseline on ``attention`` when it is not triton."""
-    plan = [("plain", "triton"), *[(name, attention) for name in drafters]]
-    return plan + ([("plain", attention)] if attention != "triton" else [])
+    backend), then the plain baseline on ``attention`` (part ``all``: when it is not triton, as regen's engine
+    warmed it; part ``bench``: always, since the bench's graph batch sizes are its own). ``part`` keeps regen's or
+    the bench's share of that order."""
+    if part not in PARTS:
+        raise ValueError(f"part {part!r}: one of {PARTS}")
+    regen = [("plain", "triton")]
+    spec = [(name, attention) for name in drafters]
+    if part == "regen":
+        return regen
+    if part == "bench":
+        return [*spec, ("plain", attention)]
+    return regen + spec + ([("plain", attention)] if attention != "triton" else [])
 
 
 DIED_DURING_START = ("the warm-up process ended during this engine's start (SGLang ends its parent's whole process "
@@ -132,7 +152,8 @@ def settle_records(records: list[dict[str, Any]], ended_by_deadline: bool) -> li
 
 
 def warm_engines(target: Path, drafters: dict[str, Path], max_bs: int, attention: str = "triton",
-                 log: Any = print, save: Any = None) -> list[dict[str, Any]]:
+                 log: Any = print, save: Any = None, part: str = "all",
+                 graph_bs: list[int] | None = None) -> list[dict[str, Any]]:
     """Start SGLang as :func:`warm_plan` says (EAGLE3 3-1-4 with a drafter); decode at batch 1 and ``max_bs`` in
     each. ``save(records)``, when given, is called before each engine start with that engine marked as failed
     (:data:`DIED_DURING_START`) and after it with its outcome, so a start that kills this process still leaves its
@@ -146,9 +167,11 @@ def warm_engines(target: Path, drafters: dict[str, Path], max_bs: int, attention
     facts = TargetSpec.read(str(target), context_length=2048)
     Engine = sglang_symbol("sglang:Engine")
     records = []
-    for name, backend in warm_plan(drafters, attention):
+    for name, backend in warm_plan(drafters, attention, part):
+        # regen's plain triton engine keeps SGLang's ladder up to max_bs; the bench's engines capture its exact list
+        bench_engine = part == "bench" or (part == "all" and (name, backend) != ("plain", "triton"))
         cfg = SGLangEngineConfig(mem_fraction_static=0.88, context_length=2048, attention_backend=backend,
-                                 extra_args=warm_extra_args(max_bs))
+                                 extra_args=warm_extra_args(max_bs, graph_bs if bench_engine else None))
         t0 = time.perf_counter()
         if save is not None:
             save([*records, {"engine": name, "attention": backend, "error": DIED_DURING_START}])
@@ -189,6 +212,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--attention", default="triton",
                    help="SGLang attention backend of the speculative engines and the baseline (regen's stays triton)")
     p.add_argument("--shapes", default="llama,mla", help="draft shapes to warm (comma-separated)")
+    p.add_argument("--part", default="all", choices=PARTS,
+                   help="regen: the plain triton engine; bench: the bench's engines; all: both, in that order")
+    p.add_argument("--graph-bs", default="",
+                   help="the bench engines' decode graph batch sizes (comma-separated; default: up to --max-bs)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--build-only", action="store_true", help="build the model and drafters, start no engine")
     a = p.parse_args(argv)
@@ -198,14 +225,17 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(a.work)
     cfg = warm_config(a.preset, a.routed_experts, a.experts_per_token, a.layers)
     target = build_target(cfg, work / "target", a.device)
-    drafters = build_drafters(target, work, shapes=tuple(x for x in a.shapes.split(",") if x))
+    drafters = ({} if a.part == "regen" else
+                build_drafters(target, work, shapes=tuple(x for x in a.shapes.split(",") if x)))
     print(f"[jit warm] built a {a.layers}-layer model and {len(drafters)} drafters in "
           f"{time.perf_counter() - t0:.1f} s", flush=True)
     def save(records: list[dict[str, Any]]) -> None:
         (work / "warm.json").write_text(json.dumps({"engines": records, "seconds": round(time.perf_counter() - t0, 1)},
                                                    indent=2))
 
-    records = [] if a.build_only else warm_engines(target, drafters, a.max_bs, a.attention, save=save)
+    graph_bs = [int(x) for x in a.graph_bs.split(",") if x] or None
+    records = [] if a.build_only else warm_engines(target, drafters, a.max_bs, a.attention, save=save, part=a.part,
+                                                   graph_bs=graph_bs)
     save(records)
     print(f"[jit warm] done in {time.perf_counter() - t0:.1f} s", flush=True)
     return 0

@@ -32,6 +32,40 @@ def test_the_warm_up_starts_regen_s_engine_first_then_the_speculative_ones_on_th
     assert gpu_jit_warm.warm_plan({"mla": Path("b")}, "triton") == [("plain", "triton"), ("mla", "triton")]
 
 
+def test_the_warm_up_splits_into_regen_s_part_and_the_bench_s_part() -> None:
+    """Phase A warms regen's engine beside pre-training; the bench's engines are warmed beside training, the bench's
+    baseline always (its graph batch sizes are the bench's own, not regen's ladder)."""
+    drafters = {"llama": Path("a"), "mla": Path("b")}
+    assert gpu_jit_warm.warm_plan(drafters, "flashinfer", "regen") == [("plain", "triton")]
+    assert gpu_jit_warm.warm_plan(drafters, "flashinfer", "bench") == [
+        ("llama", "flashinfer"), ("mla", "flashinfer"), ("plain", "flashinfer")]
+    assert gpu_jit_warm.warm_plan({"mla": Path("b")}, "triton", "bench") == [("mla", "triton"), ("plain", "triton")]
+    with pytest.raises(ValueError, match="part"):
+        gpu_jit_warm.warm_plan(drafters, "triton", "bnch")
+
+
+def test_the_bench_s_engines_capture_graphs_at_its_batch_sizes_and_the_powers_of_two_below() -> None:
+    assert gpu_e2e.graph_batch_sizes("1,8,32") == [1, 2, 4, 8, 16, 32]
+    assert gpu_e2e.graph_batch_sizes("1,8") == [1, 2, 4, 8]
+    assert gpu_e2e.graph_batch_sizes("3,24") == [1, 2, 3, 4, 8, 16, 24]
+    assert gpu_jit_warm.warm_extra_args(32, [1, 2, 4])["cuda_graph_bs_decode"] == [1, 2, 4]
+    assert "cuda_graph_bs_decode" not in gpu_jit_warm.warm_extra_args(32)  # regen's part: SGLang's ladder to 32
+
+
+def test_a_backend_that_failed_in_the_bench_s_warm_up_beside_training_is_replaced_by_triton(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(gpu_e2e, "BENCH_ATTENTION", "flashinfer")
+    monkeypatch.setattr(gpu_e2e, "gpu", lambda: True)
+    reports = {"jit_wait": {"report": {"engines": [{"engine": "plain", "attention": "triton", "start_s": 60.0}]}},
+               "jit_warm_bench": {"report": {"engines": [
+                   {"engine": "llama", "attention": "flashinfer", "error": "RuntimeError: head size 112"}]}}}
+    monkeypatch.setattr(gpu_e2e, "load", lambda name: reports.get(name, {}))
+    backend, why = gpu_e2e.bench_attention()
+    assert backend == "triton" and "llama engine: RuntimeError: head size 112" in why
+    reports["jit_warm_bench"]["report"]["engines"] = [{"engine": "llama", "attention": "flashinfer", "start_s": 9.0}]
+    assert gpu_e2e.bench_attention() == ("flashinfer", None)
+
+
 def _warm_report(monkeypatch: pytest.MonkeyPatch, engines: list[dict]) -> None:
     monkeypatch.setattr(gpu_e2e, "BENCH_ATTENTION", "flashinfer")
     monkeypatch.setattr(gpu_e2e, "gpu", lambda: True)
