@@ -1381,6 +1381,23 @@ def run_step(name: str) -> int:
     return 0 if rec["status"] == "ok" else 1
 
 
+def record_death(name: str, rc: int) -> bool:
+    """A record for step ``name`` whose process ended (exit ``rc``) before writing one: SGLang ends its parent's
+    whole process tree when a scheduler dies (the small-preset run's offline reference, out of GPU memory, left no
+    record and the summary called it "not run"). A record the step wrote itself is kept. True when one was written."""
+    path = RESULTS / "steps" / f"{name}.json"
+    if path.is_file():
+        return False
+    path.parent.mkdir(parents=True, exist_ok=True)
+    signal_name = (f" (signal {signal.Signals(rc - 128).name})" if 128 < rc < 160 and rc - 128 in
+                   {s.value for s in signal.Signals} else "")
+    path.write_text(json.dumps({"status": "error", "error": (
+        f"the step's process ended with exit status {rc}{signal_name} before writing its record; SGLang ends its "
+        f"parent's process tree when a scheduler dies: the reason is in runner.log or the step's log"),
+        "process_exit_status": rc}, indent=2))
+    return True
+
+
 # -------------------------------------------------------------------------------------------------------- summary
 def _count(n: float) -> str:
     """A parameter count as the summary prints it: 7.24B, 220M, 0.31M."""
@@ -1522,6 +1539,9 @@ def main(argv: list[str]) -> int:
         return run_step(argv[1])
     if len(argv) >= 2 and argv[0] == "side":  # steps run beside another (SIDE_STEPS), one after the other
         return max(run_step(name) for name in argv[1:])
+    if len(argv) == 3 and argv[0] == "died":  # the runner: a step's process ended without writing its record
+        record_death(argv[1], int(argv[2]))
+        return 0
     if argv and argv[0] == "summary":
         summarize()
         return 0

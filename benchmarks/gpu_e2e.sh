@@ -107,7 +107,9 @@
 # runner needs ~1,640 s. Device calls, all three in one tool-call block: `... --phase1` (DeepseekV3: phase A, then
 # the steps that need no Ray, the offline reference among them: ~510-600 s), then two `--phase2` calls, the second
 # with E2E_CALL_WAIT_S=590 and timeout 600 (the lease caps it at the device time left; the minute-by-minute packing
-# returns what was done by then), so no fourth is needed.
+# returns what was done by then), so no fourth is needed. The ninth attempt's runner needed ~1,870 s; the split
+# warm-up, the bench's six graph sizes, TTT 3 and the side steps are estimated at ~300 s less (not yet measured at
+# Kimi's widths: the small preset's whole runner took 1,228 s on an H100, with the side steps inside serve's 94 s).
 set -uo pipefail
 ROOT=${E2E_ROOT:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)}  # the runner runs from a copy: E2E_ROOT
 cd "$ROOT"
@@ -140,7 +142,12 @@ wait_for() {  # wait_for FILE SECONDS [PACK]: until FILE exists or the time is u
   done
 }
 
-step() { python3 benchmarks/gpu_e2e.py step "$1"; }
+step() {  # a step whose process is killed (SGLang ends its parent's tree when a scheduler dies) still gets a record
+  local rc=0
+  python3 benchmarks/gpu_e2e.py step "$1" || rc=$?
+  [ "$rc" -ne 0 ] && python3 benchmarks/gpu_e2e.py died "$1" "$rc"
+  return 0
+}
 
 case "${1:-}" in
   --prepare)

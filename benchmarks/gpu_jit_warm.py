@@ -131,8 +131,11 @@ DIED_DURING_START = ("the warm-up process ended during this engine's start (SGLa
                      "tree when a scheduler fails to start): see jit-warm.log")
 
 
-INTERRUPTED = ("ended by the run's deadline for the warm-up (E2E_JIT_WAIT_S) during this engine's start: not tried, "
-               "not failed")
+INTERRUPTED = ("ended by the run's deadline for the warm-up during this engine's start: not tried, not failed")
+
+
+SIGTERM_DEATH = "exit code: -15"
+"""how SGLang reports a scheduler ended by SIGTERM, the signal the run's deadline sends the warm-up's process group"""
 
 
 def settle_records(records: list[dict[str, Any]], ended_by_deadline: bool) -> list[dict[str, Any]]:
@@ -140,12 +143,15 @@ def settle_records(records: list[dict[str, Any]], ended_by_deadline: bool) -> li
     its start, so a start that kills this process is still reported; but when the run itself ended this process at
     its deadline (the eighth Kimi-width run: SIGTERM ~115 s into the Llama-shaped draft's start on flashinfer,
     which took 139 s in the seventh), that record was interrupted, and calling it failed would push the bench onto
-    triton for no fault of the backend."""
+    triton for no fault of the backend. The same holds for an engine whose scheduler the deadline's SIGTERM reached
+    first (the process group's signal): this process then records SGLang's "scheduler died during initialization
+    (exit code: -15)" itself (the small-preset run of 2026-12-06 moved its bench to triton so)."""
     if not ended_by_deadline:
         return records
     out = []
     for rec in records:
-        if rec.get("error") == DIED_DURING_START:
+        error = rec.get("error") or ""
+        if error == DIED_DURING_START or SIGTERM_DEATH in error:
             rec = {k: v for k, v in rec.items() if k != "error"} | {"interrupted": INTERRUPTED}
         out.append(rec)
     return out

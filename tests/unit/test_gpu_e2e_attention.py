@@ -110,6 +110,24 @@ def test_an_engine_start_the_run_interrupted_at_its_deadline_is_not_a_failure(
 def test_a_real_error_stays_an_error_even_when_the_deadline_ended_the_warm_up() -> None:
     rec = [{"engine": "mla", "attention": "flashinfer", "error": "RuntimeError: no kernel"}]
     assert gpu_jit_warm.settle_records(rec, ended_by_deadline=True) == rec
+    oom = [{"engine": "mla", "attention": "flashinfer",
+            "error": "RuntimeError: Rank 0 scheduler died during initialization (exit code: -9)."}]
+    assert gpu_jit_warm.settle_records(oom, ended_by_deadline=True) == oom  # SIGKILL: maybe the OOM killer
+
+
+def test_a_scheduler_the_deadline_s_sigterm_reached_first_is_interrupted_not_failed(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The small-preset run (2026-12-06): the end of training sent SIGTERM to the bench's warm-up mid-start of the
+    MLA engine; its scheduler died first and the warm-up itself recorded SGLang's error, so flashinfer was called
+    failed and the bench ran on triton. Ended by the deadline, that record is an interruption."""
+    died = [{"engine": "llama", "attention": "flashinfer", "start_s": 100.2},
+            {"engine": "mla", "attention": "flashinfer", "error": "RuntimeError: Rank 0 scheduler died during "
+             "initialization (exit code: -15). If exit code is -9 (SIGKILL), a common cause is the OS OOM killer."}]
+    settled = gpu_jit_warm.settle_records(died, ended_by_deadline=True)
+    assert "error" not in settled[1] and settled[1]["interrupted"] == gpu_jit_warm.INTERRUPTED
+    _warm_report(monkeypatch, settled)
+    assert gpu_e2e.bench_attention() == ("flashinfer", None)  # the llama engine ran on it
+    assert gpu_jit_warm.settle_records(died, ended_by_deadline=False) == died  # it ended on its own: a failure
 
 
 def test_a_backend_the_warm_up_ran_is_kept(monkeypatch: pytest.MonkeyPatch) -> None:

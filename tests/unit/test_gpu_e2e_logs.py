@@ -91,3 +91,17 @@ def test_a_regen_without_a_timeline_claims_no_wave() -> None:
     rec["last_run"] = {}
     line = gpu_e2e.regen_summary(rec)
     assert "no batch timeline in the manifest" in line and "one wave" not in line
+
+
+def test_a_step_killed_before_its_record_gets_one_from_the_runner(tmp_path: Path, monkeypatch) -> None:
+    """The small-preset run's offline reference ran out of GPU memory, SGLang ended the step's whole process tree,
+    and the summary said "not run": the runner now writes a record naming the exit status; one the step wrote stays."""
+    monkeypatch.setattr(gpu_e2e, "RESULTS", tmp_path)
+    assert gpu_e2e.record_death("offline_ref", 137)
+    import json
+
+    rec = json.loads((tmp_path / "steps" / "offline_ref.json").read_text())
+    assert rec["status"] == "error" and "exit status 137 (signal SIGKILL)" in rec["error"]
+    (tmp_path / "steps" / "bench.json").write_text('{"status": "error", "error": "its own"}')
+    assert not gpu_e2e.record_death("bench", 1)
+    assert json.loads((tmp_path / "steps" / "bench.json").read_text())["error"] == "its own"
