@@ -52,6 +52,9 @@ def test_the_buffer_and_its_32_bit_indexing() -> None:
     assert ServerArgs.triton_attention_num_kv_splits == TRITON_KV_SPLITS
     backend = inspect.getsource(triton_backend.TritonAttnBackend)
     assert "(bs, self.num_head, self.max_kv_splits, self.v_head_dim)" in backend  # one fp32 partial per split
+    # and one fp32 log-sum-exp per split: what mla_triton_buffer_bytes counts a request (allocated every forward)
+    lse = "attn_lse = torch.empty(\n                (bs, self.num_head, self.max_kv_splits),\n"
+    assert lse + "                dtype=torch.float32" in backend
     assert "self.max_kv_splits = _mla_decode_kv_splits_cap(" in backend
     stage2 = inspect.getsource(decode_attention._fwd_kernel_stage2)
     assert "cur_batch * stride_mid_ob" in stage2  # batch x (heads x splits x v_head_dim) in the kernel's int32

@@ -14,6 +14,7 @@ from eaglenest.engines.sglang.args import engine_kwargs
 from eaglenest.engines.sglang.limits import (
     bound_running_requests,
     check_server_args,
+    mla_triton_buffer_bytes,
     mla_triton_kv_splits,
     mla_triton_max_running_requests,
 )
@@ -53,6 +54,43 @@ def test_engine_kwargs_bound_an_mla_target_on_triton():
     tp8 = {"attention_backend": "triton", "context_length": 2048, "tp_size": 8}
     bound_running_requests(tp8, KIMI_STANDIN, sm_count=132)
     assert tp8["max_running_requests"] == 8191  # 8 heads a rank
+
+
+SMALL_STANDIN = TargetSpec(num_layers=32, hidden_size=4096, vocab_size=163840, architecture="DeepseekV3ForCausalLM",
+                           context_length=2048, max_position_embeddings=2048, num_attention_heads=32,
+                           kv_lora_rank=512)
+"""the small preset (2026-12-06, an H100): 32 heads, kv_lora_rank 512, context 2048"""
+GIB = 2**30
+
+
+def test_the_h100_out_of_memory_is_past_the_memory_bound_and_the_h200_runs_are_within_it():
+    """SGLang's triton MLA decode allocates its fp32 buffers every forward, outside its memory plan. The small
+    preset's engines at the 32-bit cap (2,047 requests) asked for 7.99 GiB, their whole share of 19.8 GiB of non-static
+    memory on an H100 at fraction 0.75, and died out of memory; at the same fraction on the H200 (34.8 GiB) the
+    Kimi-width runs' 7.99 GiB ran. The memory bound lowers the first and leaves the second alone."""
+    splits = mla_triton_kv_splits(2048, sm_count=132)
+    assert 2047 * 32 * splits * 512 * 4 / GIB == pytest.approx(7.99, abs=0.01)  # attn_logits: the H100's failed ask
+    assert 2047 * mla_triton_buffer_bytes(32, 512, splits) / GIB == pytest.approx(8.01, abs=0.01)  # with attn_lse
+    h100 = {"attention_backend": "triton", "context_length": 2048, "mem_fraction_static": 0.75}
+    bound_running_requests(h100, SMALL_STANDIN, sm_count=132, gpu_bytes=int(79.18 * GIB))
+    assert 1000 < h100["max_running_requests"] < 1300
+    assert h100["max_running_requests"] * mla_triton_buffer_bytes(32, 512, splits) <= 0.25 * 0.25 * 79.18 * GIB
+    for target, kernel_cap in ((SMALL_STANDIN, 2047), (KIMI_STANDIN, 1023)):  # the H200: the kernel's cap binds
+        h200 = {"attention_backend": "triton", "context_length": 2048, "mem_fraction_static": 0.75}
+        bound_running_requests(h200, target, sm_count=132, gpu_bytes=int(139.8 * GIB))
+        assert h200["max_running_requests"] == kernel_cap
+    unknown = {"attention_backend": "triton", "context_length": 2048}  # no fraction: only the kernel's cap
+    bound_running_requests(unknown, SMALL_STANDIN, sm_count=132, gpu_bytes=int(79.18 * GIB))
+    assert unknown["max_running_requests"] == 2047
+
+
+def test_an_explicit_setting_past_the_memory_bound_is_kept_with_a_warning(caplog: pytest.LogCaptureFixture):
+    kw = {"attention_backend": "triton", "context_length": 2048, "mem_fraction_static": 0.75,
+          "max_running_requests": 2000}
+    with caplog.at_level("WARNING"):
+        bound_running_requests(kw, SMALL_STANDIN, sm_count=132, gpu_bytes=int(79.18 * GIB))
+    assert kw["max_running_requests"] == 2000
+    assert "7.83 GiB a forward outside its memory plan" in caplog.text and "mem_fraction_static 0.75" in caplog.text
 
 
 def test_a_larger_setting_is_refused_with_the_numbers_and_the_fix():

@@ -10,11 +10,14 @@ sglang import (the field names are passed in), tested on a CPU.
 from __future__ import annotations
 
 import difflib
+import logging
 import math
 from collections.abc import Collection, Mapping
 from typing import Any
 
 from eaglenest.contracts.target import TargetSpec
+
+_log = logging.getLogger(__name__)
 
 INT32_MAX = 2**31 - 1
 MLA_DECODE_MIN_BLOCK_KV = 32
@@ -47,9 +50,38 @@ def mla_triton_max_running_requests(heads_per_rank: int, kv_lora_rank: int, kv_s
     return INT32_MAX // (heads_per_rank * kv_splits * kv_lora_rank)
 
 
-def bound_running_requests(kw: dict[str, Any], target: TargetSpec, sm_count: int | None = None) -> None:
+MLA_DECODE_BUFFER_SHARE = 0.25
+"""The most of an engine's non-static memory (SGLang's slack: the memory free at its start x (1 -
+``mem_fraction_static``)) the triton MLA decode's per-forward buffer may take. That buffer is allocated at every
+decode forward outside SGLang's memory plan; seen: 7.99 GiB in a 35 GiB slack ran (H200, fraction 0.75), 7.99 GiB in a
+19.5 GiB slack died out of memory at the first full decode (H100, fraction 0.75; 2026-12-06). A quarter is
+consistent with both; not yet run on an 80 GB card with the bound in place."""
+
+
+def mla_triton_buffer_bytes(heads_per_rank: int, kv_lora_rank: int, kv_splits: int) -> int:
+    """Bytes a running request adds to SGLang 0.5.14's triton MLA decode buffers (``attn_logits`` fp32 [batch,
+    heads, kv_splits, kv_lora_rank] and ``attn_lse`` fp32 [batch, heads, kv_splits], allocated every decode forward
+    without CUDA graphs)."""
+    return heads_per_rank * kv_splits * (kv_lora_rank + 1) * 4
+
+
+def mla_triton_memory_max_running_requests(heads_per_rank: int, kv_lora_rank: int, kv_splits: int,
+                                           gpu_bytes: int, mem_fraction_static: float) -> int:
+    """The largest decode batch whose triton MLA buffers fit :data:`MLA_DECODE_BUFFER_SHARE` of the engine's
+    non-static memory (``gpu_bytes`` free at its start x (1 - ``mem_fraction_static``))."""
+    slack = gpu_bytes * (1.0 - mem_fraction_static)
+    return max(1, int(MLA_DECODE_BUFFER_SHARE * slack) // mla_triton_buffer_bytes(heads_per_rank, kv_lora_rank,
+                                                                                  kv_splits))
+
+
+def bound_running_requests(kw: dict[str, Any], target: TargetSpec, sm_count: int | None = None,
+                           gpu_bytes: int | None = None) -> None:
     """An MLA target on the triton attention backend: ``max_running_requests`` at most what its decode kernels can
-    address (:func:`mla_triton_max_running_requests`): set when unset, refused with the numbers when larger."""
+    address (:func:`mla_triton_max_running_requests`): set when unset, refused with the numbers when larger. Where
+    the GPU's memory is known (``gpu_bytes``: what the engine starts with; else the device's total, the engine
+    having the GPU to itself), an unset value is also kept within
+    what the decode buffers may take of the engine's memory (:func:`mla_triton_memory_max_running_requests`); a
+    larger explicit value is kept with a warning (that bound is a rule of thumb, the first one is the kernel's)."""
     if not target.kv_lora_rank or kw.get("attention_backend", "triton") != "triton":
         return
     context = int(kw.get("context_length") or target.context_length or target.max_position_embeddings or 0)
@@ -60,9 +92,25 @@ def bound_running_requests(kw: dict[str, Any], target: TargetSpec, sm_count: int
     splits = mla_triton_kv_splits(context, sm_count, int(kw.get("triton_attention_num_kv_splits") or TRITON_KV_SPLITS),
                                   kw.get("triton_attention_split_tile_size"))
     cap = mla_triton_max_running_requests(heads, target.kv_lora_rank, splits)
+    fraction = kw.get("mem_fraction_static")
+    if gpu_bytes is None and fraction is not None:
+        gpu_bytes = _device_total_bytes()
+    memory_cap = (mla_triton_memory_max_running_requests(heads, target.kv_lora_rank, splits, gpu_bytes,
+                                                         float(fraction))
+                  if gpu_bytes and fraction is not None else None)
     asked = kw.get("max_running_requests")
     if asked is None:
-        kw["max_running_requests"] = cap
+        kw["max_running_requests"] = min(cap, memory_cap) if memory_cap else cap
+    elif memory_cap and int(asked) > memory_cap and int(asked) <= cap:
+        buffer_gib = int(asked) * mla_triton_buffer_bytes(heads, target.kv_lora_rank, splits) / 2**30
+        slack_gib = gpu_bytes * (1.0 - float(fraction)) / 2**30
+        _log.warning(
+            "target.sglang.max_running_requests %s: SGLang's triton MLA decode would allocate %.2f GiB a forward "
+            "outside its memory plan, %.0f%% of the engine's %.1f GiB of non-static memory (%.1f GiB x (1 - "
+            "mem_fraction_static %s)); unset, eaglenest would allow %d (%.0f%% of it; an H100 engine whose buffer "
+            "took 41%% died out of memory). Lower max_running_requests or mem_fraction_static if this one does",
+            asked, buffer_gib, 100 * buffer_gib / slack_gib, slack_gib, gpu_bytes / 2**30, fraction, memory_cap,
+            100 * MLA_DECODE_BUFFER_SHARE)
     elif int(asked) > cap:
         raise ValueError(
             f"target.sglang.max_running_requests {asked} is more than SGLang's triton MLA decode can address for "
@@ -82,6 +130,19 @@ def _device_sm_count() -> int:
     except Exception:  # noqa: BLE001 - a bound is enough
         pass
     return 256
+
+
+def _device_total_bytes() -> int | None:
+    """The current GPU's memory (None without one), read from its properties: asking for the free memory would
+    create a CUDA context in this process, held for the engine's life beside SGLang's own."""
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return int(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
+    except Exception:  # noqa: BLE001 - without it only the kernel's bound applies
+        pass
+    return None
 
 
 def unknown_server_args(kw: Mapping[str, Any], fields: Collection[str]) -> list[str]:
