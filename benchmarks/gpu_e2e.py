@@ -997,7 +997,8 @@ def step_serve() -> dict[str, Any]:
     rec: dict[str, Any] = {}
     served = served_export()
     config = SERVE_CONFIG if SERVE_CONFIG.is_file() else CONFIG
-    side = start_side_steps()
+    beside = not gpu() or side_steps_fit(card_bytes(), weight_bytes(MODEL), weight_bytes(served))
+    side = start_side_steps() if beside else None  # else after serve: the card holds one such engine
     res = job_submit("e2e-serve", "eaglenest", "serve", "--config", str(config), "--drafter", str(served),
                      "--port", str(SERVE_PORT), wait=False, timeout=300)
     rec["submit_rc"] = res.returncode
@@ -1055,9 +1056,34 @@ def step_serve() -> dict[str, Any]:
         rec["stop_rc"] = stop.returncode
         time.sleep(3)
         rec["final_status"] = job_status("e2e-serve")
+        if side is None:
+            side = start_side_steps()
         if side is not None:
-            rec["side_steps"] = wait_side_steps(side)
+            rec["side_steps"] = {**wait_side_steps(side), "beside_serve": beside}
     return rec
+
+
+SIDE_HEADROOM_BYTES = 24 * 2**30
+"""beyond two copies of the target and the drafter when a side step's engine shares the card with serve's: their
+capped KV pools (4.6 + 2.3 GB at Kimi's widths) and each engine's graphs and activations"""
+
+
+def side_steps_fit(card: int, model: int, drafter: int) -> bool:
+    """Whether serve's engine and a side step's fit one card together (bytes): an H200 holds two Kimi-width
+    stand-ins (2 x 44.3 GB), an 80 GB card does not, and there the side steps run after serve instead."""
+    return 2 * (model + drafter) + SIDE_HEADROOM_BYTES <= card
+
+
+def card_bytes() -> int:
+    """The GPU's memory."""
+    import torch
+
+    return int(torch.cuda.get_device_properties(0).total_memory)
+
+
+def weight_bytes(folder: Path) -> int:
+    """The safetensors bytes in ``folder``."""
+    return sum(f.stat().st_size for f in Path(folder).glob("*.safetensors"))
 
 
 SIDE_WAIT_S = float(os.environ.get("E2E_SIDE_WAIT_S", "600"))

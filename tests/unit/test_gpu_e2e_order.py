@@ -65,3 +65,17 @@ def test_the_steps_before_ray_import_nothing_of_ray() -> None:
     out = subprocess.run([sys.executable, "-c", BLOCK_RAY], env=env, capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "imported without ray" in out.stdout
+
+
+def test_side_steps_share_the_card_with_serve_only_where_two_engines_fit() -> None:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_e2e", SCRIPT)
+    gpu_e2e = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_e2e)
+    gib = 2**30
+    h200, h100 = int(139.8 * gib), int(79.2 * gib)
+    kimi, kimi_drafter, small, small_drafter = int(44.3e9), int(2.4e9), int(13.3e9), int(1.0e9)
+    assert gpu_e2e.side_steps_fit(h200, kimi, kimi_drafter)
+    assert not gpu_e2e.side_steps_fit(h100, kimi, kimi_drafter)  # there the side steps run after serve
+    assert gpu_e2e.side_steps_fit(h100, small, small_drafter)  # the small preset's run of 2026-12-06
