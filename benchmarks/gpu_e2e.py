@@ -150,9 +150,9 @@ of their own started with the serve step), not after it. None of the three is a 
 engines cap their KV pools (``max_total_tokens``) so two 44 GB engines share the GPU in either start order, and the
 ~140 s the two steps took after serve is what the ninth attempt's run lacked"""
 SHARED_GPU_ENGINE = {"mem_fraction_static": 0.9}
-"""an engine that shares the GPU with another: SGLang sizes its KV pool from what is free once its weights are in
-(free - total x (1 - fraction)), so a second engine needs a high fraction to see any room, and each caps its pool
-with ``max_total_tokens`` instead"""
+"""an engine that shares the GPU with another: SGLang 0.5.14 sizes its KV pool as what is free once its weights are
+in, less (what was free before they loaded) x (1 - fraction), so a second engine needs a high fraction to see any
+room, and each caps its pool with ``max_total_tokens`` instead"""
 SERVE_MAX_TOTAL_TOKENS = 65536
 """serve's KV pool beside a side step: 8 requests of <= 1,024 + 256 tokens need 10k; at Kimi's widths 4.6 GB"""
 EAGLE_CHECK_MAX_TOTAL_TOKENS = 32768
