@@ -994,10 +994,12 @@ def step_serve() -> dict[str, Any]:
     """``ray job submit -- eaglenest serve``, then the official client (streamed + not), metrics, and a clean stop."""
     from openai import OpenAI
 
+    from eaglenest.engines.sglang.limits import device_total_bytes
+
     rec: dict[str, Any] = {}
     served = served_export()
     config = SERVE_CONFIG if SERVE_CONFIG.is_file() else CONFIG
-    beside = not gpu() or side_steps_fit(card_bytes(), weight_bytes(MODEL), weight_bytes(served))
+    beside = not gpu() or side_steps_fit(device_total_bytes() or 0, weight_bytes(MODEL), weight_bytes(served))
     side = start_side_steps() if beside else None  # else after serve: the card holds one such engine
     res = job_submit("e2e-serve", "eaglenest", "serve", "--config", str(config), "--drafter", str(served),
                      "--port", str(SERVE_PORT), wait=False, timeout=300)
@@ -1072,13 +1074,6 @@ def side_steps_fit(card: int, model: int, drafter: int) -> bool:
     """Whether serve's engine and a side step's fit one card together (bytes): an H200 holds two Kimi-width
     stand-ins (2 x 44.3 GB), an 80 GB card does not, and there the side steps run after serve instead."""
     return 2 * (model + drafter) + SIDE_HEADROOM_BYTES <= card
-
-
-def card_bytes() -> int:
-    """The GPU's memory."""
-    import torch
-
-    return int(torch.cuda.get_device_properties(0).total_memory)
 
 
 def weight_bytes(folder: Path) -> int:

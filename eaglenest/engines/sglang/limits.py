@@ -94,7 +94,7 @@ def bound_running_requests(kw: dict[str, Any], target: TargetSpec, sm_count: int
     cap = mla_triton_max_running_requests(heads, target.kv_lora_rank, splits)
     fraction = kw.get("mem_fraction_static")
     if gpu_bytes is None and fraction is not None:
-        gpu_bytes = _device_total_bytes()
+        gpu_bytes = device_total_bytes()
     memory_cap = (mla_triton_memory_max_running_requests(heads, target.kv_lora_rank, splits, gpu_bytes,
                                                          float(fraction))
                   if gpu_bytes and fraction is not None else None)
@@ -120,29 +120,29 @@ def bound_running_requests(kw: dict[str, Any], target: TargetSpec, sm_count: int
             f"context_length, or extra_args triton_attention_split_tile_size (fewer splits)")
 
 
-def _device_sm_count() -> int:
-    """The current GPU's streaming multiprocessors (256, every current GPU's bound, without one)."""
+def _device_properties() -> Any | None:
+    """The current GPU's properties (None without one). Read from the driver's properties: asking for the free memory
+    would create a CUDA context in this process, held for the engine's life beside SGLang's own."""
     try:
         import torch
 
         if torch.cuda.is_available():
-            return int(torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count)
-    except Exception:  # noqa: BLE001 - a bound is enough
-        pass
-    return 256
-
-
-def _device_total_bytes() -> int | None:
-    """The current GPU's memory (None without one), read from its properties: asking for the free memory would
-    create a CUDA context in this process, held for the engine's life beside SGLang's own."""
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            return int(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
-    except Exception:  # noqa: BLE001 - without it only the kernel's bound applies
+            return torch.cuda.get_device_properties(torch.cuda.current_device())
+    except Exception:  # noqa: BLE001 - without them only the bounds that need no device apply
         pass
     return None
+
+
+def _device_sm_count() -> int:
+    """The current GPU's streaming multiprocessors (256, every current GPU's bound, without one)."""
+    props = _device_properties()
+    return int(props.multi_processor_count) if props is not None else 256
+
+
+def device_total_bytes() -> int | None:
+    """The current GPU's memory (None without one)."""
+    props = _device_properties()
+    return int(props.total_memory) if props is not None else None
 
 
 def unknown_server_args(kw: Mapping[str, Any], fields: Collection[str]) -> list[str]:
