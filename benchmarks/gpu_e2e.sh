@@ -63,6 +63,9 @@
 # schedule side by side; checks >= 0.98x baseline everywhere, within 5% of the best static, >= 1.5x at batch 1) and a
 # served load ramp (E2E_RAMP_LEVELS 1..256, E2E_RAMP_STEP_S 20 s a level) against the same server without a drafter
 # (checks tok/s never 3% below, TTFT p99 never 10% worse). ~35 min more on the H200: see gpu_tune.py's docstring.
+# E2E_STEPS_SKIP=a,b,...: leave those steps out (names as `python3 benchmarks/gpu_e2e.py order` prints them; a name
+# that is no step stops the runner), e.g. a rehearsal of the tune steps on a shorter lease:
+# E2E_TUNE=1 E2E_STEPS_SKIP=offline_ref,offline_recording,eagle_forced,bench,serve (the tune uses the default drafter).
 #
 # E2E_ARCH=deepseek_v3 (default llama; set it on the phase1 command, the runner starts there): the stand-in is
 # `eaglenest standin-target --arch deepseek_v3` (docs/GPU_STANDIN.md), a DeepseekV3ForCausalLM (MLA, MoE with a shared

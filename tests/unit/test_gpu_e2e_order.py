@@ -79,3 +79,13 @@ def test_side_steps_share_the_card_with_serve_only_where_two_engines_fit() -> No
     assert gpu_e2e.side_steps_fit(h200, kimi, kimi_drafter)
     assert not gpu_e2e.side_steps_fit(h100, kimi, kimi_drafter)  # there the side steps run after serve
     assert gpu_e2e.side_steps_fit(h100, small, small_drafter)  # the small preset's run of 2026-12-06
+
+
+def test_steps_skip_leaves_named_steps_out_and_refuses_a_name_that_is_no_step() -> None:
+    """A rehearsal of the tune steps skips the bench and serve; a typo must not run the whole loop instead."""
+    order = _order("llama", E2E_TUNE="1", E2E_STEPS_SKIP="offline_ref,bench,serve")
+    assert "bench" not in order and "serve" not in order and "offline_ref" not in order
+    assert order.index("train") < order.index("tune") < order.index("ramp")
+    env = {**os.environ, "E2E_ARCH": "llama", "E2E_STEPS_SKIP": "bnech"}
+    out = subprocess.run([sys.executable, str(SCRIPT), "order"], env=env, capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode != 0 and "bnech" in out.stderr and "bench" in out.stderr
