@@ -59,10 +59,11 @@
 # folder, so the rest of the loop still runs; the summary says so.
 # E2E_TUNE=1 (issue 29, "never slower than no speculation"): after `serve`, three more steps (benchmarks/gpu_tune.py):
 # `eaglenest tune` on the served drafter (E2E_TUNE_BATCHES, default 1,2,4,...,256; E2E_TUNE_STEPS chains, default
-# 1,2,3,5; E2E_TUNE_TEMPERATURES, default 0), `eaglenest bench --schedule` (baseline, the chosen shapes and the
-# schedule side by side; checks >= 0.98x baseline everywhere, within 5% of the best static, >= 1.5x at batch 1) and a
+# 1,2,3,5; E2E_TUNE_TEMPERATURES, default 0), the schedule beside the baseline and the best static config (measured by
+# the tune's own run, `--verify`; E2E_TUNE_VERIFY=0: a second run, `eaglenest bench --schedule`; checks >= 0.98x
+# baseline everywhere, within 5% of the best static, >= 1.5x at batch 1) and a
 # served load ramp (E2E_RAMP_LEVELS 1..256, E2E_RAMP_STEP_S 20 s a level) against the same server without a drafter
-# (checks tok/s never 3% below, TTFT p99 never 10% worse). ~35 min more on the H200: see gpu_tune.py's docstring.
+# (checks tok/s never 3% below, TTFT p99 never 10% worse). ~27 min more on the H200: see gpu_tune.py's docstring.
 # E2E_STEPS_SKIP=a,b,...: leave those steps out (names as `python3 benchmarks/gpu_e2e.py order` prints them; a name
 # that is no step stops the runner), e.g. a rehearsal of the tune steps on a shorter lease:
 # E2E_TUNE=1 E2E_STEPS_SKIP=offline_ref,offline_recording,eagle_forced,bench,serve (the tune uses the default drafter).

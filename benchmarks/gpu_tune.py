@@ -4,19 +4,22 @@ Run as three more steps of ``benchmarks/gpu_e2e.sh`` with ``E2E_TUNE=1`` (after 
 
 - ``tune``: ``eaglenest tune`` on the serving config (SGLang: the baseline engine, "off" (an adaptive engine pinned to
   steps 0), every chain of ``E2E_TUNE_STEPS`` at ``E2E_TUNE_BATCHES``) -> ``results/tune/schedule.{json,md,png}``.
-- ``bench_schedule``: ``eaglenest bench --schedule``: the baseline, every shape some bucket chose (the best static
-  config per batch size among them) and the schedule as serve launches it (SGLang's adaptive mode), in one run at the
-  same batch sizes -> ``results/bench-schedule/bench-sweep.{json,md,png}``; checks: schedule >= 0.98x the baseline
-  at every batch size, within 5% of the best static config at each, >= 1.5x at batch 1.
+- ``bench_schedule``: the baseline, the best static config per batch size and the schedule as serve launches it
+  (SGLang's adaptive mode), side by side in one run at the same batch sizes; checks: schedule >= 0.98x the baseline
+  at every batch size, within 5% of the best static config at each, >= 1.5x at batch 1. By default the tune's own
+  run measures the schedule (``eaglenest tune --verify``: every candidate is a static config, one engine start more,
+  ``results/tune/verify/bench-sweep.{json,md,png}``); ``E2E_TUNE_VERIFY=0``: a second run, ``eaglenest bench
+  --schedule`` (the baseline, the chosen shapes and the schedule started again, ``results/bench-schedule/``).
 - ``ramp``: ``eaglenest serve`` twice (the schedule; no drafter), each under a ramp of concurrent streams
   (``E2E_RAMP_LEVELS``, ``E2E_RAMP_STEP_S`` seconds a level) from the official ``openai`` client: output tok/s and
   TTFT p99 per level; checks: tok/s never more than 3% below the plain server's, TTFT p99 not worse by more than 10%.
 
 On the CPU (``bash benchmarks/gpu_e2e.sh --cpu`` with ``E2E_TUNE=1``) the same steps run at toy sizes on the hf engine
 (what is checked there is the plumbing, not the figures). Estimated device time on the H200 with the Llama stand-in
-(8B, ~70 s an engine start): tune ~(2 + chains) x (start + ~90 s of measuring at 9 batch sizes) ~ 15 min for 4 chains
-and one temperature (each temperature in ``E2E_TUNE_TEMPERATURES`` adds as much); bench ~(3 + chosen shapes) starts +
-measuring ~7 min; ramp 2 x (serve start ~110 s + 9 levels x (E2E_RAMP_STEP_S + ~8 s)) ~ 12 min.
+(8B, ~70 s an engine start): tune ~(3 + chains) x (start + ~40 s of measuring at 9 batch sizes, 2 repeats) ~ 13 min
+for 4 chains and one temperature (each temperature in ``E2E_TUNE_TEMPERATURES`` adds as much), its --verify one start
+and measuring more (~2 min; the separate bench it replaces: ~(3 + chosen shapes) starts, ~7 min); ramp 2 x (serve
+start ~110 s + 9 levels x (E2E_RAMP_STEP_S + ~8 s)) ~ 12 min. None of it has run on a GPU yet.
 """
 
 from __future__ import annotations
@@ -42,6 +45,10 @@ RAMP_LEVELS = [int(x) for x in e2e.knob("E2E_RAMP_LEVELS", gpu="1,2,4,8,16,32,64
 RAMP_STEP_S = float(e2e.knob("E2E_RAMP_STEP_S", gpu=20, cpu=6))
 RAMP_WARM_S = float(e2e.knob("E2E_RAMP_WARM_S", gpu=3, cpu=1))
 RAMP_MAX_TOKENS = int(e2e.knob("E2E_RAMP_MAX_TOKENS", gpu=128, cpu=16))
+TUNE_VERIFY = e2e.knob("E2E_TUNE_VERIFY", gpu=1, cpu=1) == "1"
+"""``eaglenest tune --verify``: the schedule measured in the tune's own run beside the measurements that chose it (one
+engine start: the schedule's, then the baseline's drift run), and ``bench_schedule`` reads that sweep; 0: a second
+run, ``eaglenest bench --schedule``, which starts the baseline, the chosen shapes and the schedule again"""
 TUNE_OUT = e2e.RESULTS / "tune"
 SCHEDULE = TUNE_OUT / "schedule.json"
 SERVE_SCHEDULE_CONFIG = e2e.WORK / "e2e-serve-schedule.yaml"
@@ -54,7 +61,8 @@ def step_tune() -> dict[str, Any]:
     res = e2e.sh([sys.executable, "-m", "eaglenest.cli", "tune", "--config", str(e2e.CONFIG), "--drafter",
                   str(drafter), "--batch-sizes", TUNE_BATCHES, "--steps", TUNE_STEPS, "--temperatures",
                   TUNE_TEMPERATURES, "--repeats", str(TUNE_REPEATS), "--max-new-tokens", str(TUNE_MAX_NEW_TOKENS),
-                  "--num-prompts", str(TUNE_PROMPTS), "--output", str(TUNE_OUT), "--no-progress"],
+                  "--num-prompts", str(TUNE_PROMPTS), "--output", str(TUNE_OUT), "--no-progress",
+                  *(["--verify"] if TUNE_VERIFY else [])],
                  timeout=5400, log_name="tune")
     rec: dict[str, Any] = {"status": "ok" if res.returncode == 0 and SCHEDULE.is_file() else "error",
                            "rc": res.returncode, "drafter": str(drafter), "stdout_tail": res.stdout[-3000:]}
@@ -83,6 +91,12 @@ def step_bench_schedule() -> dict[str, Any]:
     """Baseline, the chosen shapes (best static per batch size among them) and the schedule, side by side."""
     if not SCHEDULE.is_file():
         return {"status": "error", "error": "no schedule: the tune step failed"}
+    if TUNE_VERIFY:
+        sweep = TUNE_OUT / "verify" / "bench-sweep.json"
+        if not sweep.is_file():
+            return {"status": "error", "error": f"no {sweep}: the tune's --verify did not finish (see the tune log)"}
+        return {"status": "ok", "measured_by": "eaglenest tune --verify (the schedule beside the tune's measurements, "
+                "every candidate a static config)", **sweep_checks(json.loads(sweep.read_text()))}
     out = e2e.RESULTS / "bench-schedule"
     shapes = chosen_shapes() or [f"{TUNE_STEPS.split(',')[0]}-1-{int(TUNE_STEPS.split(',')[0]) + 1}"]
     res = e2e.sh([sys.executable, "-m", "eaglenest.cli", "bench", "--config", str(e2e.CONFIG), "--drafter",
@@ -93,7 +107,13 @@ def step_bench_schedule() -> dict[str, Any]:
     sweep = out / "bench-sweep.json"
     if not sweep.is_file():
         return {"status": "error", "rc": res.returncode, "error": (res.stderr or res.stdout)[-3000:]}
-    summary = json.loads(sweep.read_text())
+    return {"status": "ok" if res.returncode == 0 else "error", "rc": res.returncode, "shapes": shapes,
+            **sweep_checks(json.loads(sweep.read_text())),
+            **({"error": (res.stderr or res.stdout)[-3000:]} if res.returncode else {})}
+
+
+def sweep_checks(summary: dict[str, Any]) -> dict[str, Any]:
+    """The issue's three bench lines on a bench-sweep summary (rows, checks and the worst ratios)."""
     rows = summary["rows"]
     checks = {
         "schedule_ge_0.98x_baseline_everywhere": all((r["schedule_vs_baseline"] or 0) >= 0.98 for r in rows),
@@ -102,9 +122,7 @@ def step_bench_schedule() -> dict[str, Any]:
         "schedule_ge_1.5x_at_batch_1": any(r["batch_size"] == 1 and (r["schedule_vs_baseline"] or 0) >= 1.5
                                            for r in rows),
     }
-    return {"status": "ok" if res.returncode == 0 else "error", "rc": res.returncode, "shapes": shapes, "rows": rows,
-            "checks": checks, **({"error": (res.stderr or res.stdout)[-3000:]} if res.returncode else {}),
-            "worst_schedule_vs_baseline": summary["worst_schedule_vs_baseline"],
+    return {"rows": rows, "checks": checks, "worst_schedule_vs_baseline": summary["worst_schedule_vs_baseline"],
             "worst_schedule_vs_best_static": summary["worst_schedule_vs_best_static"]}
 
 

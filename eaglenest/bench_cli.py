@@ -165,7 +165,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"batch {report['batch_size']}: {report['verdict']}", file=sys.stderr)
             wins = False
     if len(reports) > 1:
-        _write_sweep(reports, Path(out_dir) if out_dir else None)
+        write_sweep(reports, Path(out_dir) if out_dir else None)
     if not wins and args.fail_if_slower:
         return 1
     return 0
@@ -283,7 +283,7 @@ def _with_schedule(args, tc, drafters, sweep, batch_sizes):
     return schedule, sweep, batch_sizes
 
 
-def _write_sweep(reports, out: Path | None) -> None:
+def write_sweep(reports, out: Path | None) -> None:
     """Baseline, best static config and the schedule side by side over the batch sizes (printed; files in out)."""
     from eaglenest.speculative.bench_report import plot_sweep, sweep_markdown, sweep_summary
 

@@ -8,6 +8,9 @@ size (``eaglenest bench``'s engines and loop: the transformers reference decoder
 repeats and a drift check, and writes into the output folder ``measurements.jsonl`` (kept as it goes: re-run the same
 command after a kill and it continues), ``schedule.json`` (serve it with ``serve.schedule``), ``schedule.md`` and
 ``schedule.png`` (the curves). The schedule records target, drafter and engine: serve refuses it for anything else.
+``--verify`` then measures the schedule as serve launches it beside the measurements that chose it (on SGLang one
+engine start more, then the baseline's drift run) and writes ``verify/bench-sweep.{json,md,png}``: what ``eaglenest
+bench --schedule`` reports, without a second run of the baseline and of every static config.
 """
 
 from __future__ import annotations
@@ -31,6 +34,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--noise-floor", type=float, default=None, help="smallest relative difference treated as real")
     p.add_argument("--engine", choices=["hf", "sglang"], default=None, help="default: target.engine of the config")
     p.add_argument("--output", default=None, help="folder for measurements.jsonl, schedule.json/.md/.png")
+    p.add_argument("--verify", action="store_true", default=None,
+                   help="then measure the schedule beside what chose it, in the same run (output/verify/bench-sweep.*: "
+                        "baseline, best static config, schedule; as `eaglenest bench --schedule` reports)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -75,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
             "trees": (parse_sweep(args.trees) if args.trees.strip() else []) if args.trees is not None else None,
             "temperatures": _floats(args.temperatures, "--temperatures") if args.temperatures else None,
             "repeats": args.repeats, "max_new_tokens": args.max_new_tokens, "num_prompts": args.num_prompts,
-            "noise_floor": args.noise_floor}.items() if v is not None}
+            "noise_floor": args.noise_floor, "verify": args.verify}.items() if v is not None}
         t = type(t).model_validate({**t.model_dump(), **updates})
     except (ValueError, ValidationError) as e:
         print(f"eaglenest tune: {e}", file=sys.stderr)
@@ -98,6 +104,7 @@ def _tune(cfg, tc, t, drafter: str, prompts_path: str, out: Path, *, progress: b
         candidate_labels,
         run_tune,
         schedule_from,
+        verify_schedule,
     )
 
     try:
@@ -125,6 +132,7 @@ def _tune(cfg, tc, t, drafter: str, prompts_path: str, out: Path, *, progress: b
         engine = HFEngine.from_config(tc)
         prompts = [prompt_ids(engine.tokenizer, r) for r in records]
         run_tune("hf", engine, drafter, prompts, settings, log, progress=progress)
+        measure = {"engine": "hf", "target": engine}
     else:
         from eaglenest.bench_cli import sglang_factory
         from eaglenest.engines.sglang.engine import SGLangEngine
@@ -132,9 +140,18 @@ def _tune(cfg, tc, t, drafter: str, prompts_path: str, out: Path, *, progress: b
         probe = SGLangEngine(tc)  # tokenizer only; the engine starts lazily
         prompts = [prompt_ids(probe.tokenizer, r) for r in records]
         lo_hi = (1, max(settings.batch_sizes))
-        run_tune("sglang", None, drafter, prompts, settings, log, sglang_factory=sglang_factory(tc, lo_hi),
-                 progress=progress)
+        factory = sglang_factory(tc, lo_hi)
+        run_tune("sglang", None, drafter, prompts, settings, log, sglang_factory=factory, progress=progress,
+                 drift_check=not t.verify)  # with --verify the baseline's second run comes after the schedule's
+        measure = {"engine": "sglang", "target": None, "sglang_factory": factory}
     schedule = schedule_from(log, identity, settings)
+    if t.verify:
+        from eaglenest.bench_cli import write_sweep
+
+        reports = verify_schedule(measure.pop("engine"), measure.pop("target"), drafter, prompts, settings, log,
+                                  schedule, progress=progress, **measure)
+        write_sweep(reports, out / "verify")
+        schedule = schedule_from(log, identity, settings)  # the same choices, now with the drift check's result
     path = schedule.save(out / "schedule.json")
     (out / "schedule.md").write_text(schedule_markdown(schedule))
     plot_schedule(schedule, out / "schedule.png")

@@ -61,6 +61,9 @@ class TuneConfig(Section):
     num_prompts: int = Field(16, ge=1, description="prompts per measurement at least (whole batches; file cycled)")
     noise_floor: float = Field(0.01, ge=0, lt=0.5, description="smallest relative difference treated as real")
     output: str | None = Field(None, description="folder for measurements.jsonl, schedule.json, schedule.png")
+    verify: bool = Field(False, description="measure the schedule too, beside what chose it, in the same run "
+                         "(output/verify: what `eaglenest bench --schedule` reports, one engine start more "
+                         "instead of a second bench's baseline and static configs)")
 
     @field_validator("batch_sizes", "steps")
     @classmethod

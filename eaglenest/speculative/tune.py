@@ -147,8 +147,10 @@ class Measurements:
 
 
 def run_tune(engine: str, target: Any, drafter: Any, prompts: Sequence[Sequence[int]], settings: TuneSettings,
-             log: Measurements, *, sglang_factory: Callable[..., Any] | None = None, progress: bool = True) -> None:
-    """Measure what ``log`` does not hold yet (see the module docstring)."""
+             log: Measurements, *, sglang_factory: Callable[..., Any] | None = None, progress: bool = True,
+             drift_check: bool = True) -> None:
+    """Measure what ``log`` does not hold yet (see the module docstring). ``drift_check=False`` (SGLang) leaves the
+    baseline's second run to :func:`verify_schedule`, which measures it after the schedule."""
     specs = settings.specs()
     plans = {"off": OffPlan()}
     common = {"repeats": settings.repeats, "max_new_tokens": settings.max_new_tokens, "plans": plans}
@@ -168,7 +170,7 @@ def run_tune(engine: str, target: Any, drafter: Any, prompts: Sequence[Sequence[
         else:
             reps = run_bench_batches(
                 None, drafter, prompts_for(prompts, 1, 1), specs, batch_sizes=pending, temperature=t, engine="sglang",
-                sglang_factory=sglang_factory, progress=progress, drift_check=True,
+                sglang_factory=sglang_factory, progress=progress, drift_check=drift_check,
                 done=log.variants.get(t, {}), on_variant=lambda name, rounds, t=t: log.add_variant(t, name, rounds),
                 prompts_for=lambda bs: prompts_for(prompts, bs, settings.num_prompts), **common)
             for bs, rep in zip(pending, reps, strict=True):
@@ -185,6 +187,37 @@ def run_tune(engine: str, target: Any, drafter: Any, prompts: Sequence[Sequence[
         first = log.reports[(first_t, first_bs)]
         log.add_drift(first_t, first_bs, first["baseline"]["tok_per_s"], again["baseline"]["tok_per_s"],
                       noise_of([first], settings.noise_floor))
+
+
+def verify_schedule(engine: str, target: Any, drafter: Any, prompts: Sequence[Sequence[int]],
+                    settings: TuneSettings, log: Measurements, schedule: Schedule, *,
+                    sglang_factory: Callable[..., Any] | None = None, progress: bool = True) -> list[dict[str, Any]]:
+    """The schedule measured beside what chose it, in the same run, at the first temperature: the bench's reports
+    (baseline, every candidate, "off" and the schedule as serve launches it) per batch size, which
+    ``eaglenest bench --schedule`` would give from a second run of every engine.
+
+    On SGLang the variants ``log`` holds are not started again: one engine more (the schedule), then the baseline's
+    drift run, so the baseline is measured before and after everything the comparison uses. The schedule's run is
+    recorded in ``log`` like any variant (a killed verify continues). The reference decoder measures each batch size
+    afresh (a CPU's engine start is cheap)."""
+    t = settings.temperatures[0]
+    common = {"repeats": settings.repeats, "max_new_tokens": settings.max_new_tokens,
+              "plans": {"off": OffPlan(), "schedule": schedule}}
+    specs = settings.specs()
+    if engine == "hf":
+        return [run_bench_batches(target, drafter, prompts_for(prompts, bs, settings.num_prompts), specs,
+                                  batch_sizes=[bs], temperature=t, engine="hf", progress=False, **common)[0]
+                for bs in settings.batch_sizes]
+    reps = run_bench_batches(
+        None, drafter, prompts_for(prompts, 1, 1), specs, batch_sizes=settings.batch_sizes, temperature=t,
+        engine="sglang", sglang_factory=sglang_factory, progress=progress, drift_check=True,
+        done=log.variants.get(t, {}), on_variant=lambda name, rounds: log.add_variant(t, name, rounds),
+        prompts_for=lambda bs: prompts_for(prompts, bs, settings.num_prompts), **common)
+    for bs, rep in zip(settings.batch_sizes, reps, strict=True):
+        end = rep["baseline"].get("tok_per_s_end")
+        if end and bs not in log.drift.get(t, {}):
+            log.add_drift(t, bs, rep["baseline"]["tok_per_s"], end, noise_of([rep], settings.noise_floor))
+    return reps
 
 
 def schedule_from(log: Measurements, identity: dict[str, Any], settings: TuneSettings) -> Schedule:

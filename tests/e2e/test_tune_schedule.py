@@ -30,11 +30,11 @@ from serve_helpers import make_drafter
 HELDOUT = FIXTURES / "prompts" / "heldout.jsonl"
 
 
-def _tune(cfg: Path, drafter: Path, out: Path, batch_sizes: str) -> subprocess.CompletedProcess:
+def _tune(cfg: Path, drafter: Path, out: Path, batch_sizes: str, *more: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "eaglenest.cli", "tune", "--config", str(cfg), "--drafter",
                            str(drafter), "--batch-sizes", batch_sizes, "--steps", "1,2", "--temperatures", "0",
                            "--repeats", "2", "--max-new-tokens", "12", "--num-prompts", "2", "--output", str(out),
-                           "--no-progress"], capture_output=True, text=True, timeout=600)
+                           "--no-progress", *more], capture_output=True, text=True, timeout=600)
 
 
 @pytest.fixture(scope="module")
@@ -83,11 +83,16 @@ def test_tune_writes_a_schedule_that_follows_its_measurements_and_resumes(folder
             assert b["choice"]["label"] == best["config"]
     assert schedule["buckets"][-1]["choice"]["label"] == "off", "nothing measured above batch 2: no speculation"
 
-    again = _tune(folders["cfg"], folders["drafter"], out, "1,2,4")
+    again = _tune(folders["cfg"], folders["drafter"], out, "1,2,4", "--verify")
     assert again.returncode == 0, again.stderr[-3000:]
     per = _reports(out)
     assert sorted(per) == [1, 2, 4] and all(len(v) == 1 for v in per.values()), "only batch 4 was measured again"
     assert [b["label"] for b in json.loads((out / "schedule.json").read_text())["buckets"]] == ["1", "2", "3-4", "5+"]
+    sweep = json.loads((out / "verify" / "bench-sweep.json").read_text())  # --verify: the schedule beside them
+    assert [r["batch_size"] for r in sweep["rows"]] == [1, 2, 4]
+    assert all(r["schedule"] > 0 and r["baseline"] > 0 for r in sweep["rows"])
+    assert (out / "verify" / "bench-sweep.png").read_bytes()[:4] == b"\x89PNG"
+    assert "schedule x best static" in again.stdout
 
     refused = _tune(folders["cfg"], folders["other"], out, "1,2")
     assert refused.returncode == 2
