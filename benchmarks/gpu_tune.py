@@ -51,14 +51,35 @@ engine start: the schedule's, then the baseline's drift run), and ``bench_schedu
 run, ``eaglenest bench --schedule``, which starts the baseline, the chosen shapes and the schedule again"""
 TUNE_OUT = e2e.RESULTS / "tune"
 SCHEDULE = TUNE_OUT / "schedule.json"
+TUNE_GRAPHS = e2e.knob("E2E_TUNE_GRAPHS", gpu=1, cpu=0) == "1"
+"""the tune's, the bench's and the ramp's SGLang engines capture decode graphs at the tuned batch sizes (powers of two
+up to the largest: :func:`gpu_e2e.graph_batch_sizes`) and build no prefill graphs (:data:`gpu_e2e.NO_PREFILL_GRAPHS`),
+where SGLang's own ladder to 256 is ~36 sizes captured for the target and every draft step and its piecewise prefill
+graphs compile per engine start: the tune starts (3 + chains) engines and the ramp two servers. The same settings
+everywhere, so the schedule's engine identity (which records them) matches the servers the ramp starts"""
+TUNE_CONFIG = e2e.WORK / "e2e-tune.yaml"
 SERVE_SCHEDULE_CONFIG = e2e.WORK / "e2e-serve-schedule.yaml"
 SERVE_PLAIN_CONFIG = e2e.WORK / "e2e-serve-plain.yaml"
+
+
+def tune_config() -> Path:
+    """The run's config with :data:`TUNE_GRAPHS`' engine settings (written once; every tune step reads it)."""
+    import yaml
+
+    if not TUNE_CONFIG.is_file():
+        cfg = yaml.safe_load(e2e.CONFIG.read_text())
+        if TUNE_GRAPHS:
+            sg = cfg["target"].setdefault("sglang", {})
+            sg["extra_args"] = {**(sg.get("extra_args") or {}), **e2e.NO_PREFILL_GRAPHS,
+                                "cuda_graph_bs_decode": e2e.graph_batch_sizes(TUNE_BATCHES)}
+        TUNE_CONFIG.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return TUNE_CONFIG
 
 
 def step_tune() -> dict[str, Any]:
     """``eaglenest tune`` on the served drafter, with the serving config."""
     drafter = e2e.served_export()
-    res = e2e.sh([sys.executable, "-m", "eaglenest.cli", "tune", "--config", str(e2e.CONFIG), "--drafter",
+    res = e2e.sh([sys.executable, "-m", "eaglenest.cli", "tune", "--config", str(tune_config()), "--drafter",
                   str(drafter), "--batch-sizes", TUNE_BATCHES, "--steps", TUNE_STEPS, "--temperatures",
                   TUNE_TEMPERATURES, "--repeats", str(TUNE_REPEATS), "--max-new-tokens", str(TUNE_MAX_NEW_TOKENS),
                   "--num-prompts", str(TUNE_PROMPTS), "--output", str(TUNE_OUT), "--no-progress",
@@ -99,7 +120,7 @@ def step_bench_schedule() -> dict[str, Any]:
                 "every candidate a static config)", **sweep_checks(json.loads(sweep.read_text()))}
     out = e2e.RESULTS / "bench-schedule"
     shapes = chosen_shapes() or [f"{TUNE_STEPS.split(',')[0]}-1-{int(TUNE_STEPS.split(',')[0]) + 1}"]
-    res = e2e.sh([sys.executable, "-m", "eaglenest.cli", "bench", "--config", str(e2e.CONFIG), "--drafter",
+    res = e2e.sh([sys.executable, "-m", "eaglenest.cli", "bench", "--config", str(tune_config()), "--drafter",
                   str(e2e.served_export()), "--schedule", str(SCHEDULE), "--sweep", ",".join(shapes),
                   "--batch-size", TUNE_BATCHES, "--num-prompts", str(TUNE_PROMPTS), "--max-new-tokens",
                   str(TUNE_MAX_NEW_TOKENS), "--repeats", str(TUNE_REPEATS), "--output", str(out)],
@@ -131,7 +152,7 @@ def write_serve_configs() -> None:
     """The serving config twice: with the tuned schedule, and without a drafter (the server to beat)."""
     import yaml
 
-    cfg = yaml.safe_load(e2e.CONFIG.read_text())
+    cfg = yaml.safe_load(tune_config().read_text())  # the engine settings the schedule was tuned with
     top = max(RAMP_LEVELS)
     serve = {**cfg["serve"], "max_concurrent_requests": top + 8, "expected_batch_size": [1, top],
              "max_batch_size": max(top, cfg["serve"].get("max_batch_size", 16))}
