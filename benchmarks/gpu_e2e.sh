@@ -256,6 +256,11 @@ if [ -z "${E2E_SHAREGPT:-}" ]; then
   fi
 fi
 
+if ! python3 benchmarks/gpu_e2e.py order > /dev/null; then  # e.g. E2E_STEPS_SKIP naming no step: say so, run nothing
+  echo "== the run's step order was refused (the line above says why): nothing ran"
+  touch "$E2E_WORK/phaseA.done" "$E2E_WORK/all.done"
+  exit 2
+fi
 step jit_warm  # DeepseekV3 on the GPU: SGLang's kernels compiled in the background meanwhile (gpu_jit_warm.py)
 step standin
 for s in $(python3 benchmarks/gpu_e2e.py order before-ray); do  # DeepseekV3: what needs no Ray (SGLang's yardstick)
