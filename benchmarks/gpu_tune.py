@@ -19,7 +19,10 @@ On the CPU (``bash benchmarks/gpu_e2e.sh --cpu`` with ``E2E_TUNE=1``) the same s
 (8B, ~70 s an engine start): tune ~(3 + chains) x (start + ~40 s of measuring at 9 batch sizes, 2 repeats) ~ 13 min
 for 4 chains and one temperature (each temperature in ``E2E_TUNE_TEMPERATURES`` adds as much), its --verify one start
 and measuring more (~2 min; the separate bench it replaces: ~(3 + chosen shapes) starts, ~7 min); ramp 2 x (serve
-start ~110 s + 9 levels x (E2E_RAMP_STEP_S + ~8 s)) ~ 12 min. None of it has run on a GPU yet.
+start ~110 s + 9 levels x (E2E_RAMP_STEP_S + ~8 s)) ~ 12 min; engine starts shorter by what E2E_TUNE_GRAPHS saves
+(not measured). With the base loop cut to what the tune needs (E2E_STEPS_SKIP=offline_ref,offline_recording,
+eagle_forced,bench,serve; E2E_TRAIN_PROMPTS=1600 E2E_EPOCHS=2: ~8 min), E2E_TUNE_STEPS=2,3 and E2E_RAMP_STEP_S=12
+the whole run is estimated at ~28 min. None of it has run on a GPU yet.
 """
 
 from __future__ import annotations
