@@ -117,7 +117,8 @@ class Measurements:
             if rec["kind"] == "report":
                 self.reports[(t, int(rec["batch_size"]))] = rec["report"]
             elif rec["kind"] == "variant":
-                self.variants.setdefault(t, {})[rec["name"]] = {int(k): v for k, v in rec["rounds"].items()}
+                self.variants.setdefault(t, {}).setdefault(rec["name"], {}).update(
+                    {int(k): v for k, v in rec["rounds"].items()})
             elif rec["kind"] == "drift":
                 self.drift.setdefault(t, {})[int(rec["batch_size"])] = rec
 
@@ -131,7 +132,9 @@ class Measurements:
         self._append({"kind": "report", "temperature": temperature, "batch_size": batch_size, "report": report})
 
     def add_variant(self, temperature: float, name: str, rounds: dict[int, list[dict[str, Any]]]) -> None:
-        self.variants.setdefault(temperature, {})[name] = rounds
+        """A variant's rounds per batch size, merged with its earlier ones (a tune grown by batch sizes measures only
+        the new ones; a later verify then finds the variant measured at every size and does not start it again)."""
+        self.variants.setdefault(temperature, {}).setdefault(name, {}).update(rounds)
         self._append({"kind": "variant", "temperature": temperature, "name": name,
                       "rounds": {str(k): v for k, v in rounds.items()}})
 

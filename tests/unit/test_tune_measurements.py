@@ -64,3 +64,15 @@ def test_prompts_run_in_whole_batches():
     with pytest.raises(TuneError, match="--prompts"):
         prompts_for([], 1, 1)
     assert candidate_labels([1, 3], []) == ["1-1-2", "3-1-4"]
+
+
+def test_a_variant_measured_in_two_runs_holds_every_batch_size(tmp_path: Path):
+    """A tune grown by a batch size measures each variant there only; the file then holds each variant at every
+    size (what a later ``--verify`` checks before starting an engine again), read back the same way."""
+    path = tmp_path / "m.jsonl"
+    log = Measurements(path, IDENTITY, _settings())
+    log.add_variant(0.0, "3-1-4", {1: [{"seconds": 1.0}], 2: [{"seconds": 2.0}]})
+    log.add_variant(0.0, "3-1-4", {4: [{"seconds": 4.0}]})
+    assert sorted(log.variants[0.0]["3-1-4"]) == [1, 2, 4]
+    again = Measurements(path, IDENTITY, _settings(batch_sizes=[1, 2, 4]))
+    assert again.variants[0.0]["3-1-4"] == log.variants[0.0]["3-1-4"]
