@@ -66,16 +66,15 @@ SERVE_PLAIN_CONFIG = e2e.WORK / "e2e-serve-plain.yaml"
 
 
 def tune_config() -> Path:
-    """The run's config with :data:`TUNE_GRAPHS`' engine settings (written once; every tune step reads it)."""
+    """The run's config with :data:`TUNE_GRAPHS`' engine settings (every tune step writes and reads the same)."""
     import yaml
 
-    if not TUNE_CONFIG.is_file():
-        cfg = yaml.safe_load(e2e.CONFIG.read_text())
-        if TUNE_GRAPHS:
-            sg = cfg["target"].setdefault("sglang", {})
-            sg["extra_args"] = {**(sg.get("extra_args") or {}), **e2e.NO_PREFILL_GRAPHS,
-                                "cuda_graph_bs_decode": e2e.graph_batch_sizes(TUNE_BATCHES)}
-        TUNE_CONFIG.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    cfg = yaml.safe_load(e2e.CONFIG.read_text())
+    if TUNE_GRAPHS:
+        sg = cfg["target"].setdefault("sglang", {})
+        sg["extra_args"] = {**(sg.get("extra_args") or {}), **e2e.NO_PREFILL_GRAPHS,
+                            "cuda_graph_bs_decode": e2e.graph_batch_sizes(TUNE_BATCHES)}
+    TUNE_CONFIG.write_text(yaml.safe_dump(cfg, sort_keys=False))
     return TUNE_CONFIG
 
 
@@ -112,7 +111,8 @@ def chosen_shapes() -> list[str]:
 
 
 def step_bench_schedule() -> dict[str, Any]:
-    """Baseline, the chosen shapes (best static per batch size among them) and the schedule, side by side."""
+    """Baseline, the best static config per batch size and the schedule, side by side: the tune's --verify sweep
+    (every candidate a static config), or with E2E_TUNE_VERIFY=0 a second run over the chosen shapes."""
     if not SCHEDULE.is_file():
         return {"status": "error", "error": "no schedule: the tune step failed"}
     if TUNE_VERIFY:

@@ -132,7 +132,7 @@ def _tune(cfg, tc, t, drafter: str, prompts_path: str, out: Path, *, progress: b
         engine = HFEngine.from_config(tc)
         prompts = [prompt_ids(engine.tokenizer, r) for r in records]
         run_tune("hf", engine, drafter, prompts, settings, log, progress=progress)
-        measure = {"engine": "hf", "target": engine}
+        kind, target, factory = "hf", engine, None
     else:
         from eaglenest.bench_cli import sglang_factory
         from eaglenest.engines.sglang.engine import SGLangEngine
@@ -143,13 +143,13 @@ def _tune(cfg, tc, t, drafter: str, prompts_path: str, out: Path, *, progress: b
         factory = sglang_factory(tc, lo_hi)
         run_tune("sglang", None, drafter, prompts, settings, log, sglang_factory=factory, progress=progress,
                  drift_check=not t.verify)  # with --verify the baseline's second run comes after the schedule's
-        measure = {"engine": "sglang", "target": None, "sglang_factory": factory}
+        kind, target = "sglang", None
     schedule = schedule_from(log, identity, settings)
     if t.verify:
         from eaglenest.bench_cli import write_sweep
 
-        reports = verify_schedule(measure.pop("engine"), measure.pop("target"), drafter, prompts, settings, log,
-                                  schedule, progress=progress, **measure)
+        reports = verify_schedule(kind, target, drafter, prompts, settings, log, schedule, sglang_factory=factory,
+                                  progress=progress)
         write_sweep(reports, out / "verify")
         schedule = schedule_from(log, identity, settings)  # the same choices, now with the drift check's result
     path = schedule.save(out / "schedule.json")

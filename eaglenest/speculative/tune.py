@@ -166,21 +166,14 @@ def run_tune(engine: str, target: Any, drafter: Any, prompts: Sequence[Sequence[
         if engine == "hf":
             for bs in pending:
                 bar.set_description(f"tune T={t:g} batch {bs}")
-                rep = run_bench_batches(target, drafter, prompts_for(prompts, bs, settings.num_prompts), specs,
-                                        batch_sizes=[bs], temperature=t, engine="hf", progress=False, **common)[0]
-                log.add_report(t, bs, rep)
+                log.add_report(t, bs, _measure_hf(target, drafter, prompts, specs, settings, t, bs, common))
                 bar.update(1)
         else:
-            reps = run_bench_batches(
-                None, drafter, prompts_for(prompts, 1, 1), specs, batch_sizes=pending, temperature=t, engine="sglang",
-                sglang_factory=sglang_factory, progress=progress, drift_check=drift_check,
-                done=log.variants.get(t, {}), on_variant=lambda name, rounds, t=t: log.add_variant(t, name, rounds),
-                prompts_for=lambda bs: prompts_for(prompts, bs, settings.num_prompts), **common)
+            reps = _measure_sglang(drafter, prompts, specs, settings, log, t, pending, common,
+                                   sglang_factory=sglang_factory, progress=progress, drift_check=drift_check)
             for bs, rep in zip(pending, reps, strict=True):
                 log.add_report(t, bs, rep)
-                end = rep["baseline"].get("tok_per_s_end")
-                if end:
-                    log.add_drift(t, bs, rep["baseline"]["tok_per_s"], end, noise_of([rep], settings.noise_floor))
+                _record_drift(log, t, bs, rep, settings.noise_floor)
     bar.close()
     first_t, first_bs = settings.temperatures[0], settings.batch_sizes[0]
     if engine == "hf" and first_bs not in log.drift.get(first_t, {}):
@@ -208,19 +201,39 @@ def verify_schedule(engine: str, target: Any, drafter: Any, prompts: Sequence[Se
               "plans": {"off": OffPlan(), "schedule": schedule}}
     specs = settings.specs()
     if engine == "hf":
-        return [run_bench_batches(target, drafter, prompts_for(prompts, bs, settings.num_prompts), specs,
-                                  batch_sizes=[bs], temperature=t, engine="hf", progress=False, **common)[0]
-                for bs in settings.batch_sizes]
-    reps = run_bench_batches(
-        None, drafter, prompts_for(prompts, 1, 1), specs, batch_sizes=settings.batch_sizes, temperature=t,
-        engine="sglang", sglang_factory=sglang_factory, progress=progress, drift_check=True,
-        done=log.variants.get(t, {}), on_variant=lambda name, rounds: log.add_variant(t, name, rounds),
-        prompts_for=lambda bs: prompts_for(prompts, bs, settings.num_prompts), **common)
+        return [_measure_hf(target, drafter, prompts, specs, settings, t, bs, common) for bs in settings.batch_sizes]
+    reps = _measure_sglang(drafter, prompts, specs, settings, log, t, settings.batch_sizes, common,
+                           sglang_factory=sglang_factory, progress=progress, drift_check=True)
     for bs, rep in zip(settings.batch_sizes, reps, strict=True):
-        end = rep["baseline"].get("tok_per_s_end")
-        if end and bs not in log.drift.get(t, {}):
-            log.add_drift(t, bs, rep["baseline"]["tok_per_s"], end, noise_of([rep], settings.noise_floor))
+        _record_drift(log, t, bs, rep, settings.noise_floor)
     return reps
+
+
+def _measure_hf(target: Any, drafter: Any, prompts: Sequence[Sequence[int]], specs: list[SpecConfig],
+                settings: TuneSettings, t: float, bs: int, common: dict[str, Any]) -> dict[str, Any]:
+    """One batch size on the reference decoder: every variant, whole batches of ``bs``."""
+    return run_bench_batches(target, drafter, prompts_for(prompts, bs, settings.num_prompts), specs,
+                             batch_sizes=[bs], temperature=t, engine="hf", progress=False, **common)[0]
+
+
+def _measure_sglang(drafter: Any, prompts: Sequence[Sequence[int]], specs: list[SpecConfig], settings: TuneSettings,
+                    log: Measurements, t: float, sizes: list[int], common: dict[str, Any], *,
+                    sglang_factory: Callable[..., Any] | None, progress: bool,
+                    drift_check: bool) -> list[dict[str, Any]]:
+    """One engine per variant ``log`` does not hold at every one of ``sizes``, each recorded there as it ends."""
+    return run_bench_batches(
+        None, drafter, prompts_for(prompts, 1, 1), specs, batch_sizes=sizes, temperature=t, engine="sglang",
+        sglang_factory=sglang_factory, progress=progress, drift_check=drift_check, done=log.variants.get(t, {}),
+        on_variant=lambda name, rounds: log.add_variant(t, name, rounds),
+        prompts_for=lambda bs: prompts_for(prompts, bs, settings.num_prompts), **common)
+
+
+def _record_drift(log: Measurements, t: float, bs: int, rep: dict[str, Any], noise_floor: float) -> None:
+    """The baseline's second run of ``rep`` against its first, once per batch size (a resumed verify's drift run
+    comes back from the file, already recorded)."""
+    end = rep["baseline"].get("tok_per_s_end")
+    if end and bs not in log.drift.get(t, {}):
+        log.add_drift(t, bs, rep["baseline"]["tok_per_s"], end, noise_of([rep], noise_floor))
 
 
 def schedule_from(log: Measurements, identity: dict[str, Any], settings: TuneSettings) -> Schedule:
