@@ -1210,7 +1210,8 @@ def served_accept_lengths(client: Any) -> dict[str, Any]:
 
 
 SUITE_NAMES = knob("E2E_SUITES", gpu="mt-bench,humaneval,bfcl", cpu="mt-bench,humaneval,bfcl")
-"""issue #32's per-suite table, asked through the served API while serve is up ("" = none)"""
+"""issue #32's per-suite table, asked through the served API while serve is up ("," = none: an empty variable counts
+as unset, as for every knob)"""
 SUITE_PROMPTS = int(knob("E2E_SUITE_PROMPTS", kimi=8, gpu=24, cpu=2))
 """prompts per suite (round-robin over its categories; MT-Bench's second turns on top); kimi: 8 (the 30-minute
 session's seconds go to #28's steps first)"""
