@@ -20,6 +20,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -220,25 +221,38 @@ def _prompt_list(engine, records: list[dict], max_new_tokens: int) -> list[list[
     return conversation_prompts(records, answers, ids_of)
 
 
+def planned_launch(spec: Any, plan: Any, extra_args: Any,
+                   expected: tuple[int, int]) -> tuple[bool, Any, Any]:
+    """What a bench/tune variant starts on SGLang: ``(speculative, static shape, adaptive config)``. ``spec`` None
+    and no ``plan``: the plain engine; a ``plan`` (a tuned schedule, or "off") as serve launches it
+    (``plan.sglang_plan``: its notes go to stderr), where adaptive mode is a speculative engine with no static
+    shape."""
+    if plan is None:
+        return spec is not None, spec, None
+    launch = plan.sglang_plan(extra_args, expected=expected, provenance="eaglenest bench/tune")
+    for note in launch.notes:
+        print(f"eaglenest: {note}", file=sys.stderr)
+    if launch.mode == "plain":
+        return False, None, None
+    return True, launch.spec, launch.adaptive
+
+
 def sglang_factory(tc, expected: tuple[int, int] = (1, 256)):
     """SGLang integration point: one checked ``SGLangEngine`` per variant (eaglenest.engines.sglang.engine).
 
     ``factory(spec, drafter)``: the plain engine (``spec`` None) or one static shape; ``factory(None, drafter,
-    plan=...)``: a step plan (a tuned schedule, or "off") launched as serve launches it (``plan.sglang_plan``).
+    plan=...)``: a step plan (a tuned schedule, or "off") launched as serve launches it (:func:`planned_launch`).
     Each engine's start raises on a scheduler failure rather than ending the bench, so the other variants are still
-    measured (``start_failure_raises``)."""
+    measured (``start_failure_raises``). A speculative engine runs as many requests at once as the plain one will be
+    asked to (``expected[1]``, the largest batch), not SGLang's own cap of 48 for speculative launches."""
     from eaglenest.engines.sglang.engine import SGLangEngine
 
     def factory(spec, drafter_dir, plan=None):
-        adaptive = None
-        if plan is not None:
-            launch = plan.sglang_plan(tc.sglang.extra_args, expected=expected, provenance="eaglenest bench/tune")
-            for note in launch.notes:
-                print(f"eaglenest: {note}", file=sys.stderr)
-            spec, adaptive = (None, None) if launch.mode == "plain" else (launch.spec, launch.adaptive)
-        if spec is None:
+        speculative, spec, adaptive = planned_launch(spec, plan, tc.sglang.extra_args, expected)
+        if not speculative:
             return SGLangEngine(tc, start_failure_raises=True)
-        return SGLangEngine.speculative(tc, str(drafter_dir), spec, adaptive=adaptive, start_failure_raises=True)
+        return SGLangEngine.speculative(tc, str(drafter_dir), spec, adaptive=adaptive, start_failure_raises=True,
+                                        concurrency=expected[1])
 
     return factory
 

@@ -62,7 +62,8 @@ class Measurer:
         from eaglenest.engines.sglang.engine import SGLangEngine
         from eaglenest.speculative.evaluate import prompt_ids
 
-        engine = SGLangEngine.speculative(self.cfg.target, drafter, self.cfg.serve.spec)
+        engine = SGLangEngine.speculative(self.cfg.target, drafter, self.cfg.serve.spec,
+                                          concurrency=self.cfg.serve.max_concurrent_requests)
         out = {}
         try:
             for name, prompts in sets.items():

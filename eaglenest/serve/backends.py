@@ -401,9 +401,10 @@ def make_local_backend(cfg: EaglenestConfig, drafter: str | None, *,
             engine = SGLangEngine.from_config(cfg.target)
         elif plan is not None:
             engine = SGLangEngine.speculative(cfg.target, drafter, plan.spec or cfg.serve.spec,
-                                              adaptive=plan.adaptive)
+                                              adaptive=plan.adaptive, concurrency=cfg.serve.max_concurrent_requests)
         elif drafter is not None:
-            engine = SGLangEngine.speculative(cfg.target, drafter, cfg.serve.spec)
+            engine = SGLangEngine.speculative(cfg.target, drafter, cfg.serve.spec,
+                                              concurrency=cfg.serve.max_concurrent_requests)
         else:
             engine = SGLangEngine.from_config(cfg.target)
         decoder = SGLangDecoder(engine, max_batch=cfg.serve.max_concurrent_requests)

@@ -38,7 +38,11 @@ from eaglenest.engines.sglang.adaptive import (  # noqa: E402
     adaptive_kwargs,
     adaptive_refusal,
 )
-from eaglenest.engines.sglang.limits import check_server_args  # noqa: E402
+from eaglenest.engines.sglang.limits import (  # noqa: E402
+    SGLANG_SPECULATIVE_RUNNING_REQUESTS,
+    check_server_args,
+    speculative_running_requests,
+)
 from eaglenest.engines.sglang.spec import speculative_engine_kwargs  # noqa: E402
 from eaglenest.engines.sglang.symbols import server_arg_fields  # noqa: E402
 from eaglenest.speculative.schedule import build_schedule  # noqa: E402
@@ -49,13 +53,15 @@ CPU_ONLY = {"device": "cuda", "skip_tokenizer_init": True}
 SPEC = AdaptiveSpec(((1, (3, 2)), (2, (3,)), (3, (2, 1)), (5, (1, 0)), (9, (0,)), (257, (0,))))
 
 
-def _launch(tmp_path: Path, spec: AdaptiveSpec) -> ServerArgs:
+def _launch(tmp_path: Path, spec: AdaptiveSpec, concurrency: int | None = None) -> ServerArgs:
     target = write_target(tmp_path / "target")
     drafter = export_eagle3_drafter(tmp_path / "drafter", physical_ids=default_aux_layer_ids(8))
     top = max(1, max(spec.all_steps))
     kw, _ = speculative_engine_kwargs(str(target), SGLangEngineConfig(), drafter,
                                       SpecConfig(num_steps=top, topk=1, num_draft_tokens=top + 1))
     kw.update(adaptive_kwargs(spec, spec.write(tmp_path)))
+    if concurrency is not None:
+        kw.update(speculative_running_requests(kw, concurrency))
     check_server_args(kw, server_arg_fields(), "0.5.14")
     return ServerArgs(**kw, **CPU_ONLY)
 
@@ -122,3 +128,11 @@ def test_our_refusals_are_sglangs() -> None:
     for flag in REFUSING_FLAGS:
         assert asp.adaptive_unsupported_reason(args(**{flag: True})), flag
         assert adaptive_refusal({flag: True}), flag
+
+
+def test_sglang_caps_a_speculative_launch_unless_told(tmp_path: Path) -> None:
+    """SGLang sets max_running_requests to 48 for an EAGLE launch without one (the plain engine gets 2,048+ from its
+    KV pool); the concurrency eaglenest passes replaces it"""
+    spec = AdaptiveSpec(((1, (3,)), (2, (0,))))
+    assert _launch(tmp_path, spec).max_running_requests == SGLANG_SPECULATIVE_RUNNING_REQUESTS
+    assert _launch(tmp_path, spec, concurrency=264).max_running_requests == 264

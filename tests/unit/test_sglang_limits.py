@@ -116,3 +116,15 @@ def test_unknown_server_arguments_are_refused_with_the_closest_field():
         check_server_args({"model_path": "m", "cuda_graph_max_bs": 32}, fields, "0.5.14")
     assert "cuda_graph_max_bs" in str(e.value) and "did you mean cuda_graph_max_bs_decode" in str(e.value)
     assert "target.sglang.extra_args" in str(e.value)
+
+
+def test_a_speculative_launch_runs_as_many_requests_as_its_caller_asks() -> None:
+    """SGLang caps an EAGLE launch without max_running_requests at 48: eaglenest always sets it"""
+    from eaglenest.engines.sglang.limits import SGLANG_SPECULATIVE_RUNNING_REQUESTS, speculative_running_requests
+
+    assert speculative_running_requests({}, 264) == {"max_running_requests": 264}
+    assert speculative_running_requests({"max_running_requests": 32}, 264) == {}, "the config's own value stays"
+    assert speculative_running_requests({"max_running_requests": None}, 8) == {"max_running_requests": 8}
+    assert speculative_running_requests({}, None) == {"max_running_requests": SGLANG_SPECULATIVE_RUNNING_REQUESTS}
+    with pytest.raises(ValueError, match="concurrency"):
+        speculative_running_requests({}, 0)

@@ -79,7 +79,7 @@ from eaglenest.engines.sglang.args import (
 )
 from eaglenest.engines.sglang.driver import EngineLoopDriver
 from eaglenest.engines.sglang.launch_failure import start_raising_on_failure
-from eaglenest.engines.sglang.limits import check_server_args
+from eaglenest.engines.sglang.limits import check_server_args, speculative_running_requests
 from eaglenest.engines.sglang.recorded import GenerationRecorder
 from eaglenest.engines.sglang.spec import SpeculativeLaunch, speculative_engine_kwargs
 from eaglenest.engines.sglang.symbols import (
@@ -109,7 +109,7 @@ class SGLangEngine(TargetEngine):
 
     def __init__(self, cfg: TargetConfig, *, model_path: str | None = None, drafter: str | None = None,
                  spec: SpecConfig | None = None, regen: bool = False, adaptive: AdaptiveSpec | None = None,
-                 start_failure_raises: bool = False):
+                 start_failure_raises: bool = False, concurrency: int | None = None):
         require_sglang()
         if cfg.device == "cpu":
             raise ValueError("target.engine sglang runs on GPUs; use target.engine: hf for target.device: cpu")
@@ -139,6 +139,7 @@ class SGLangEngine(TargetEngine):
             if adaptive is not None:
                 kwargs.update(adaptive_kwargs(adaptive, adaptive.write()))
                 self.engine_env = adaptive.env
+            kwargs.update(speculative_running_requests(kwargs, concurrency))
         else:
             kwargs = engine_kwargs(self.model_path, self.engine_cfg, dtype=self.dtype,
                                    trust_remote_code=cfg.trust_remote_code, target=self.spec)
@@ -181,11 +182,15 @@ class SGLangEngine(TargetEngine):
 
     @classmethod
     def speculative(cls, cfg: TargetConfig, drafter: str, spec: SpecConfig | None = None, *,
-                    adaptive: AdaptiveSpec | None = None, start_failure_raises: bool = False) -> SGLangEngine:
+                    adaptive: AdaptiveSpec | None = None, start_failure_raises: bool = False,
+                    concurrency: int | None = None) -> SGLangEngine:
         """An engine that generates with an EAGLE-3 drafter; the launch is checked before anything starts.
         ``adaptive``: SGLang's adaptive speculation with per-bucket candidate steps (eaglenest.engines.sglang.adaptive)
-        instead of one static shape."""
-        return cls(cfg, drafter=drafter, spec=spec, adaptive=adaptive, start_failure_raises=start_failure_raises)
+        instead of one static shape. ``concurrency``: the most requests the caller runs at once (serve's
+        ``max_concurrent_requests``, a bench's largest batch): the engine's running-request slots where
+        ``target.sglang.max_running_requests`` is unset (:func:`speculative_running_requests`)."""
+        return cls(cfg, drafter=drafter, spec=spec, adaptive=adaptive, start_failure_raises=start_failure_raises,
+                   concurrency=concurrency)
 
     # ------------------------------------------------------------------------------------------------ generation
     @property

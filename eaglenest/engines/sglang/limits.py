@@ -24,6 +24,9 @@ MLA_DECODE_MIN_BLOCK_KV = 32
 """SGLang 0.5.14 ``triton_backend._MLA_DECODE_MIN_BLOCK_KV``: the fewest KV tokens an MLA decode split covers"""
 TRITON_KV_SPLITS = 8
 """SGLang 0.5.14's default ``triton_attention_num_kv_splits``"""
+SGLANG_SPECULATIVE_RUNNING_REQUESTS = 48
+"""what SGLang 0.5.14 silently sets ``max_running_requests`` to for any EAGLE launch that leaves it unset
+(``arg_groups/speculative_hook.py``), where a plain engine gets 2,048-4,096 from its KV pool"""
 
 
 def mla_triton_kv_splits(context_len: int, sm_count: int = 256, base: int = TRITON_KV_SPLITS,
@@ -118,6 +121,27 @@ def bound_running_requests(kw: dict[str, Any], target: TargetSpec, sm_count: int
             f"{target.kv_lora_rank} fp32 partials a request, indexed with 32-bit offsets, allow {cap} requests; "
             f"more ends in 'an illegal memory access'. Set max_running_requests <= {cap}, a shorter "
             f"context_length, or extra_args triton_attention_split_tile_size (fewer splits)")
+
+
+def speculative_running_requests(kw: Mapping[str, Any], concurrency: int | None) -> dict[str, int]:
+    """``max_running_requests`` for a speculative launch (empty: the launch already sets it).
+
+    SGLang caps every EAGLE engine without the argument at 48 running requests; the rest wait in its queue. On an
+    H100 (BENCHMARKS.md, #29's rehearsal) a 3-1-4 engine given 256 concurrent requests ran at 0.33x of the plain
+    engine's tok/s, and a served schedule that drafts nothing at that load gave 3,428 tok/s to 256 streams (TTFT
+    p50 7.2 s) where the plain engine had measured ~20,000 in the tune. The caller's ``concurrency`` (serve's
+    ``max_concurrent_requests``, a bench's largest batch) takes its place, so speculation is never a concurrency cap
+    the plain engine does not have; without one SGLang's 48 is set explicitly and said."""
+    if kw.get("max_running_requests") is not None:
+        return {}
+    if concurrency is None:
+        _log.warning("speculative engine: max_running_requests %d (SGLang's own cap for speculative launches; set "
+                     "target.sglang.max_running_requests to run more requests at once)",
+                     SGLANG_SPECULATIVE_RUNNING_REQUESTS)
+        return {"max_running_requests": SGLANG_SPECULATIVE_RUNNING_REQUESTS}
+    if concurrency < 1:
+        raise ValueError(f"concurrency must be >= 1, got {concurrency}")
+    return {"max_running_requests": int(concurrency)}
 
 
 def _device_properties() -> Any | None:
