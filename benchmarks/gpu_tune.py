@@ -22,7 +22,10 @@ and measuring more (~2 min; the separate bench it replaces: ~(3 + chosen shapes)
 start ~110 s + 9 levels x (E2E_RAMP_STEP_S + ~8 s)) ~ 12 min; engine starts shorter by what E2E_TUNE_GRAPHS saves
 (not measured). With the base loop cut to what the tune needs (E2E_STEPS_SKIP=offline_ref,offline_recording,
 eagle_forced,bench,serve; E2E_TRAIN_PROMPTS=1600 E2E_EPOCHS=2: ~8 min), E2E_TUNE_STEPS=2,3 and E2E_RAMP_STEP_S=12
-the whole run is estimated at ~28 min. None of it has run on a GPU yet.
+the whole run is estimated at ~28 min. Measured on an H100 in a rehearsal (BENCHMARKS.md, twelfth session: batch 1
+and 256, one chain): five engine starts and their measuring in 244.8 s (~44 s a start with E2E_TUNE_GRAPHS); that
+rehearsal found the tune measuring adaptive plans on the plain engine and SGLang's 48-request cap on speculative
+engines, both fixed since and not yet re-run on a GPU.
 """
 
 from __future__ import annotations
