@@ -221,20 +221,19 @@ def _prompt_list(engine, records: list[dict], max_new_tokens: int) -> list[list[
     return conversation_prompts(records, answers, ids_of)
 
 
-def planned_launch(spec: Any, plan: Any, extra_args: Any,
-                   expected: tuple[int, int]) -> tuple[bool, Any, Any]:
-    """What a bench/tune variant starts on SGLang: ``(speculative, static shape, adaptive config)``. ``spec`` None
-    and no ``plan``: the plain engine; a ``plan`` (a tuned schedule, or "off") as serve launches it
-    (``plan.sglang_plan``: its notes go to stderr), where adaptive mode is a speculative engine with no static
-    shape."""
+def planned_launch(spec: Any, plan: Any, extra_args: Any, expected: tuple[int, int]) -> Any:
+    """What a bench/tune variant starts on SGLang, as the ``SGLangPlan`` serve acts on: ``spec`` None and no
+    ``plan``: plain; a shape: static; a ``plan`` (a tuned schedule, or "off") as serve launches it
+    (``plan.sglang_plan``, its notes to stderr). Only mode "plain" is the engine without a drafter: adaptive mode
+    has no static shape."""
+    from eaglenest.speculative.schedule import SGLangPlan
+
     if plan is None:
-        return spec is not None, spec, None
+        return SGLangPlan("plain") if spec is None else SGLangPlan("static", spec=spec)
     launch = plan.sglang_plan(extra_args, expected=expected, provenance="eaglenest bench/tune")
     for note in launch.notes:
         print(f"eaglenest: {note}", file=sys.stderr)
-    if launch.mode == "plain":
-        return False, None, None
-    return True, launch.spec, launch.adaptive
+    return launch
 
 
 def sglang_factory(tc, expected: tuple[int, int] = (1, 256)):
@@ -248,11 +247,11 @@ def sglang_factory(tc, expected: tuple[int, int] = (1, 256)):
     from eaglenest.engines.sglang.engine import SGLangEngine
 
     def factory(spec, drafter_dir, plan=None):
-        speculative, spec, adaptive = planned_launch(spec, plan, tc.sglang.extra_args, expected)
-        if not speculative:
+        launch = planned_launch(spec, plan, tc.sglang.extra_args, expected)
+        if launch.mode == "plain":
             return SGLangEngine(tc, start_failure_raises=True)
-        return SGLangEngine.speculative(tc, str(drafter_dir), spec, adaptive=adaptive, start_failure_raises=True,
-                                        concurrency=expected[1])
+        return SGLangEngine.speculative(tc, str(drafter_dir), launch.spec, adaptive=launch.adaptive,
+                                        start_failure_raises=True, concurrency=expected[1])
 
     return factory
 

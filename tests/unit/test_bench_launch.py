@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from eaglenest.bench_cli import planned_launch
 from eaglenest.config import SpecConfig
-from eaglenest.speculative.schedule import OffPlan, build_schedule
+from eaglenest.speculative.schedule import OffPlan, SGLangPlan, build_schedule
 
 EXPECTED = (1, 256)
 
@@ -19,19 +19,20 @@ def _report(base: float, **tps: float) -> dict:
 
 
 def test_plain_and_static_variants() -> None:
-    assert planned_launch(None, None, {}, EXPECTED) == (False, None, None)
+    assert planned_launch(None, None, {}, EXPECTED) == SGLangPlan("plain")
     shape = SpecConfig(num_steps=3, topk=1, num_draft_tokens=4)
-    assert planned_launch(shape, None, {}, EXPECTED) == (True, shape, None)
+    assert planned_launch(shape, None, {}, EXPECTED) == SGLangPlan("static", spec=shape)
 
 
 def test_speculation_off_is_a_speculative_engine_pinned_to_zero_steps() -> None:
-    speculative, spec, adaptive = planned_launch(None, OffPlan(), {}, EXPECTED)
-    assert speculative and spec is None
-    assert adaptive.buckets == ((1, (0,)),)
+    launch = planned_launch(None, OffPlan(), {}, EXPECTED)
+    assert launch.mode == "adaptive" and launch.spec is None
+    assert launch.adaptive.buckets == ((1, (0,)),)
 
 
 def test_off_is_the_plain_engine_where_sglang_refuses_adaptive_mode(capsys) -> None:
-    assert planned_launch(None, OffPlan(), {"enable_dp_attention": True}, EXPECTED) == (False, None, None)
+    launch = planned_launch(None, OffPlan(), {"enable_dp_attention": True}, EXPECTED)
+    assert launch.mode == "plain" and launch.spec is None and launch.adaptive is None
     assert "speculation off is the plain engine here" in capsys.readouterr().err
 
 
@@ -40,13 +41,14 @@ def test_a_tuned_schedule_starts_sglangs_adaptive_mode_with_its_candidates() -> 
     per = {1: [_report(160.6, off=161.0, **{"3_1_4": 377.5})],
            256: [_report(20019.0, off=22571.0, **{"3_1_4": 6689.5})]}
     schedule = build_schedule(per, {}, noise_floor=0.01)
-    speculative, spec, adaptive = planned_launch(None, schedule, {}, EXPECTED)
-    assert speculative, "a schedule that speculates at batch 1 must not start the plain engine"
-    assert spec is None and adaptive is not None
-    assert adaptive.steps_for(1) == (3,) and adaptive.steps_for(256) == (0,)
+    launch = planned_launch(None, schedule, {}, EXPECTED)
+    assert launch.mode != "plain", "a schedule that speculates at batch 1 must not start the plain engine"
+    assert launch.spec is None and launch.adaptive is not None
+    assert launch.adaptive.steps_for(1) == (3,) and launch.adaptive.steps_for(256) == (0,)
 
 
 def test_a_schedule_that_never_speculates_is_the_plain_engine(capsys) -> None:
     per = {1: [_report(100.0, off=99.9, **{"3_1_4": 60.0})], 8: [_report(700.0, off=699.0, **{"3_1_4": 400.0})]}
-    assert planned_launch(None, build_schedule(per, {}, noise_floor=0.01), {}, EXPECTED) == (False, None, None)
+    launch = planned_launch(None, build_schedule(per, {}, noise_floor=0.01), {}, EXPECTED)
+    assert launch.mode == "plain" and launch.spec is None and launch.adaptive is None
     assert "never speculates" in capsys.readouterr().err
