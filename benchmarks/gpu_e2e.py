@@ -803,8 +803,11 @@ def step_ray_start() -> dict[str, Any]:
     else:  # a shared CPU box: ports of our own so another Ray on it is never touched
         ports = json.loads(os.environ.get("E2E_RAY_PORTS", "{}"))
         # logical CPUs: two training jobs side by side (two shapes) each hold a worker and a driver, and Ray Data's
-        # read tasks need a whole CPU each: 2 would leave them none (a smoke test, oversubscribed on purpose)
-        args += [f"--{k}={v}" for k, v in ports.items()] + [f"--num-cpus={2 * len(DRAFT_SHAPES)}"]
+        # read tasks need a whole CPU each: 2 would leave them none (a smoke test, oversubscribed on purpose); the
+        # flywheel's turn trains beside the serving and the surge replica and the serve job: 2 more, or its reads
+        # wait forever ("Cluster resources are not enough to run any task from ReadFiles...")
+        cpus = 2 * len(DRAFT_SHAPES) + (2 if FLYWHEEL else 0)
+        args += [f"--{k}={v}" for k, v in ports.items()] + [f"--num-cpus={cpus}"]
     log = open(RESULTS / "logs" / "ray-head.log", "w")  # noqa: SIM115 - the head outlives this step
     head = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True, cwd=ROOT)
     (WORK / "ray-head.pid").write_text(str(head.pid))
