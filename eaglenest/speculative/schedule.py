@@ -192,8 +192,28 @@ class Schedule:
         notes.append(f"SGLang cannot apply the schedule per batch size ({why}); serving one configuration for the "
                      f"expected load of {lo}-{hi} concurrent requests: {shape} (serve.expected_batch_size)")
         if single is None:
+            narrower = self.widest_speculative_load(lo)
+            if narrower is not None:
+                top, option = narrower
+                notes.append(f"a drafter is safe up to {top} concurrent request(s): {option.label} at "
+                             f"{option.median_ratio:.2f}x the baseline; to keep that gain, cap this deployment at "
+                             f"serve.expected_batch_size: [{lo}, {top}] (and serve.max_concurrent_requests: {top}) "
+                             "and send higher load to a deployment without a drafter")
             return SGLangPlan("plain", notes=tuple(notes))
         return SGLangPlan("static", spec=to_spec(single), notes=tuple(notes))
+
+    def widest_speculative_load(self, lo: int) -> tuple[int, Option] | None:
+        """The largest measured bucket top ``hi >= lo`` for which one drafter configuration is safe over ``lo .. hi``,
+        and that configuration; None when no expected load starting at ``lo`` can speculate safely."""
+        best = None
+        for b in self.buckets:
+            if b.max_batch is None or b.max_batch < lo:
+                continue
+            option = self.single_for_load(lo, b.max_batch)
+            if option is None:
+                break
+            best = (b.max_batch, option)
+        return best
 
     def single_for_load(self, lo: int, hi: int, *, chains_only: bool = False) -> Option | None:
         """One option for every live batch size in ``lo .. hi`` (schedule_select.single_choice); None = off."""

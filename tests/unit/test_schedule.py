@@ -183,6 +183,22 @@ def test_sglang_plan_falls_back_when_even_steps_0_loses():
     assert plan.mode == "static" and any("steps 0" in n for n in plan.notes)
 
 
+def test_a_plain_fallback_says_up_to_which_load_a_drafter_is_safe():
+    """The H100 rehearsal's shape: 3-1-4 1.96x at batch 1; at 256 it and SGLang's "off" (0.28x) both lose."""
+    per = {1: [report([156.8, 161.4], off=[147.5, 148.3], **{"3_1_4": [310.4, 314.2]})],
+           4: [report([600, 602], off=[590, 592], **{"3_1_4": [900, 905]})],
+           256: [report([23558.6, 23590.3], off=[6675.6, 6494.1], **{"3_1_4": [10019.1, 10074.3]})]}
+    s = build_schedule(per, {}, noise_floor=0.01)
+    plan = s.sglang_plan({}, expected=(1, 256))
+    assert plan.mode == "plain"
+    hint = [n for n in plan.notes if "safe up to" in n]
+    assert len(hint) == 1 and "up to 4 concurrent" in hint[0] and "3-1-4" in hint[0], plan.notes
+    assert "serve.expected_batch_size: [1, 4]" in hint[0]
+    assert s.widest_speculative_load(1)[0] == 4
+    assert s.widest_speculative_load(5) is None, "from 5 on only the losing bucket remains"
+    assert s.sglang_plan({}, expected=(1, 4)).mode == "static", "the narrower range the hint names does speculate"
+
+
 def test_what_a_replica_applies_per_bucket():
     from eaglenest.serve.schedule import ServeSchedule
 
