@@ -12,7 +12,8 @@ Run as three more steps of ``benchmarks/gpu_e2e.sh`` with ``E2E_TUNE=1`` (after 
   --schedule`` (the baseline, the chosen shapes and the schedule started again, ``results/bench-schedule/``).
 - ``ramp``: ``eaglenest serve`` twice (the schedule; no drafter), each under a ramp of concurrent streams
   (``E2E_RAMP_LEVELS``, ``E2E_RAMP_STEP_S`` seconds a level) from the official ``openai`` client: output tok/s and
-  TTFT p99 per level; checks: tok/s never more than 3% below the plain server's, TTFT p99 not worse by more than 10%.
+  TTFT p99 per level (a level runs past its seconds, up to 3x, until ``E2E_RAMP_MIN_TTFT`` requests (60) started in
+  its window); checks: tok/s never more than 3% below the plain server's, TTFT p99 not worse by more than 10%.
 
 On the CPU (``bash benchmarks/gpu_e2e.sh --cpu`` with ``E2E_TUNE=1``) the same steps run at toy sizes on the hf engine
 (what is checked there is the plumbing, not the figures). Estimated device time on the H200 with the Llama stand-in
@@ -25,7 +26,8 @@ eagle_forced,bench,serve; E2E_TRAIN_PROMPTS=1600 E2E_EPOCHS=2: ~8 min), E2E_TUNE
 the whole run is estimated at ~28 min. Measured on an H100 in a rehearsal (BENCHMARKS.md, twelfth session: batch 1
 and 256, one chain): five engine starts and their measuring in 244.8 s (~44 s a start with E2E_TUNE_GRAPHS); that
 rehearsal found the tune measuring adaptive plans on the plain engine and SGLang's 48-request cap on speculative
-engines, both fixed since and not yet re-run on a GPU.
+engines; the thirteenth session's rehearsal ran both fixes (287.2 s for the five starts, graphs up to 256) and the two
+ramps of 2 levels in 210.4 s.
 """
 
 from __future__ import annotations
@@ -51,6 +53,9 @@ RAMP_LEVELS = [int(x) for x in e2e.knob("E2E_RAMP_LEVELS", gpu="1,2,4,8,16,32,64
 RAMP_STEP_S = float(e2e.knob("E2E_RAMP_STEP_S", gpu=20, cpu=6))
 RAMP_WARM_S = float(e2e.knob("E2E_RAMP_WARM_S", gpu=3, cpu=1))
 RAMP_MAX_TOKENS = int(e2e.knob("E2E_RAMP_MAX_TOKENS", gpu=128, cpu=16))
+RAMP_MIN_TTFT = int(e2e.knob("E2E_RAMP_MIN_TTFT", gpu=60, cpu=0))
+"""a level's window runs past E2E_RAMP_STEP_S (up to 3x) until this many requests started in it: with 8 s at one
+stream (14 requests) the TTFT p99 was the maximum, and two identical servers differed by 1.33x (thirteenth session)"""
 TUNE_VERIFY = e2e.knob("E2E_TUNE_VERIFY", gpu=1, cpu=1) == "1"
 """``eaglenest tune --verify``: the schedule measured in the tune's own run beside the measurements that chose it (one
 engine start: the schedule's, then the baseline's drift run), and ``bench_schedule`` reads that sweep; 0: a second
@@ -196,9 +201,10 @@ def _stop(job_id: str) -> None:
 
 
 def ramp(url: str, prompts: list[list[dict]], levels: list[int], step_s: float, warm_s: float,
-         max_tokens: int) -> list[dict[str, Any]]:
-    """Concurrent streams at each level for ``warm_s + step_s`` seconds (new requests stop at the end; running ones
-    finish): output tok/s in the measured window (each request's tokens spread over its decode time) and TTFT."""
+         max_tokens: int, min_ttft: int = 0) -> list[dict[str, Any]]:
+    """Concurrent streams at each level for ``warm_s + step_s`` seconds, longer (up to ``3 x step_s``) until
+    ``min_ttft`` requests started in the measured window (new requests stop at the end; running ones finish):
+    output tok/s in the measured window (each request's tokens spread over its decode time) and TTFT."""
     from openai import OpenAI
 
     client = OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=600)
@@ -208,11 +214,25 @@ def ramp(url: str, prompts: list[list[dict]], levels: list[int], step_s: float, 
         done: list[dict[str, float]] = []
         errors: list[str] = []
         t0 = time.perf_counter()
-        stop_at = t0 + warm_s + step_s
+        w0, earliest, latest = t0 + warm_s, t0 + warm_s + step_s, t0 + warm_s + 3 * step_s
+        started = [0]  # requests started inside the window so far
+        stop_at = [latest]  # fixed by the first worker that finds the window complete
 
-        def worker(k: int, stop_at: float = stop_at, done: list = done, errors: list = errors) -> None:
+        def window_open(now: float, started: list = started, stop_at: list = stop_at, w0: float = w0,
+                        earliest: float = earliest) -> bool:
+            with lock:
+                if now >= stop_at[0]:
+                    return False
+                if now >= earliest and started[0] >= min_ttft:
+                    stop_at[0] = now
+                    return False
+                if now >= w0:
+                    started[0] += 1
+                return True
+
+        def worker(k: int, done: list = done, errors: list = errors, window_open=window_open) -> None:
             i = k
-            while time.perf_counter() < stop_at:
+            while window_open(time.perf_counter()):
                 start, first, usage = time.perf_counter(), None, None
                 try:
                     stream = client.chat.completions.create(
@@ -239,7 +259,7 @@ def ramp(url: str, prompts: list[list[dict]], levels: list[int], step_s: float, 
             t.start()
         for t in threads:
             t.join()
-        w0, w1 = t0 + warm_s, stop_at
+        w1 = stop_at[0]
         tokens = 0.0
         for r in done:  # tokens decoded inside the window, each request's spread evenly over its decode time
             lo, hi = max(r["first"], w0), min(r["end"], w1)
@@ -247,7 +267,8 @@ def ramp(url: str, prompts: list[list[dict]], levels: list[int], step_s: float, 
                 tokens += r["tokens"] * (hi - lo) / (r["end"] - r["first"])
         ttfts = sorted(r["first"] - r["start"] for r in done if w0 <= r["start"] <= w1)
         out.append({"concurrency": level, "requests": len(done), "errors": len(errors),
-                    "first_error": errors[0] if errors else None, "tok_per_s": tokens / (w1 - w0),
+                    "first_error": errors[0] if errors else None, "window_s": round(w1 - w0, 2),
+                    "ttft_samples": len(ttfts), "tok_per_s": tokens / (w1 - w0),
                     "ttft_p50_s": statistics.median(ttfts) if ttfts else None,
                     "ttft_p99_s": ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))] if ttfts else None})
         print(f"ramp {url} concurrency {level}: {out[-1]}", flush=True)
@@ -270,7 +291,7 @@ def step_ramp() -> dict[str, Any]:
             if name == "schedule":
                 with urllib.request.urlopen(f"{url}/health", timeout=10) as r:
                     runs["schedule_health"] = json.loads(r.read()).get("schedule")
-            runs[name] = ramp(url, held, RAMP_LEVELS, RAMP_STEP_S, RAMP_WARM_S, RAMP_MAX_TOKENS)
+            runs[name] = ramp(url, held, RAMP_LEVELS, RAMP_STEP_S, RAMP_WARM_S, RAMP_MAX_TOKENS, RAMP_MIN_TTFT)
         finally:
             _stop(job)
     per_level = []
