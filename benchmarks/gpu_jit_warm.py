@@ -168,6 +168,7 @@ def warm_engines(target: Path, drafters: dict[str, Path], max_bs: int, attention
     from eaglenest.contracts.target import TargetSpec
     from eaglenest.engines.sglang.args import engine_kwargs
     from eaglenest.engines.sglang.engine import sglang_symbol
+    from eaglenest.engines.sglang.limits import speculative_running_requests
     from eaglenest.engines.sglang.spec import speculative_engine_kwargs
 
     facts = TargetSpec.read(str(target), context_length=2048)
@@ -186,6 +187,7 @@ def warm_engines(target: Path, drafters: dict[str, Path], max_bs: int, attention
                 kw = engine_kwargs(str(target), cfg, dtype="bfloat16", target=facts)
             else:
                 kw, _ = speculative_engine_kwargs(str(target), cfg, drafters[name], SpecConfig(), dtype="bfloat16")
+                kw.update(speculative_running_requests(kw, max_bs))  # as the bench launches them (bench_cli)
             eng = Engine(**kw)
             start_s = time.perf_counter() - t0
             try:
