@@ -8,7 +8,7 @@ loading.
 
 from eaglenest.config.base import ConfigError, Section, default_cache_dir
 from eaglenest.config.root import EaglenestConfig, load_config
-from eaglenest.config.serving import BenchConfig, ServeConfig, SpecConfig, TrafficLogConfig, TuneConfig
+from eaglenest.config.serving import BenchConfig, RouteConfig, ServeConfig, SpecConfig, TrafficLogConfig, TuneConfig
 from eaglenest.config.stages import (
     DrafterConfig,
     MixData,
@@ -25,5 +25,6 @@ from eaglenest.config.stages import (
 __all__ = [
     "BenchConfig", "ConfigError", "DrafterConfig", "EaglenestConfig", "MixData", "PlanConfig", "RegenConfig",
     "SamplingConfig", "SGLangEngineConfig", "Section", "ServeConfig", "SourceConfig", "SpecConfig", "TargetConfig",
-    "TinyTargetSpec", "TrafficLogConfig", "TrainConfig", "TuneConfig", "default_cache_dir", "load_config",
+    "RouteConfig", "TinyTargetSpec", "TrafficLogConfig", "TrainConfig", "TuneConfig", "default_cache_dir",
+    "load_config",
 ]

@@ -87,6 +87,25 @@ class TrafficLogConfig(Section):
     queue_size: int = Field(1024, ge=1, description="records waiting for the writer; more are dropped and counted")
 
 
+class RouteConfig(Section):
+    """``serve.route``: a speculative and a plain engine behind one replica, picked per request by live load.
+
+    For a schedule that speculates at low load only, where the engine cannot switch per batch (SGLang without
+    adaptive mode, or adaptive mode measured slower than the baseline at high load): requests go to the speculative
+    engine while at most ``limit`` run and the plain engine is idle, else to the plain engine. Costs GPU memory for
+    two copies of the target; off by default (docs/OPERATIONS.md)."""
+
+    by_load: bool = Field(False, description="two engines, routed by live load (needs serve.schedule and a drafter)")
+    limit: int | None = Field(None, ge=1, description="most requests the speculative engine runs; default and upper "
+                              "bound: the widest load the schedule measured a drafter safe over")
+    speculative_mem_fraction_static: float = Field(
+        0.9, gt=0, le=0.95, description="SGLang: the speculative engine starts second, sizing its share from the "
+        "memory the plain engine left (its KV pool is capped by speculative_max_total_tokens instead)")
+    speculative_max_total_tokens: int | None = Field(
+        None, ge=256, description="SGLang: the speculative engine's KV pool; default limit x (max_prompt_tokens + "
+        "max_tokens_limit)")
+
+
 class ServeConfig(Section):
     host: str = Field("127.0.0.1", description="bind address; loopback unless you mean it")
     port: int = Field(8000, ge=1, le=65535)
@@ -141,6 +160,7 @@ class ServeConfig(Section):
                                               "they are parsed"
     )
     traffic_log: TrafficLogConfig = Field(default_factory=TrafficLogConfig)
+    route: RouteConfig = Field(default_factory=RouteConfig)
     health_details_public: bool = Field(
         False, description="with api_key set, /health shows callers without the key its whole body (model, target, "
                            "drafter folder, self-test) instead of only its status"

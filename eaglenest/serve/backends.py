@@ -364,12 +364,21 @@ def _sglang_stats(gen: Any) -> SpecStats:
 # ------------------------------------------------------------------------------------------------- factory
 def make_backend(cfg: EaglenestConfig, drafter: str | None, *,
                  decoder_process: bool | None = None) -> BackendBase:
-    """The configured backend, started; ``drafter`` None serves the plain target (baseline decoding).
+    """The configured backend, started; ``drafter`` None serves the plain target (baseline decoding). A schedule
+    routed by live load (``serve.route.by_load``) gets two engines (:mod:`eaglenest.serve.routed`).
 
     ``decoder_process`` (default ``serve.decoder_process``) puts the hf decoder in a child process
     (:class:`eaglenest.serve.process_backend.ProcessBackend`); False keeps it on a thread of this process.
     """
     engine_kind = cfg.target.engine
+    if drafter is not None and cfg.serve.schedule and cfg.serve.route.by_load:
+        from eaglenest.serve.schedule import prepare_schedule
+
+        sched = prepare_schedule(cfg, drafter, check=False)  # checked by the replica before any engine starts
+        if sched is not None and sched.plan is not None and sched.plan.mode == "routed":
+            from eaglenest.serve.routed import make_routed_backend
+
+            return make_routed_backend(cfg, drafter, sched.plan)
     if decoder_process is None:
         decoder_process = cfg.serve.decoder_process
     if engine_kind == "hf" and decoder_process:

@@ -119,7 +119,7 @@ class ServerCore:
             from eaglenest.serve.schedule_metrics import ScheduleMonitor
 
             self.live = ScheduleMonitor(self.model_name, self.schedule.schedule, applied=self.schedule.applied,
-                                        inflight=lambda: self.inflight, from_events=self.schedule.engine == "hf",
+                                        inflight=lambda: self.inflight, from_events=self.schedule.plan is None,
                                         use_ray=use_ray_metrics)
         """vLLM's spec-decode counters (serve.vllm_metrics); the deployment points them at its app's store"""
         self.live_stats = LiveStats(drafter if self.backend.speculative else None)
@@ -169,6 +169,9 @@ class ServerCore:
             "traffic_log": self.traffic_log.stats() if self.traffic_log else None,
             "schedule": None if self.schedule is None else {**self.schedule.health(), "live": self.live.live()},
         }
+        route_state = getattr(self.backend, "route_state", None)
+        if route_state is not None:  # serve.route: what each engine runs now and has run
+            info["route"] = route_state()
         if self.healthy:
             return 200, {"status": "ok", **info}
         reason = self.unavailable_reason()

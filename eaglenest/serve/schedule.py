@@ -2,6 +2,10 @@
 
 - **hf** (the reference decoder): every running batch's size picks its bucket's configuration at every decoding
   step, speculation off included (``SpecDecoder(policy=...)``; off steps defer the drafter's catch-up).
+- **routed** (``serve.route.by_load``, either engine): a speculative engine with the configuration safe up to the
+  widest load the schedule measured safe for a drafter, beside a plain engine that takes the requests beyond it
+  (:mod:`eaglenest.serve.routed`); SGLang uses it only where neither adaptive mode nor one configuration keeps the
+  schedule's promise, hf only when asked (its per-step policy is otherwise better).
 - **sglang**: SGLang's adaptive speculation configured with each bucket's measured chain candidates
   (``speculative_adaptive_config``); where SGLang refuses adaptive mode (attention DP, multi-layer EAGLE, two-batch
   overlap) or a bucket has no chain within noise of the baseline, one configuration that is safe over
@@ -46,6 +50,8 @@ class ServeSchedule:
             return b.chain_choice or off
         if self.plan.mode == "plain" or self.plan.spec is None:
             return off
+        if self.plan.mode == "routed" and (b.max_batch is None or b.max_batch > (self.plan.route_limit or 0)):
+            return off  # the plain engine takes loads above the limit
         s = self.plan.spec
         label = f"{s.num_steps}-{s.topk}-{s.num_draft_tokens}"
         return next((o for o in b.options if o.label == label),
@@ -83,18 +89,29 @@ def prepare_schedule(cfg: EaglenestConfig, drafter: str | None, *, check: bool =
 
             parts = ("target", "drafter") if local_target_folder(cfg) is not None else ("drafter",)
         schedule.check(serving_identity(cfg.target, drafter, parts=parts), path=path, fix=fix, parts=parts)
+    expected = cfg.serve.expected_batch_size or [1, cfg.serve.max_concurrent_requests]
+    route = cfg.serve.route
     if cfg.target.engine != "sglang":
-        out = ServeSchedule(schedule, path, "hf", None, ["hf: each running batch's size picks its bucket's "
-                                                         "configuration at every decoding step (off included)"])
-    else:
-        expected = cfg.serve.expected_batch_size or [1, cfg.serve.max_concurrent_requests]
-        plan = schedule.sglang_plan(cfg.target.sglang.extra_args, expected=(expected[0], expected[1]),
-                                    provenance=path)
-        head = {"adaptive": "sglang: adaptive speculation with each bucket's measured chain candidates",
-                "static": "sglang: one static configuration for every batch size",
-                "plain": "sglang: no drafter (the schedule does not speculate under these settings)"}[plan.mode]
-        out = ServeSchedule(schedule, path, "sglang", plan, [head, *plan.notes])
-    return out
+        routed = schedule.route_plan(expected[0], route.limit) if route.by_load else None
+        if routed is not None:
+            return ServeSchedule(schedule, path, "hf", routed, [ROUTED_HEAD, *routed.notes])
+        notes = ["hf: each running batch's size picks its bucket's configuration at every decoding step (off "
+                 "included)"]
+        if route.by_load:
+            notes.append("serve.route.by_load is on, but no load the schedule measured is safe for a drafter: "
+                         "routing is off")
+        return ServeSchedule(schedule, path, "hf", None, notes)
+    plan = schedule.sglang_plan(cfg.target.sglang.extra_args, expected=(expected[0], expected[1]), provenance=path,
+                                route=route.by_load, route_limit=route.limit)
+    head = {"adaptive": "sglang: adaptive speculation with each bucket's measured chain candidates",
+            "static": "sglang: one static configuration for every batch size",
+            "plain": "sglang: no drafter (the schedule does not speculate under these settings)",
+            "routed": ROUTED_HEAD}[plan.mode]
+    return ServeSchedule(schedule, path, "sglang", plan, [head, *plan.notes])
+
+
+ROUTED_HEAD = ("two engines routed by live load (serve.route.by_load): a speculative one for low load, a plain one "
+               "beyond it")
 
 
 def log_schedule(s: ServeSchedule) -> None:

@@ -32,13 +32,17 @@ class ScheduleError(ValueError):
 
 @dataclass(frozen=True)
 class SGLangPlan:
-    """What runs on SGLang for a schedule: its adaptive mode, one static shape, or the plain engine (no drafter)."""
+    """What runs on SGLang for a schedule: its adaptive mode, one static shape, the plain engine (no drafter), or
+    ("routed", ``serve.route``) a static shape on a speculative engine for loads up to ``route_limit`` beside a plain
+    engine for the rest."""
 
-    mode: Literal["adaptive", "static", "plain"]
+    mode: Literal["adaptive", "static", "plain", "routed"]
     spec: SpecConfig | None = None
     adaptive: AdaptiveSpec | None = None
     notes: tuple[str, ...] = ()
     """what an operator should know (logged at start, shown by /health)"""
+    route_limit: int | None = None
+    """routed: the most requests the speculative engine runs (more go to the plain engine)"""
 
 
 class OffPlan:
@@ -164,10 +168,12 @@ class Schedule:
         return any(not b.choice.off for b in self.buckets)
 
     def sglang_plan(self, engine_kwargs: Mapping[str, Any] | None = None, *, expected: tuple[int, int] = (1, 256),
-                    provenance: str = "") -> SGLangPlan:
+                    provenance: str = "", route: bool = False, route_limit: int | None = None) -> SGLangPlan:
         """How SGLang applies this schedule: adaptive mode with each bucket's chain candidates; where SGLang refuses
         adaptive mode (``engine_kwargs`` with attention DP and the like) or a bucket has no chain within noise of
-        the baseline, the one option that is safe over the ``expected`` live batch sizes (``lo, hi``), else none."""
+        the baseline, the one option that is safe over the ``expected`` live batch sizes (``lo, hi``), else none.
+        ``route`` (``serve.route.by_load``): where that one option would be none, a speculative engine for the
+        loads a drafter is safe over (:meth:`route_plan`) beside the plain engine."""
         notes = []
         trees = [f"{b.label} ({b.choice.label} {b.choice.median_ratio:.2f}x, best chain "
                  f"{b.chain_choice.label if b.chain_choice else 'off'} "
@@ -192,6 +198,10 @@ class Schedule:
         notes.append(f"SGLang cannot apply the schedule per batch size ({why}); serving one configuration for the "
                      f"expected load of {lo}-{hi} concurrent requests: {shape} (serve.expected_batch_size)")
         if single is None:
+            routed = self.route_plan(lo, route_limit) if route else None
+            if routed is not None:
+                return SGLangPlan("routed", spec=routed.spec, route_limit=routed.route_limit,
+                                  notes=(*notes, *routed.notes))
             narrower = self.widest_speculative_load(lo)
             if narrower is not None:
                 top, option = narrower
@@ -201,6 +211,23 @@ class Schedule:
                              "and send higher load to a deployment without a drafter")
             return SGLangPlan("plain", notes=tuple(notes))
         return SGLangPlan("static", spec=to_spec(single), notes=tuple(notes))
+
+    def route_plan(self, lo: int, limit: int | None = None) -> SGLangPlan | None:
+        """Routing by live load (``serve.route``): the drafter configuration safe over ``lo .. K`` on a speculative
+        engine, with K the widest such load (capped by ``limit``), and a plain engine for more; None when no load
+        starting at ``lo`` can speculate safely. Any engine: the reference decoder routes the same way when asked."""
+        narrower = self.widest_speculative_load(lo)
+        if narrower is None:
+            return None
+        top, option = narrower
+        if limit is not None and limit < top:
+            top, option = limit, self.single_for_load(lo, limit)
+            if option is None:
+                return None
+        note = (f"routing by live load: up to {top} concurrent request(s) on a speculative engine ({option.label}, "
+                f"{option.median_ratio:.2f}x the baseline there), more on a plain engine; a request joins the "
+                "speculative engine only while the plain one is idle")
+        return SGLangPlan("routed", spec=to_spec(option), route_limit=top, notes=(note,))
 
     def widest_speculative_load(self, lo: int) -> tuple[int, Option] | None:
         """The largest measured bucket top ``hi >= lo`` for which one drafter configuration is safe over ``lo .. hi``,

@@ -7,6 +7,8 @@
 - serve (Ray Serve over HTTP, the official ``openai`` client, the decoder in its own process) applies a schedule that
   speculates alone and stops at two or more requests: /health shows the live mode switch with the load, and usage
   shows a lone request drafting.
+- the same schedule with ``serve.route.by_load``: two engines, a lone request on the speculative one, a burst on
+  the plain one (equal greedy answers), back to the speculative one once the plain one drained.
 - ``eaglenest serve`` refuses a schedule tuned for another drafter before anything starts, naming the fix.
 """
 
@@ -138,12 +140,16 @@ def scheduled(ray_session, tiny_target_path, folders):
     cfg = EaglenestConfig.model_validate(base)
     path = _schedule_for(cfg, folders["drafter"], folders["root"] / "serve" / "schedule.json")
     cfg = EaglenestConfig.model_validate({**base, "serve": {**base["serve"], "schedule": str(path)}})
-    (url,) = start_apps([AppSpec(cfg, str(folders["drafter"]), "scheduled", "/")], port=_free_port())
-    yield url
+    routed = EaglenestConfig.model_validate({**base, "serve": {**base["serve"], "schedule": str(path),
+                                                               "route": {"by_load": True}}})
+    urls = start_apps([AppSpec(cfg, str(folders["drafter"]), "scheduled", "/"),
+                       AppSpec(routed, str(folders["drafter"]), "routed", "/routed")], port=_free_port())
+    yield {"scheduled": urls[0], "routed": urls[1]}
     stop_serve()
 
 
 def test_serve_switches_the_mode_with_the_load(scheduled):
+    scheduled = scheduled["scheduled"]
     client = openai.OpenAI(base_url=f"{scheduled}/v1", api_key="none", max_retries=0, timeout=120)
     h = _health(scheduled)["schedule"]
     assert h["mode"] == "per-step" and h["buckets"] == {"1": "3-1-4", "2": "off", "3-8": "off", "9+": "off"}
@@ -183,6 +189,44 @@ def test_serve_switches_the_mode_with_the_load(scheduled):
                                       extra_body={"ignore_eos": True})
     assert again.usage.model_extra["spec"]["draft_tokens"] > 0, "alone again: speculating again"
     assert _health(scheduled)["schedule"]["live"]["num_steps"] == 3
+
+
+def test_serve_routes_by_load_between_a_speculative_and_a_plain_engine(scheduled):
+    """serve.route.by_load with the same schedule: a lone request runs on the speculative engine; under a burst one
+    request at most drafts and the rest go to the plain engine, whose greedy answers equal the speculative engine's;
+    once the plain engine has drained, a lone request speculates again."""
+    url = scheduled["routed"]
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
+    h = _health(url)
+    assert h["schedule"]["mode"] == "routed" and h["route"]["limit"] == 1, h
+    assert h["schedule"]["buckets"] == {"1": "3-1-4", "2": "off", "3-8": "off", "9+": "off"}
+    assert any("up to 1 concurrent" in n for n in h["schedule"]["notes"]), h["schedule"]["notes"]
+
+    def ask(prompt: str, n: int = 48):
+        return client.completions.create(model="eaglenest", prompt=prompt, max_tokens=n, temperature=0,
+                                         extra_body={"ignore_eos": True})
+
+    alone = ask("Count to 10.")
+    assert alone.usage.model_extra["spec"]["draft_tokens"] > 0, "alone: the speculative engine"
+    before = _health(url)["route"]["routed"]
+    burst: dict[int, object] = {}
+    workers = [threading.Thread(target=lambda i=i: burst.__setitem__(i, ask("Count to 10." if i == 0 else
+                                                                            f"Name {i + 2} animals.", 96)))
+               for i in range(4)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    after = _health(url)["route"]
+    moved = {k: after["routed"][k] - before[k] for k in before}
+    assert sum(moved.values()) == 4 and moved["plain"] >= 3, (before, after)
+    drafted = [r for r in burst.values() if r.usage.model_extra["spec"]["draft_tokens"] > 0]
+    assert len(drafted) == moved["speculative"], "only the speculative engine's answers report drafts"
+    assert burst[0].choices[0].text[:len(alone.choices[0].text)] == alone.choices[0].text, \
+        "greedy: the same answer from either engine"
+    assert after["running"] == {"speculative": 0, "plain": 0}
+    again = ask("List three colors.")
+    assert again.usage.model_extra["spec"]["draft_tokens"] > 0, "the plain engine drained: speculating again"
 
 
 def test_serve_refuses_a_schedule_of_another_drafter(folders, tiny_target_path):

@@ -199,6 +199,25 @@ def test_a_plain_fallback_says_up_to_which_load_a_drafter_is_safe():
     assert s.sglang_plan({}, expected=(1, 4)).mode == "static", "the narrower range the hint names does speculate"
 
 
+def test_routing_by_load_keeps_the_batch_1_gain_where_one_config_cannot():
+    """The same schedule with serve.route.by_load: 3-1-4 for up to 4 requests, the plain engine above; a limit caps it,
+    and routing is only chosen where one configuration would have been none."""
+    from eaglenest.serve.schedule import ServeSchedule
+
+    per = {1: [report([156.8, 161.4], off=[147.5, 148.3], **{"3_1_4": [310.4, 314.2]})],
+           4: [report([600, 602], off=[590, 592], **{"3_1_4": [900, 905]})],
+           256: [report([23558.6, 23590.3], off=[6675.6, 6494.1], **{"3_1_4": [10019.1, 10074.3]})]}
+    s = build_schedule(per, {}, noise_floor=0.01)
+    plan = s.sglang_plan({}, expected=(1, 256), route=True)
+    assert plan.mode == "routed" and plan.route_limit == 4 and plan.spec.num_steps == 3
+    assert any("routing by live load: up to 4" in n for n in plan.notes), plan.notes
+    assert s.sglang_plan({}, expected=(1, 256), route=True, route_limit=2).route_limit == 2
+    assert s.sglang_plan({}, expected=(1, 4), route=True).mode == "static", "one engine suffices there"
+    assert s.sglang_plan({}, expected=(5, 256), route=True).mode == "plain", "no safe load from 5 on"
+    applied = ServeSchedule(s, "x", "sglang", plan)
+    assert [applied.applied(b).label for b in s.buckets] == ["3-1-4", "3-1-4", "off", "off"]
+
+
 def test_what_a_replica_applies_per_bucket():
     from eaglenest.serve.schedule import ServeSchedule
 
