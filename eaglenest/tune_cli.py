@@ -140,7 +140,7 @@ def _tune(cfg, tc, t, drafter: str, prompts_path: str, out: Path, *, progress: b
         probe = SGLangEngine(tc)  # tokenizer only; the engine starts lazily
         prompts = [prompt_ids(probe.tokenizer, r) for r in records]
         lo_hi = (1, max(settings.batch_sizes))
-        factory = sglang_factory(tc, lo_hi)
+        factory = sglang_factory(tc, lo_hi, cfg.serve)
         run_tune("sglang", None, drafter, prompts, settings, log, sglang_factory=factory, progress=progress,
                  drift_check=not t.verify)  # with --verify the baseline's second run comes after the schedule's
         kind, target = "sglang", None

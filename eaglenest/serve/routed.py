@@ -133,14 +133,20 @@ def route_configs(cfg: EaglenestConfig, spec: Any, limit: int) -> tuple[Eaglenes
     shape = spec.model_dump(exclude={"algorithm"}) if spec is not None else {}
     fast_serve = s.model_copy(update={**base, "spec": s.spec.model_copy(update=shape),
                                       "max_concurrent_requests": limit, "max_batch_size": min(limit, s.max_batch_size)})
-    pool = s.route.speculative_max_total_tokens or limit * (s.max_prompt_tokens + s.max_tokens_limit)
-    sg = cfg.target.sglang
-    fast_sglang = sg.model_copy(update={"mem_fraction_static": s.route.speculative_mem_fraction_static,
-                                        "extra_args": {**sg.extra_args, "max_total_tokens": max(pool, 256)}})
-    fast = cfg.model_copy(update={"serve": fast_serve,
-                                  "target": cfg.target.model_copy(update={"sglang": fast_sglang})})
+    fast = cfg.model_copy(update={"serve": fast_serve, "target": speculative_target(cfg.target, s, limit)})
     plain = cfg.model_copy(update={"serve": s.model_copy(update=base)})
     return fast, plain
+
+
+def speculative_target(target: Any, serve: Any, limit: int) -> Any:
+    """The target config the speculative engine starts with: SGLang's memory share for a second engine and a KV pool
+    for ``limit`` requests of the largest size serve admits (``serve.route``)."""
+    route = serve.route
+    pool = route.speculative_max_total_tokens or limit * (serve.max_prompt_tokens + serve.max_tokens_limit)
+    sg = target.sglang
+    return target.model_copy(update={"sglang": sg.model_copy(update={
+        "mem_fraction_static": route.speculative_mem_fraction_static,
+        "extra_args": {**sg.extra_args, "max_total_tokens": max(pool, 256)}})})
 
 
 def make_routed_backend(cfg: EaglenestConfig, drafter: str, plan: Any) -> RoutedBackend:

@@ -133,7 +133,12 @@ def hf_runner(decoder: Any, batch_size: int) -> Runner:
 
 
 def sglang_runner(engine: Any, batch_size: int) -> Runner:
-    """A variant on an ``SGLangEngine`` (integration point of the GPU engine; see the module docstring)."""
+    """A variant on an ``SGLangEngine`` (integration point of the GPU engine; see the module docstring). An engine
+    with ``ready_for`` (a routing plan's :class:`~eaglenest.speculative.routed_engine.RoutedEngine`) gets ready for
+    ``batch_size`` here, outside the timed rounds."""
+    ready_for = getattr(engine, "ready_for", None)
+    if ready_for is not None:
+        ready_for(batch_size)
 
     def run(prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> _Run:
         toks, steps, acc, secs = [], 0, 0, 0.0

@@ -52,3 +52,40 @@ def test_a_schedule_that_never_speculates_is_the_plain_engine(capsys) -> None:
     launch = planned_launch(None, build_schedule(per, {}, noise_floor=0.01), {}, EXPECTED)
     assert launch.mode == "plain" and launch.spec is None and launch.adaptive is None
     assert "never speculates" in capsys.readouterr().err
+
+
+def test_a_schedule_routed_by_load_is_measured_as_serve_routes_it(capsys) -> None:
+    """serve.route.by_load: the bench's engine runs a batch of at most the limit on the speculative engine and a
+    larger one on the plain engine, one engine up at a time (the other closed first)."""
+    from eaglenest.config import RouteConfig
+    from eaglenest.speculative.routed_engine import RoutedEngine
+
+    per = {1: [_report(160.0, off=150.0, **{"3_1_4": 310.0})],
+           256: [_report(23500.0, off=6600.0, **{"3_1_4": 10000.0})]}
+    schedule = build_schedule(per, {}, noise_floor=0.01)
+    assert planned_launch(None, schedule, {}, EXPECTED).mode == "plain", "without routing: no drafter"
+    launch = planned_launch(None, schedule, {}, EXPECTED, route=RouteConfig(by_load=True))
+    assert launch.mode == "routed" and launch.route_limit == 1 and launch.spec.num_steps == 3
+    assert "routing by live load" in capsys.readouterr().err
+
+    log: list[str] = []
+
+    class Side:  # what the factory's engines do here: start on creation, answer, close
+        def __init__(self, name: str) -> None:
+            self.name = name
+            log.append(f"start {name}")
+
+        def generate_ids(self, prompts, sampling):
+            log.append(f"{self.name} x{len(prompts)}")
+            return []
+
+        def close(self) -> None:
+            log.append(f"close {self.name}")
+
+    eng = RoutedEngine(lambda: Side("speculative"), lambda: Side("plain"), launch.route_limit)
+    for bs in (1, 1, 8, 256):
+        eng.ready_for(bs)
+        eng.generate_ids([[1]] * bs, None)
+    eng.close()
+    assert log == ["start speculative", "speculative x1", "speculative x1", "close speculative", "start plain",
+                   "plain x8", "plain x256", "close plain"]
