@@ -68,6 +68,13 @@ up to the largest: :func:`gpu_e2e.graph_batch_sizes`) and build no prefill graph
 where SGLang's own ladder to 256 is ~36 sizes captured for the target and every draft step and its piecewise prefill
 graphs compile per engine start: the tune starts (3 + chains) engines and the ramp two servers. The same settings
 everywhere, so the schedule's engine identity (which records them) matches the servers the ramp starts"""
+ROUTE = e2e.knob("E2E_ROUTE", gpu=0, cpu=0) == "1"
+"""``serve.route.by_load`` in the tuned config: where no one configuration is safe from batch 1 to the largest (SGLang's
+adaptive "off" measured 0.28x at 256 on the H100), serve runs a speculative engine for the loads the schedule found
+a drafter safe over beside a plain engine for the rest, and the tune's --verify measures the schedule that way"""
+ROUTE_PLAIN_MEM = float(e2e.knob("E2E_ROUTE_PLAIN_MEM", gpu=0.5, cpu=0.5))
+"""with E2E_ROUTE=1, every engine's ``mem_fraction_static`` (the tune's, the bench's and the plain servers'): the plain
+engine starts first and must leave room for the speculative one (8B: 14.5 GB of weights each)"""
 TUNE_CONFIG = e2e.WORK / "e2e-tune.yaml"
 SERVE_SCHEDULE_CONFIG = e2e.WORK / "e2e-serve-schedule.yaml"
 SERVE_PLAIN_CONFIG = e2e.WORK / "e2e-serve-plain.yaml"
@@ -82,6 +89,9 @@ def tune_config() -> Path:
         sg = cfg["target"].setdefault("sglang", {})
         sg["extra_args"] = {**(sg.get("extra_args") or {}), **e2e.NO_PREFILL_GRAPHS,
                             "cuda_graph_bs_decode": e2e.graph_batch_sizes(TUNE_BATCHES)}
+    if ROUTE:
+        cfg.setdefault("serve", {})["route"] = {"by_load": True}
+        cfg["target"].setdefault("sglang", {})["mem_fraction_static"] = ROUTE_PLAIN_MEM
     TUNE_CONFIG.write_text(yaml.safe_dump(cfg, sort_keys=False))
     return TUNE_CONFIG
 
@@ -292,6 +302,9 @@ def step_ramp() -> dict[str, Any]:
                 with urllib.request.urlopen(f"{url}/health", timeout=10) as r:
                     runs["schedule_health"] = json.loads(r.read()).get("schedule")
             runs[name] = ramp(url, held, RAMP_LEVELS, RAMP_STEP_S, RAMP_WARM_S, RAMP_MAX_TOKENS, RAMP_MIN_TTFT)
+            if name == "schedule":  # serve.route: how many requests each engine took over the ramp
+                with urllib.request.urlopen(f"{url}/health", timeout=10) as r:
+                    runs["route"] = json.loads(r.read()).get("route")
         finally:
             _stop(job)
     per_level = []
@@ -326,6 +339,11 @@ def summary_lines() -> list[str]:
     for x in r.get("per_level") or []:
         lines.append(f"ramp concurrency {x['concurrency']}: tok/s {x['tok_per_s_vs_plain'] or 0:.3f}x the plain "
                      f"server, TTFT p99 {x['ttft_p99_vs_plain'] or 0:.3f}x")
+    runs = r.get("runs") or {}
+    if runs.get("schedule_health"):
+        lines.append(f"served schedule mode: {runs['schedule_health'].get('mode')}"
+                     + (f"; routed over the ramp: {runs['route']['routed']} (limit {runs['route']['limit']})"
+                        if runs.get("route") else ""))
     if r.get("checks"):
         lines.append(f"ramp checks: {r['checks']}")
     return lines

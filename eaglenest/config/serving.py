@@ -103,7 +103,7 @@ class RouteConfig(Section):
         "memory the plain engine left (its KV pool is capped by speculative_max_total_tokens instead)")
     speculative_max_total_tokens: int | None = Field(
         None, ge=256, description="SGLang: the speculative engine's KV pool; default limit x (max_prompt_tokens + "
-        "max_tokens_limit)")
+        "max_tokens_limit), at least 8,192")
 
 
 class ServeConfig(Section):

@@ -146,7 +146,11 @@ def speculative_target(target: Any, serve: Any, limit: int) -> Any:
     sg = target.sglang
     return target.model_copy(update={"sglang": sg.model_copy(update={
         "mem_fraction_static": route.speculative_mem_fraction_static,
-        "extra_args": {**sg.extra_args, "max_total_tokens": max(pool, 256)}})})
+        "extra_args": {**sg.extra_args, "max_total_tokens": max(pool, MIN_SPECULATIVE_POOL)}})})
+
+
+MIN_SPECULATIVE_POOL = 8192
+"""tokens: SGLang's default chunked-prefill size, so a long prompt prefills in the chunks it would elsewhere"""
 
 
 def make_routed_backend(cfg: EaglenestConfig, drafter: str, plan: Any) -> RoutedBackend:
