@@ -255,8 +255,7 @@ def sglang_factory(tc, expected: tuple[int, int] = (1, 256), serve: Any = None):
         if launch.mode == "plain":
             return SGLangEngine(tc, start_failure_raises=True)
         if launch.mode == "routed":
-            from eaglenest.serve.routed import speculative_target
-            from eaglenest.speculative.routed_engine import RoutedEngine
+            from eaglenest.speculative.routed_engine import RoutedEngine, speculative_target
 
             fast_tc, limit = speculative_target(tc, serve, launch.route_limit), launch.route_limit
             return RoutedEngine(lambda: SGLangEngine.speculative(fast_tc, str(drafter_dir), launch.spec,

@@ -28,6 +28,7 @@ from typing import Any
 from eaglenest.config import EaglenestConfig
 from eaglenest.engines.base import TargetInfo
 from eaglenest.serve.jobs import BackendBase, DecodeEvent, Job, SpecStats
+from eaglenest.speculative.routed_engine import speculative_target
 
 log = logging.getLogger(__name__)
 
@@ -136,21 +137,6 @@ def route_configs(cfg: EaglenestConfig, spec: Any, limit: int) -> tuple[Eaglenes
     fast = cfg.model_copy(update={"serve": fast_serve, "target": speculative_target(cfg.target, s, limit)})
     plain = cfg.model_copy(update={"serve": s.model_copy(update=base)})
     return fast, plain
-
-
-def speculative_target(target: Any, serve: Any, limit: int) -> Any:
-    """The target config the speculative engine starts with: SGLang's memory share for a second engine and a KV pool
-    for ``limit`` requests of the largest size serve admits (``serve.route``)."""
-    route = serve.route
-    pool = route.speculative_max_total_tokens or limit * (serve.max_prompt_tokens + serve.max_tokens_limit)
-    sg = target.sglang
-    return target.model_copy(update={"sglang": sg.model_copy(update={
-        "mem_fraction_static": route.speculative_mem_fraction_static,
-        "extra_args": {**sg.extra_args, "max_total_tokens": max(pool, MIN_SPECULATIVE_POOL)}})})
-
-
-MIN_SPECULATIVE_POOL = 8192
-"""tokens: SGLang's default chunked-prefill size, so a long prompt prefills in the chunks it would elsewhere"""
 
 
 def make_routed_backend(cfg: EaglenestConfig, drafter: str, plan: Any) -> RoutedBackend:

@@ -45,3 +45,18 @@ class RoutedEngine:
         if self._engine is not None:
             engine, self._engine, self._side = self._engine, None, None
             engine.close()
+
+
+def speculative_target(target: Any, serve: Any, limit: int) -> Any:
+    """The target config the speculative engine starts with: SGLang's memory share for a second engine and a KV pool
+    for ``limit`` requests of the largest size serve admits (``serve.route``)."""
+    route = serve.route
+    pool = route.speculative_max_total_tokens or limit * (serve.max_prompt_tokens + serve.max_tokens_limit)
+    sg = target.sglang
+    return target.model_copy(update={"sglang": sg.model_copy(update={
+        "mem_fraction_static": route.speculative_mem_fraction_static,
+        "extra_args": {**sg.extra_args, "max_total_tokens": max(pool, MIN_SPECULATIVE_POOL)}})})
+
+
+MIN_SPECULATIVE_POOL = 8192
+"""tokens: SGLang's default chunked-prefill size, so a long prompt prefills in the chunks it would elsewhere"""
