@@ -72,8 +72,17 @@ def test_every_launch_kwarg_is_a_server_arg(tmp_path: Path) -> None:
     built = [engine_kwargs(str(target), cfg), capture_server_kwargs(str(target), cfg),
              speculative_engine_kwargs(str(target), cfg, drafter, SpecConfig())[0],
              generation_capture_kwargs(engine_kwargs(str(target), cfg), [])]
+    from eaglenest.config import TargetConfig
+    from eaglenest.config.serving import ServeConfig
+    from eaglenest.speculative.routed_engine import speculative_target
+
+    routed = speculative_target(TargetConfig(model=str(target), engine="sglang", sglang=cfg),
+                                ServeConfig(route={"by_load": True}), 4).sglang  # serve.route's second engine
+    assert routed.mem_fraction_static == 0.9 and routed.extra_args["max_total_tokens"] == 8192
+    built.append(speculative_engine_kwargs(str(target), routed, drafter, SpecConfig())[0])
     for kw in built:
         check_server_args(kw, fields, "0.5.14")
+    assert built[-1]["max_total_tokens"] == 8192
     assert "cuda_graph_max_bs" not in fields  # a CLI alias only: as an Engine kwarg it is a TypeError
     with pytest.raises(ValueError, match="cuda_graph_max_bs_decode"):
         check_server_args({"cuda_graph_max_bs": 32}, fields, "0.5.14")
