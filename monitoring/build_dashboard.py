@@ -103,12 +103,14 @@ ROWS: list[Row] = [
             P(
                 "Live speculation mode (serve.schedule)",
                 "The live batch size and the num_steps its bucket runs (0 = speculation off), next to what the "
-                "schedule says for every bucket.",
+                "schedule says for every bucket; with serve.route, the requests/s each engine takes.",
                 [
                     Q("max by (model) (ray_eaglenest_serve_live_batch_size)", "{{model}} live batch size"),
                     Q("max by (model) (ray_eaglenest_serve_live_num_steps)", "{{model}} live num_steps"),
                     Q("max by (model, bucket) (ray_eaglenest_serve_schedule_num_steps)",
                       "{{model}} batch {{bucket}}: scheduled num_steps"),
+                    Q(f"sum by (model, engine) (rate(ray_eaglenest_serve_routed_requests_total[{RATE}]))",
+                      "{{model}} routed to the {{engine}} engine (req/s)"),
                 ],
                 unit="short",
                 min=0,

@@ -89,9 +89,12 @@ SERVE_SPEEDUP = Metric("eaglenest_serve_speedup_vs_baseline", "gauge",
 SERVE_HEALTHY = Metric("eaglenest_serve_replica_healthy", "gauge", "1 when the replica passed its self-test", _MODEL)
 SERVE_TOKENS_PER_SECOND = Metric("eaglenest_serve_tokens_per_second", "gauge",
                                  "decode tokens/s per request (moving average)", _MODEL)
+SERVE_ROUTED = Metric("eaglenest_serve_routed_requests", "counter",
+                      "requests a replica routing by live load (serve.route) sent to each engine (speculative, plain)",
+                      ("model", "engine"))
 SERVE = (SERVE_REQUESTS, SERVE_TTFT, SERVE_QUEUE, SERVE_ITL, SERVE_GENERATED_TOKENS, SERVE_ACCEPT_LENGTH,
          SERVE_ACCEPT_LENGTH_CURRENT, SERVE_DRAFT_PROPOSED, SERVE_DRAFT_ACCEPTED, SERVE_SPEEDUP, SERVE_HEALTHY,
-         SERVE_TOKENS_PER_SECOND)
+         SERVE_TOKENS_PER_SECOND, SERVE_ROUTED)
 
 # ---------------------------------------------------------------------------------------- serve: the traffic log
 SERVE_TRAFFIC_LOGGED = Metric("eaglenest_serve_traffic_logged", "counter",

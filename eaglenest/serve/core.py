@@ -101,6 +101,8 @@ class ServerCore:
         if self.schedule is not None:
             log_schedule(self.schedule)
         self.backend: BackendBase = make_backend(cfg, drafter)
+        if hasattr(self.backend, "on_route"):  # serve.route: count each engine's requests
+            self.backend.on_route = self.metrics.routed
         if drafter is not None and self.preflight is None:
             try:
                 self.preflight = preflight_for_config(cfg, drafter, folder=None,

@@ -64,6 +64,7 @@ class ServeMetrics:
         self.speedup = ray_metric(contract.SERVE_SPEEDUP)
         self.healthy = ray_metric(contract.SERVE_HEALTHY)
         self.tps = ray_metric(contract.SERVE_TOKENS_PER_SECOND)
+        self.routed_requests = ray_metric(contract.SERVE_ROUTED)
 
         self._gauges: dict[int, tuple[Any, float]] = {}
         self._stop = threading.Event()
@@ -71,6 +72,10 @@ class ServeMetrics:
 
     def request(self, route: str, status: int) -> None:
         self.requests.inc(1, tags={"route": route, "status": str(status)})
+
+    def routed(self, engine: str) -> None:
+        """serve.route: one request sent to ``engine`` (speculative or plain)."""
+        self.routed_requests.inc(1, tags={**self.tags, "engine": engine})
 
     def set_healthy(self, ok: bool) -> None:
         self._set(self.healthy, 1.0 if ok else 0.0)
@@ -140,6 +145,9 @@ class NullMetrics(ServeMetrics):
         self._lock = threading.Lock()
 
     def request(self, route: str, status: int) -> None:
+        pass
+
+    def routed(self, engine: str) -> None:
         pass
 
     def set_healthy(self, ok: bool) -> None:

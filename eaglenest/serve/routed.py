@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from eaglenest.config import EaglenestConfig
@@ -50,6 +51,8 @@ class RoutedBackend(BackendBase):
         self._running = {SPECULATIVE: 0, PLAIN: 0}
         self.routed = {SPECULATIVE: 0, PLAIN: 0}
         """requests sent to each engine since start (/health, tests)"""
+        self.on_route: Callable[[str], None] | None = None
+        """called with the engine of every request (the replica's metrics counter)"""
 
     # ---- facts
     @property
@@ -100,6 +103,11 @@ class RoutedBackend(BackendBase):
 
     def submit(self, job: Job) -> None:
         side = self.choose()
+        if self.on_route is not None:
+            try:
+                self.on_route(side)
+            except Exception:  # the metrics must never fail a request
+                log.warning("could not count a routed request", exc_info=True)
         deliver = job.emit_fn
 
         def emit(ev: DecodeEvent) -> None:
