@@ -79,6 +79,8 @@ class Backend(BackendBase):
         """when idle, a burst that keeps arriving is gathered for at most this long"""
         self._queue: queue.Queue[Job | None] = queue.Queue()
         self._thread: threading.Thread | None = None
+        self.warmed = threading.Event()
+        """set once the decoder's ``warm`` returned (at once without one), or failed (``fatal`` then says why)"""
         self._stopping = threading.Event()
         self.fatal: str | None = None
 
@@ -154,11 +156,14 @@ class Backend(BackendBase):
             warm = getattr(self.decoder, "warm", None)
             if warm is not None:  # start the engine now, on this thread, not inside the first request
                 warm()
+            self.warmed.set()
             self._schedule()
         except BaseException as e:  # the scheduler itself broke: the replica must say so (check_health restarts it)
             log.exception("decoder thread died")
             self.fatal = f"{type(e).__name__}: {e}"
             raise
+        finally:
+            self.warmed.set()
 
     def _schedule(self) -> None:
         groups: dict[Hashable, Group] = {}

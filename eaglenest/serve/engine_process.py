@@ -49,6 +49,9 @@ def child_main(fd: int) -> int:
 
         cfg = EaglenestConfig.model_validate(cfg_dict)
         backend = make_local_backend(cfg, drafter, after_step=flush)
+        backend.warmed.wait()  # an engine that starts on the worker thread (SGLang) has started, or failed, by now:
+        if backend.fatal:      # the parent may start the next engine only once this one holds its GPU memory
+            raise RuntimeError(f"the engine did not start: {backend.fatal}")
         send(("ready", backend.info, backend.speculative, backend.algorithm, resolve_target_path(cfg.target)))
     except Exception as e:  # the parent raises this message
         log.exception("decoder process failed to start")

@@ -148,7 +148,9 @@ def route_configs(cfg: EaglenestConfig, spec: Any, limit: int) -> tuple[Eaglenes
 
 
 def make_routed_backend(cfg: EaglenestConfig, drafter: str, plan: Any) -> RoutedBackend:
-    """Both engines in processes of their own, the plain one first (see the module docstring)."""
+    """Both engines in processes of their own, the plain one first (see the module docstring): a decoder process
+    says it is ready only once its engine has started, so the speculative engine sizes its memory from what the
+    plain one left."""
     from eaglenest.serve.process_backend import ProcessBackend
 
     if plan.route_limit is None:

@@ -366,9 +366,38 @@ def test_engine_starts_with_the_backend_and_a_failed_start_marks_it_dead():
         time.sleep(0.01)
     assert Engine.started == 1 and not backend.alive
     assert "no CUDA-capable device" in backend.fatal
+    assert backend.warmed.is_set(), "a failed start ends the wait of a decoder process for its engine"
     with pytest.raises(RuntimeError, match="no CUDA-capable device"):
         backend.submit(Job([1, 2], SamplingParams(), lambda ev: None))
     backend.close(timeout=1)
+
+
+def test_warmed_waits_for_an_engine_that_starts_on_the_worker_thread():
+    """A decoder process says it is ready only after ``warmed``: serve.route starts the speculative engine once the
+    plain one holds its GPU memory."""
+    import threading
+
+    from eaglenest.serve.backends import Backend, SGLangDecoder
+
+    release = threading.Event()
+
+    class Engine:  # SGLangEngine's lazily started ``engine`` property, starting slowly
+        launch = None
+
+        @property
+        def engine(self):
+            release.wait(10)
+            return self
+
+        def close(self):
+            pass
+
+    backend = Backend(Engine(), SGLangDecoder(Engine(), max_batch=4), name="sglang")
+    backend.start()
+    assert not backend.warmed.wait(0.3), "ready before the engine started"
+    release.set()
+    assert backend.warmed.wait(10) and backend.alive and backend.fatal is None
+    backend.close(timeout=2)
 
 
 def test_streamed_request_turns_cumulative_chunks_into_deltas():
