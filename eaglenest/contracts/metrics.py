@@ -89,12 +89,16 @@ SERVE_SPEEDUP = Metric("eaglenest_serve_speedup_vs_baseline", "gauge",
 SERVE_HEALTHY = Metric("eaglenest_serve_replica_healthy", "gauge", "1 when the replica passed its self-test", _MODEL)
 SERVE_TOKENS_PER_SECOND = Metric("eaglenest_serve_tokens_per_second", "gauge",
                                  "decode tokens/s per request (moving average)", _MODEL)
+SERVE = (SERVE_REQUESTS, SERVE_TTFT, SERVE_QUEUE, SERVE_ITL, SERVE_GENERATED_TOKENS, SERVE_ACCEPT_LENGTH,
+         SERVE_ACCEPT_LENGTH_CURRENT, SERVE_DRAFT_PROPOSED, SERVE_DRAFT_ACCEPTED, SERVE_SPEEDUP, SERVE_HEALTHY,
+         SERVE_TOKENS_PER_SECOND)
+
+# ----------------------------------------------------------------------------------- serve: routing by live load
 SERVE_ROUTED = Metric("eaglenest_serve_routed_requests", "counter",
                       "requests a replica routing by live load (serve.route) sent to each engine (speculative, plain)",
                       ("model", "engine"))
-SERVE = (SERVE_REQUESTS, SERVE_TTFT, SERVE_QUEUE, SERVE_ITL, SERVE_GENERATED_TOKENS, SERVE_ACCEPT_LENGTH,
-         SERVE_ACCEPT_LENGTH_CURRENT, SERVE_DRAFT_PROPOSED, SERVE_DRAFT_ACCEPTED, SERVE_SPEEDUP, SERVE_HEALTHY,
-         SERVE_TOKENS_PER_SECOND, SERVE_ROUTED)
+SERVE_ROUTE = (SERVE_ROUTED,)
+"""created only by a replica that routes (serve.route.by_load)"""
 
 # ---------------------------------------------------------------------------------------- serve: the traffic log
 SERVE_TRAFFIC_LOGGED = Metric("eaglenest_serve_traffic_logged", "counter",
@@ -168,7 +172,7 @@ FLYWHEEL_ROLLBACKS = Metric("eaglenest_flywheel_rollbacks", "counter",
 FLYWHEEL = (FLYWHEEL_ACCEPT_LENGTH, FLYWHEEL_LIVE_ACCEPT_LENGTH, FLYWHEEL_PROMOTIONS, FLYWHEEL_REFUSALS,
             FLYWHEEL_ROLLBACKS)
 
-ALL: tuple[Metric, ...] = SERVE + SERVE_SCHEDULE + TRAFFIC + REGEN + TRAIN + FLYWHEEL
+ALL: tuple[Metric, ...] = SERVE + SERVE_SCHEDULE + SERVE_ROUTE + TRAFFIC + REGEN + TRAIN + FLYWHEEL
 """every metric eaglenest emits"""
 
 RAY_SERIES_USED = ("ray_serve_num_http_requests_total", "ray_serve_num_http_error_requests_total",
@@ -181,6 +185,5 @@ def exported_series() -> frozenset[str]:
     return frozenset(s for m in ALL for s in m.exported()) | frozenset(RAY_SERIES_USED)
 
 
-__all__ = ["ALL", "FLYWHEEL", "REGEN", "SERVE", "SERVE_SCHEDULE", "TRAFFIC", "TRAIN", "RAY_SERIES_USED", "Metric",
-           "accept_length",
-           "exported_series", "ray_metric"]
+__all__ = ["ALL", "FLYWHEEL", "REGEN", "SERVE", "SERVE_ROUTE", "SERVE_SCHEDULE", "TRAFFIC", "TRAIN",
+           "RAY_SERIES_USED", "Metric", "accept_length", "exported_series", "ray_metric"]

@@ -64,9 +64,9 @@ class ServeMetrics:
         self.speedup = ray_metric(contract.SERVE_SPEEDUP)
         self.healthy = ray_metric(contract.SERVE_HEALTHY)
         self.tps = ray_metric(contract.SERVE_TOKENS_PER_SECOND)
-        self.routed_requests = ray_metric(contract.SERVE_ROUTED)
 
         self._gauges: dict[int, tuple[Any, float]] = {}
+        self._routed: Any = None
         self._stop = threading.Event()
         self._refresher: threading.Thread | None = None
 
@@ -74,8 +74,11 @@ class ServeMetrics:
         self.requests.inc(1, tags={"route": route, "status": str(status)})
 
     def routed(self, engine: str) -> None:
-        """serve.route: one request sent to ``engine`` (speculative or plain)."""
-        self.routed_requests.inc(1, tags={**self.tags, "engine": engine})
+        """serve.route: one request sent to ``engine`` (speculative or plain); the counter is made by the first
+        (only a replica that routes has it)."""
+        if self._routed is None:
+            self._routed = route_counter()
+        self._routed.inc(1, tags={**self.tags, "engine": engine})
 
     def set_healthy(self, ok: bool) -> None:
         self._set(self.healthy, 1.0 if ok else 0.0)
@@ -161,3 +164,8 @@ class NullMetrics(ServeMetrics):
 
     def finished(self, s: RequestStats) -> None:
         pass
+
+
+def route_counter() -> Any:
+    """``eaglenest_serve_routed_requests`` (contract ``SERVE_ROUTE``)."""
+    return ray_metric(contract.SERVE_ROUTED)

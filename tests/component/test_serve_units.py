@@ -451,11 +451,11 @@ def test_every_serve_metric_the_monitoring_uses_is_emitted():
     import re
     from pathlib import Path
 
-    from eaglenest.contracts.metrics import SERVE_SCHEDULE, TRAFFIC
+    from eaglenest.contracts.metrics import SERVE_ROUTE, SERVE_SCHEDULE, TRAFFIC
     from eaglenest.serve.metrics import METRIC_NAMES
 
-    # serve.schedule's and the traffic log's series are serve's too
-    METRIC_NAMES = (*METRIC_NAMES, *(m.name for m in SERVE_SCHEDULE + TRAFFIC))  # noqa: N806
+    # serve.schedule's, serve.route's and the traffic log's series are serve's too
+    METRIC_NAMES = (*METRIC_NAMES, *(m.name for m in SERVE_SCHEDULE + SERVE_ROUTE + TRAFFIC))  # noqa: N806
     root = Path(__file__).resolve().parents[2] / "monitoring"
     used = set()
     for f in list(root.glob("*.yml")) + list(root.glob("*.json")):

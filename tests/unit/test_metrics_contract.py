@@ -45,6 +45,15 @@ def test_serve_creates_exactly_the_contract_serve_metrics() -> None:
     assert _created([ServeMetrics("m", baseline_tokens_per_s=10.0)]) == _expected(contract.SERVE)
 
 
+def test_a_routing_replica_creates_exactly_the_contract_route_metrics() -> None:
+    from eaglenest.serve.metrics import ServeMetrics
+
+    m = ServeMetrics("m")
+    assert m._routed is None, "a replica that does not route exports no routed counter"
+    m.routed("plain")
+    assert _created([m._routed]) == _expected(contract.SERVE_ROUTE)
+
+
 def test_regen_creates_exactly_the_contract_regen_metrics() -> None:
     from eaglenest.regen.progress import regen_metrics
 
@@ -86,8 +95,10 @@ def test_every_contract_metric_is_created_by_some_code(tmp_path) -> None:
     log.close()
     mon = _schedule_monitor()
     mon.stop()
+    from eaglenest.serve.metrics import route_counter
+
     created = _created([ServeMetrics("m"), regen_metrics(), TrainMetrics.create("r"), log.counters.ray_metrics,
-                        FlywheelMetrics.create("a"), list(mon._gauges.values())])
+                        FlywheelMetrics.create("a"), list(mon._gauges.values()), route_counter()])
     assert created == _expected(contract.ALL)
     names = [m.name for m in contract.ALL]
     assert len(names) == len(set(names)), "a metric is defined twice"
