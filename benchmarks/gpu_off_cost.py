@@ -171,6 +171,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--device", default="cuda")
+    p.add_argument("--layers", type=int, default=None,
+                   help="fewer layers than the stand-in's 32 (every per-step cost is per layer, so off / plain moves "
+                        "little; a shorter lease)")
     p.add_argument("--small", action="store_true", help="a 6-layer, narrow model (a rehearsal of the building)")
     p.add_argument("--build-only", action="store_true", help="build the target and drafter, start no engine")
     a = p.parse_args(argv)
@@ -181,6 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     small = ({"hidden_size": 256, "num_hidden_layers": 6, "num_attention_heads": 4, "num_key_value_heads": 2,
               "intermediate_size": 512, "vocab_size": 4096} if a.small else {})
+    if a.layers:
+        small = {**small, "num_hidden_layers": a.layers}
     target = build_llama(work / "target", a.device, **small)
     drafter = build_drafters(target, work, draft_vocab=min(32000, (small or LLAMA_8B)["vocab_size"]),
                              shapes=("llama",))["llama"]
