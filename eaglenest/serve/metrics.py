@@ -76,8 +76,9 @@ class ServeMetrics:
     def routed(self, engine: str) -> None:
         """serve.route: one request sent to ``engine`` (speculative or plain); the counter is made by the first
         (only a replica that routes has it)."""
-        if self._routed is None:
-            self._routed = route_counter()
+        with self._lock:  # the self-test's thread and the event loop may route the first two requests at once
+            if self._routed is None:
+                self._routed = route_counter()
         self._routed.inc(1, tags={**self.tags, "engine": engine})
 
     def set_healthy(self, ok: bool) -> None:

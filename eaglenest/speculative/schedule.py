@@ -194,14 +194,17 @@ class Schedule:
                           "slower than the baseline beyond noise")
         lo, hi = expected
         single = self.single_for_load(lo, hi)
+        routed = self.route_plan(lo, route_limit) if route and single is None else None
+        head = f"SGLang cannot apply the schedule per batch size ({why}); "
+        if routed is not None:  # no one configuration is safe over lo-hi, but routing keeps the low-load gain
+            notes.append(head + f"no one configuration is safe for the expected load of {lo}-{hi} concurrent "
+                         "requests (serve.expected_batch_size), so serve.route.by_load routes by live load")
+            return SGLangPlan("routed", spec=routed.spec, route_limit=routed.route_limit,
+                              notes=(*notes, *routed.notes))
         shape = single.label if single else "no speculation"
-        notes.append(f"SGLang cannot apply the schedule per batch size ({why}); serving one configuration for the "
-                     f"expected load of {lo}-{hi} concurrent requests: {shape} (serve.expected_batch_size)")
+        notes.append(head + f"serving one configuration for the expected load of {lo}-{hi} concurrent requests: "
+                     f"{shape} (serve.expected_batch_size)")
         if single is None:
-            routed = self.route_plan(lo, route_limit) if route else None
-            if routed is not None:
-                return SGLangPlan("routed", spec=routed.spec, route_limit=routed.route_limit,
-                                  notes=(*notes, *routed.notes))
             narrower = self.widest_speculative_load(lo)
             if narrower is not None:
                 top, option = narrower
