@@ -59,17 +59,13 @@ def build_llama(folder: Path, device: str, **overrides: Any) -> Path:
     return folder
 
 
-def graph_sizes(top: int) -> list[int]:
-    sizes, b = [], 1
-    while b < top:
-        sizes.append(b)
-        b *= 2
-    return [*sizes, top]
-
-
-def engine_kwargs_for(target: Path, drafter: Path | None, attention: str, top: int) -> tuple[dict[str, Any], dict]:
+def engine_kwargs_for(target: Path, drafter: Path | None, attention: str,
+                      batch_sizes: list[int]) -> tuple[dict[str, Any], dict]:
     """(sglang.Engine kwargs, environment): the plain engine, or (``drafter``) the adaptive engine pinned off, as
-    eaglenest's tune measures "off" (``OffPlan``) and serve launches a schedule."""
+    eaglenest's tune measures "off" (``OffPlan``) and serve launches a schedule; decode graphs as the tune's
+    (:func:`gpu_e2e.graph_batch_sizes`)."""
+    from gpu_e2e import graph_batch_sizes
+
     from eaglenest.config import SGLangEngineConfig, SpecConfig
     from eaglenest.contracts.target import TargetSpec
     from eaglenest.engines.sglang.adaptive import AdaptiveSpec, adaptive_kwargs
@@ -77,8 +73,9 @@ def engine_kwargs_for(target: Path, drafter: Path | None, attention: str, top: i
     from eaglenest.engines.sglang.limits import speculative_running_requests
     from eaglenest.engines.sglang.spec import speculative_engine_kwargs
 
+    graphs = graph_batch_sizes(",".join(map(str, batch_sizes)))
     cfg = SGLangEngineConfig(mem_fraction_static=0.85, context_length=2048, attention_backend=attention,
-                             extra_args={"cuda_graph_bs_decode": graph_sizes(top), "disable_prefill_cuda_graph": True,
+                             extra_args={"cuda_graph_bs_decode": graphs, "disable_prefill_cuda_graph": True,
                                          "skip_tokenizer_init": True})
     facts = TargetSpec.read(str(target), context_length=2048)
     if drafter is None:
@@ -87,7 +84,7 @@ def engine_kwargs_for(target: Path, drafter: Path | None, attention: str, top: i
     kw, _ = speculative_engine_kwargs(str(target), cfg, drafter, SpecConfig(num_steps=1, topk=1, num_draft_tokens=2),
                                       target=facts, dtype="bfloat16")
     kw.update(adaptive_kwargs(off, off.write()))
-    kw.update(speculative_running_requests(kw, top))
+    kw.update(speculative_running_requests(kw, max(batch_sizes)))
     return kw, off.env
 
 
@@ -122,7 +119,7 @@ def run(target: Path, drafter: Path, backends: list[str], batch_sizes: list[int]
             rec: dict[str, Any] = {"attention": attention, "engine": name}
             t0 = time.perf_counter()
             try:
-                kw, env = engine_kwargs_for(target, d, attention, max(batch_sizes))
+                kw, env = engine_kwargs_for(target, d, attention, batch_sizes)
                 with environment(env):
                     eng = Engine(**kw)
                 rec["start_s"] = round(time.perf_counter() - t0, 1)

@@ -285,6 +285,11 @@ def ramp(url: str, prompts: list[list[dict]], levels: list[int], step_s: float, 
     return out
 
 
+def _health(url: str) -> dict[str, Any]:
+    with urllib.request.urlopen(f"{url}/health", timeout=10) as r:
+        return json.loads(r.read())
+
+
 def step_ramp() -> dict[str, Any]:
     """The served load ramp, with the schedule and without a drafter, and the comparison per level."""
     if not SCHEDULE.is_file():
@@ -299,12 +304,10 @@ def step_ramp() -> dict[str, Any]:
         try:
             _serve(job, config, drafter)
             if name == "schedule":
-                with urllib.request.urlopen(f"{url}/health", timeout=10) as r:
-                    runs["schedule_health"] = json.loads(r.read()).get("schedule")
+                runs["schedule_health"] = _health(url).get("schedule")
             runs[name] = ramp(url, held, RAMP_LEVELS, RAMP_STEP_S, RAMP_WARM_S, RAMP_MAX_TOKENS, RAMP_MIN_TTFT)
             if name == "schedule":  # serve.route: how many requests each engine took over the ramp
-                with urllib.request.urlopen(f"{url}/health", timeout=10) as r:
-                    runs["route"] = json.loads(r.read()).get("route")
+                runs["route"] = _health(url).get("route")
         finally:
             _stop(job)
     per_level = []
