@@ -4,18 +4,22 @@ One Serve instance on 127.0.0.1 whose proxies stamp each request's arrival (serv
 environment names the proxy callback, as ``eaglenest serve``'s does), two applications:
 
 - ``/``: 128 concurrent streams through the official ``openai`` client, twice over the same kept-alive connections
-  (the first round opens them, the second is measured). Each client times its request from the moment its bytes
-  left it (httpcore's ``send_request_body.complete`` trace event) to its first chunk (the role chunk rides with the
-  first token, as vLLM sends it). What the client did before that, building 128 requests in one Python event loop
-  on the two cores the server runs on, is the client's own time; the report prints it beside the rest. The
-  histogram's delta over exactly those 128 requests must agree with the clients: the mean within 10 % (timed from
-  the handler instead, the mean came out 11-27 % low in three runs here), and at every bucket bound the count at or
-  below it must be what a 10 % error on at least 95 % of the requests allows (the clients' count at or below
-  ``le / 1.1`` .. ``le / 0.9 + READ_LAG_S``, widened by 5 % of the requests). ``READ_LAG_S`` is the client's, not the
-  server's: the first batch's chunks reach a client whose one event loop is still sending the other 112 requests
-  (its own time, ~0.1 s mean), so it reads them up to that much late, and a whole batch of 16 crosses a bound at
-  once (a CI run saw 16 served by 0.3 s that the clients read at 0.346 s and later). Kept short for CI: a baseline
-  replica, 32 tokens per request (``ignore_eos``), so a round is eight batches of 16 and lasts seconds.
+  (the first round opens them, the second is measured). Each client times its request from the moment its headers
+  left it (httpcore's ``send_request_headers.started`` trace event, which runs the socket write with no await in
+  between; the proxy stamps a request when its headers are in, before its body) to its first chunk (the role chunk
+  rides with the first token, as vLLM sends it). Stamped at ``send_request_body.complete`` instead, a client learns
+  its body went out only after anyio's write yields to the event loop, behind its other 127 streams: the first
+  batch's stamps came up to ~0.4 s late, and 16 requests served by 0.75 s read as done by 0.5 s (a CI failure). What
+  the client did before that, building 128 requests in one Python event loop on the two cores the server runs on, is
+  the client's own time; the report prints it beside the rest. The histogram's delta over exactly those 128 requests
+  must agree with the clients: the mean within 10 % (timed from the handler instead, the mean came out 11-27 % low
+  in three runs here), and at every bucket bound the count at or below it must be what a 10 % error on at least 95 %
+  of the requests allows (the clients' count at or below ``le / 1.1`` .. ``le / 0.9 + READ_LAG_S``, widened by 5 %
+  of the requests). ``READ_LAG_S`` is the client's, not the server's: the first batch's chunks reach a client whose
+  one event loop is still sending the other 112 requests (its own time, ~0.1 s mean), so it reads them up to that
+  much late, and a whole batch of 16 crosses a bound at once (a CI run saw 16 served by 0.3 s that the clients read
+  at 0.346 s and later). Kept short for CI: a baseline replica, 32 tokens per request (``ignore_eos``), so a round
+  is eight batches of 16 and lasts seconds.
 - ``/narrow``: a replica that takes 5 requests at once (``max_concurrent_requests`` 1 plus Serve's headroom of 4).
   Five requests whose bodies are still arriving hold those places, so the next request waits in Ray Serve's
   router, at the proxy, before its handler runs: the control that the test can fail. Its TTFT and queue samples
@@ -145,17 +149,17 @@ class Streams:
         self.client = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, http_client=http)
 
     async def _trace(self, request: httpx.Request) -> None:
-        """Note when the request's body has been written to the socket (httpcore's trace extension)."""
+        """Note when the request's headers go to the socket (httpcore's trace extension)."""
         tag = request.headers[TAG]
 
         async def trace(event: str, info: dict) -> None:
-            if event == "http11.send_request_body.complete":
+            if event == "http11.send_request_headers.started":
                 self.sent[tag] = time.perf_counter()
 
         request.extensions["trace"] = trace
 
     async def round(self) -> tuple[list[float], list[float]]:
-        """Per stream: (first chunk - bytes sent, bytes sent - ``create()`` called)."""
+        """Per stream: (first chunk - headers sent, headers sent - ``create()`` called)."""
         start = asyncio.Event()
 
         async def one(i: int) -> tuple[float, float]:
