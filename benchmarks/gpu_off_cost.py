@@ -14,7 +14,9 @@ and per backend (``--attention``, default flashinfer then triton) starts the pla
 start for a schedule that is off there (EAGLE3, adaptive, every bucket at steps 0, SGLang's zero-step draft extend
 skipped), each with decode CUDA graphs at the powers of two up to the largest batch, and measures greedy tokens/s at
 each ``--batch-sizes`` (batch 1: ``--prompts`` requests one after another; larger: one batch), ``--rounds`` rounds.
-Prints off / plain per backend and batch size; writes ``off_cost.json`` into ``--out``.
+Prints off / plain per backend and batch size; writes ``off_cost.json`` into ``--out``. Measured (BENCHMARKS.md,
+fifteenth session, H100): flashinfer's off is 0.66x of plain at batch 256 (triton's 0.28x), so it is not free there
+either.
 
     bash benchmarks/gpu_off_cost.sh        # on the device, carry .gpu/c1 .gpu/c2 .gpu/bin; ~8 min estimated
 """
@@ -93,7 +95,8 @@ def measure(eng: Any, prompts: list[list[int]], batch: int, new_tokens: int, rou
     """Greedy tokens/s of ``rounds`` rounds (batch 1: ``sequential`` requests one after another), after a warm-up."""
     sp = {"temperature": 0.0, "max_new_tokens": new_tokens, "ignore_eos": True}
     groups = [[p] for p in prompts[:sequential]] if batch == 1 else [prompts[:batch]]
-    eng.generate(input_ids=groups[0], sampling_params=sp)
+    for g in groups:  # every request once: the first round then finds the prefix cache as the others do (a warm-up
+        eng.generate(input_ids=g, sampling_params=sp)  # of one request left a JIT compile in round 1: 45 vs 154 tok/s)
     rates = []
     for _ in range(rounds):
         tokens, secs = 0, 0.0
