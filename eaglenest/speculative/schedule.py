@@ -211,7 +211,9 @@ class Schedule:
                 notes.append(f"a drafter is safe up to {top} concurrent request(s): {option.label} at "
                              f"{option.median_ratio:.2f}x the baseline; to keep that gain, cap this deployment at "
                              f"serve.expected_batch_size: [{lo}, {top}] (and serve.max_concurrent_requests: {top}) "
-                             "and send higher load to a deployment without a drafter")
+                             "and send higher load to a deployment without a drafter, or, where two copies of "
+                             "the target fit on the replica's GPUs, set serve.route.by_load: true (docs/OPERATIONS.md, "
+                             "'Routing by live load')")
             return SGLangPlan("plain", notes=tuple(notes))
         return SGLangPlan("static", spec=to_spec(single), notes=tuple(notes))
 

@@ -193,7 +193,7 @@ def test_a_plain_fallback_says_up_to_which_load_a_drafter_is_safe():
     assert plan.mode == "plain"
     hint = [n for n in plan.notes if "safe up to" in n]
     assert len(hint) == 1 and "up to 4 concurrent" in hint[0] and "3-1-4" in hint[0], plan.notes
-    assert "serve.expected_batch_size: [1, 4]" in hint[0]
+    assert "serve.expected_batch_size: [1, 4]" in hint[0] and "serve.route.by_load: true" in hint[0], hint
     assert s.widest_speculative_load(1)[0] == 4
     assert s.widest_speculative_load(5) is None, "from 5 on only the losing bucket remains"
     assert s.sglang_plan({}, expected=(1, 4)).mode == "static", "the narrower range the hint names does speculate"
