@@ -208,10 +208,35 @@ FALLBACK_CAPTURE = knob("E2E_FALLBACK_CAPTURE", gpu="generation", ds="prefill", 
 STORAGE_DTYPE = knob("E2E_STORAGE_DTYPE", gpu="bfloat16", kimi="float8_e4m3fn", cpu="bfloat16",
                      cpu_ds="float8_e4m3fn")
 """regen's hidden-state storage: fp8 (4H + 4 bytes a token) for the Kimi widths, bf16 (8H) elsewhere"""
-DS_EXPERTS = (int(knob("E2E_DS_ROUTED_EXPERTS", ds=4, gpu=0, cpu=0)),
-              int(knob("E2E_DS_EXPERTS_PER_TOKEN", ds=4, gpu=0, cpu=0)))
-"""DeepseekV3 on the GPU: routed experts in the wide stand-in and experts chosen per token (the recommended H200
-build, 4 and 4: 44.3 GB at Kimi's widths); the CPU run keeps the tiny preset's"""
+DS_EXPERTS_BY_CARD = ((120 * 2**30, 4), (0, 2))
+"""DeepseekV3 at Kimi's widths on the GPU, routed experts in the wide stand-in by the card's memory when
+E2E_DS_ROUTED_EXPERTS is unset: 4 on an H200 (44.3 GB, two copies beside each other for serve and its side steps),
+2 on an 80 GB card (33.7 GB; the side steps then run after serve), so one command runs on whichever card comes"""
+
+
+def card_bytes() -> int | None:
+    """The first GPU's memory from nvidia-smi (None without one); the runner itself never opens a CUDA context."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=30, check=True).stdout
+        return int(float(out.split()[0])) * 2**20
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return None
+
+
+def ds_experts(card: int | None = None) -> tuple[int, int]:
+    """(routed experts, experts per token) of the GPU's DeepseekV3 stand-in: E2E_DS_ROUTED_EXPERTS /
+    E2E_DS_EXPERTS_PER_TOKEN where set; else the preset small's 4, or at Kimi's widths by ``card`` (bytes; read
+    from nvidia-smi when None) per :data:`DS_EXPERTS_BY_CARD`; per token defaults to min(4, routed)."""
+    routed = os.environ.get("E2E_DS_ROUTED_EXPERTS")
+    if not routed:
+        if DS_PRESET != "default":
+            routed = "4"
+        else:
+            memory = card if card is not None else (card_bytes() or 0)
+            routed = str(next(n for least, n in DS_EXPERTS_BY_CARD if memory >= least))
+    per_token = os.environ.get("E2E_DS_EXPERTS_PER_TOKEN") or str(min(4, int(routed)))
+    return int(routed), int(per_token)
 PRETRAIN_STEPS = knob("E2E_PRETRAIN_STEPS", gpu="", kimi=400, small=600, cpu="")
 PRETRAIN_MAX_S = knob("E2E_PRETRAIN_MAX_S", gpu=330, kimi=210, small=180, cpu="")
 
@@ -291,8 +316,8 @@ def step_standin() -> dict[str, Any]:
     cmd += ["--train-prompts", str(TRAIN_PROMPTS), "--train-after-cut", str(TRAIN_AFTER_CUT)]
     if gpu():
         if DEEPSEEK:
-            cmd += ["--preset", DS_PRESET, "--routed-experts", str(DS_EXPERTS[0]),
-                    "--experts-per-token", str(DS_EXPERTS[1])]
+            routed, per_token = ds_experts()
+            cmd += ["--preset", DS_PRESET, "--routed-experts", str(routed), "--experts-per-token", str(per_token)]
         if PRETRAIN_STEPS:
             cmd += ["--steps", PRETRAIN_STEPS]
         cmd += ["--max-seconds", PRETRAIN_MAX_S]
@@ -327,8 +352,9 @@ ends it: it needs ~200 s, training ~450 s, so it has finished by then unless tra
 def start_warm(part: str, pid_file: Path, log_name: str) -> dict[str, Any]:
     """Start benchmarks/gpu_jit_warm.py for ``part`` of its plan in the background (its own process group;
     :func:`end_warm` ends it)."""
+    routed, per_token = ds_experts()
     cmd = [sys.executable, str(ROOT / "benchmarks" / "gpu_jit_warm.py"), "--preset", DS_PRESET, "--routed-experts",
-           str(DS_EXPERTS[0]), "--experts-per-token", str(DS_EXPERTS[1]), "--work", f"{JIT_WARM_DIR}-{part}",
+           str(routed), "--experts-per-token", str(per_token), "--work", f"{JIT_WARM_DIR}-{part}",
            "--max-bs", str(max(int(b) for b in BENCH_BATCHES.split(","))), "--attention", BENCH_ATTENTION or "triton",
            "--shapes", ",".join(DRAFT_SHAPES), "--part", part, "--graph-bs", ",".join(map(str, BENCH_GRAPH_BS))]
     log = open(RESULTS / "logs" / log_name, "w")  # noqa: SIM115 - the process outlives this step

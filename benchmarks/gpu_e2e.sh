@@ -72,8 +72,9 @@
 # `eaglenest standin-target --arch deepseek_v3` (docs/GPU_STANDIN.md), a DeepseekV3ForCausalLM (MLA, MoE with a shared
 # expert), pre-trained and grown on the device from the same dump. E2E_DS_PRESET=default (alias kimi): Kimi-K2.5's
 # widths, hidden 7168, vocab 163,840 (padded), 64 heads, q/kv ranks 1536/512, 61 layers (taps [2, 30, 58]);
-# E2E_DS_ROUTED_EXPERTS / E2E_DS_EXPERTS_PER_TOKEN (default 4 / 4, the H200 build: 22.1B parameters, 44.3 GB, 21.0B
-# active per token). E2E_DS_PRESET=small: hidden 4096, 32 layers (taps [2, 16, 29]), Kimi's MLA head dims and ranks,
+# E2E_DS_ROUTED_EXPERTS / E2E_DS_EXPERTS_PER_TOKEN (default by the card: 4 / 4 on an H200, 22.1B parameters, 44.3 GB,
+# 21.0B active per token; 2 / 2 on an 80 GB card, 16.8B, 33.7 GB, its side steps after serve; not yet run on one).
+# E2E_DS_PRESET=small: hidden 4096, 32 layers (taps [2, 16, 29]), Kimi's MLA head dims and ranks,
 # 6.6B, 13.3 GB: the whole loop in a shorter session (~15 min). Everything arch-specific in gpu_e2e.py (taps, widths,
 # drafter, the EAGLE check's 7168-vs-21504 widths, labels) is read from the stand-in's config.json. Defaults that
 # differ for deepseek_v3 (any E2E_* above still overrides): 2,048 regen prompts (8 batches of 256 in flight), 128 new

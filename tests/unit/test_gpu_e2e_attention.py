@@ -145,3 +145,20 @@ def test_a_backend_the_warm_up_never_reached_is_kept_but_called_unverified(monke
 def test_the_bench_s_engines_build_no_prefill_graphs() -> None:
     assert gpu_e2e.bench_engine_extra_args()["disable_prefill_cuda_graph"] is True
     assert gpu_jit_warm.warm_extra_args(32)["disable_prefill_cuda_graph"] is True
+
+
+def test_kimi_width_experts_follow_the_card(monkeypatch):
+    """One command for either card: 4 routed experts where two 44 GB copies fit (H200), 2 on an 80 GB card; an
+    explicit knob wins, and experts per token never exceed the routed ones."""
+    for name in ("E2E_DS_ROUTED_EXPERTS", "E2E_DS_EXPERTS_PER_TOKEN"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(gpu_e2e, "DS_PRESET", "default")
+    assert gpu_e2e.ds_experts(card=143_771 * 2**20) == (4, 4), "H200"
+    assert gpu_e2e.ds_experts(card=81_559 * 2**20) == (2, 2), "H100 80GB HBM3, as nvidia-smi printed it"
+    monkeypatch.setattr(gpu_e2e, "DS_PRESET", "small")
+    assert gpu_e2e.ds_experts(card=81_559 * 2**20) == (4, 4), "the small preset is 13.3 GB on any card"
+    monkeypatch.setattr(gpu_e2e, "DS_PRESET", "default")
+    monkeypatch.setenv("E2E_DS_ROUTED_EXPERTS", "8")
+    assert gpu_e2e.ds_experts(card=81_559 * 2**20) == (8, 4)
+    monkeypatch.setenv("E2E_DS_EXPERTS_PER_TOKEN", "2")
+    assert gpu_e2e.ds_experts(card=0) == (8, 2)
