@@ -141,9 +141,12 @@ def test_sigkill_mid_run_then_rerun_loses_and_repeats_nothing(ray_session, tmp_p
 def test_an_engine_that_keeps_dying_fails_the_job_with_its_cause(ray_session, tmp_path):
     """An engine actor that dies on every attempt (on the H200: a kernel crash in SGLang's decode, every restart) must
     not be restarted forever with no progress: after ``regen.max_engine_restarts`` the job fails and says why and
-    how to resume. Here the actor is SIGKILLed once more than the limit allows."""
+    how to resume. Here the actor is SIGKILLed once more than the limit allows. One conversation per engine call: with
+    the demo's 4, the restarted actor once finished all the remaining work before the test found and killed it, and
+    the job rightly succeeded (a CI failure); unbatched, the same work takes four times as many engine calls."""
     cfg = yaml.safe_load((REPO / "configs" / "demo.yaml").read_text())
-    cfg["regen"].update(sources_file=str(FIX / "sources.yaml"), output=str(tmp_path / "regen"), max_engine_restarts=1)
+    cfg["regen"].update(sources_file=str(FIX / "sources.yaml"), output=str(tmp_path / "regen"), max_engine_restarts=1,
+                        batch_size=1)
     config = tmp_path / "regen.yaml"
     config.write_text(yaml.safe_dump(cfg))
     env = {**os.environ, "RAY_ADDRESS": ray_session.get_runtime_context().gcs_address, "OMP_NUM_THREADS": "1",
