@@ -17,6 +17,7 @@ the check that the glue works before GPU time is spent.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import re
@@ -214,8 +215,10 @@ E2E_DS_ROUTED_EXPERTS is unset: 4 on an H200 (44.3 GB, two copies beside each ot
 2 on an 80 GB card (33.7 GB; the side steps then run after serve), so one command runs on whichever card comes"""
 
 
+@functools.cache
 def card_bytes() -> int | None:
-    """The first GPU's memory from nvidia-smi (None without one); the runner itself never opens a CUDA context."""
+    """The first GPU's memory from nvidia-smi (None without one); the runner itself never opens a CUDA context. Read
+    once: the stand-in and the JIT warm-up's model must get the same expert count from it."""
     try:
         out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
                              capture_output=True, text=True, timeout=30, check=True).stdout
