@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -88,12 +88,14 @@ class TrafficLogConfig(Section):
 
 
 class RouteConfig(Section):
-    """``serve.route``: a speculative and a plain engine behind one replica, picked per request by live load.
+    """``serve.route``: a speculative and a plain engine, picked per request by live load.
 
     For a schedule that speculates at low load only, where the engine cannot switch per batch (SGLang without
-    adaptive mode, or adaptive mode measured slower than the baseline at high load): requests go to the speculative
-    engine while at most ``limit`` run and the plain engine is idle, else to the plain engine. Costs GPU memory for
-    two copies of the target; off by default (docs/OPERATIONS.md)."""
+    adaptive mode, or adaptive mode measured slower than the baseline at high load). On one replica
+    (``placement: replica``) requests go to the speculative engine while fewer than ``limit`` run and the plain engine
+    is idle, else to the plain engine; across two deployments (``placement: deployments``) each request goes where the
+    schedule's measured curves gain more (eaglenest.serve.route_policy). Costs GPU memory for two copies of the
+    target; off by default (docs/OPERATIONS.md)."""
 
     by_load: bool = Field(False, description="two engines, routed by live load (needs serve.schedule and a drafter)")
     limit: int | None = Field(None, ge=1, description="most requests the speculative engine runs; default and upper "
@@ -104,6 +106,12 @@ class RouteConfig(Section):
     speculative_max_total_tokens: int | None = Field(
         None, ge=256, description="SGLang: the speculative engine's KV pool; default limit x (max_prompt_tokens + "
         "max_tokens_limit), at least 8,192")
+    placement: Literal["replica", "deployments"] = Field(
+        "replica", description="replica: both engines on each replica's GPUs (the target must fit twice); "
+        "deployments: a speculative and a plain deployment, each on GPUs of its own, behind one CPU-only routing "
+        "ingress (a target that fills its tensor-parallel group)")
+    speculative_replicas: int = Field(1, ge=1, description="deployments: replicas of the speculative engine")
+    plain_replicas: int = Field(1, ge=1, description="deployments: replicas of the plain engine")
 
 
 class ServeConfig(Section):

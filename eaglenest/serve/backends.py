@@ -367,10 +367,11 @@ def _sglang_stats(gen: Any) -> SpecStats:
 
 
 # ------------------------------------------------------------------------------------------------- factory
-def make_backend(cfg: EaglenestConfig, drafter: str | None, *,
-                 decoder_process: bool | None = None) -> BackendBase:
+def make_backend(cfg: EaglenestConfig, drafter: str | None, *, decoder_process: bool | None = None,
+                 engines: dict[str, Any] | None = None) -> BackendBase:
     """The configured backend, started; ``drafter`` None serves the plain target (baseline decoding). A schedule
-    routed by live load (``serve.route.by_load``) gets two engines (:mod:`eaglenest.serve.routed`).
+    routed by live load (``serve.route.by_load``) gets two engines (:mod:`eaglenest.serve.routed`): on this replica,
+    or (``engines``: handles to the two engine deployments of ``placement: deployments``) through Ray Serve.
 
     ``decoder_process`` (default ``serve.decoder_process``) puts the hf decoder in a child process
     (:class:`eaglenest.serve.process_backend.ProcessBackend`); False keeps it on a thread of this process.
@@ -381,9 +382,15 @@ def make_backend(cfg: EaglenestConfig, drafter: str | None, *,
 
         sched = prepare_schedule(cfg, drafter, check=False)  # checked by the replica before any engine starts
         if sched is not None and sched.plan is not None and sched.plan.mode == "routed":
-            from eaglenest.serve.routed import make_routed_backend
+            from eaglenest.serve.routed import make_deployments_routed_backend, make_routed_backend
 
+            if engines is not None:
+                return make_deployments_routed_backend(cfg, sched.schedule, sched.plan, engines)
             return make_routed_backend(cfg, drafter, sched.plan)
+    if engines is not None:
+        raise ValueError("engine deployments were bound, but the schedule does not route by load here: "
+                         "serve.route.placement: deployments needs serve.schedule, serve.route.by_load: true and a "
+                         "drafter whose schedule speculates at low load")
     if decoder_process is None:
         decoder_process = cfg.serve.decoder_process
     if engine_kind == "hf" and decoder_process:

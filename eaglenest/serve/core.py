@@ -71,7 +71,8 @@ class ServerCore:
     """Request handling independent of Ray Serve's plumbing: one per replica."""
 
     def __init__(self, cfg: EaglenestConfig, drafter: str | None = None, *, api_key: str | None = None,
-                 use_ray_metrics: bool = True) -> None:
+                 use_ray_metrics: bool = True, engines: dict[str, Any] | None = None) -> None:
+        """``engines``: handles to the engine deployments (``serve.route.placement: deployments``)."""
         s = cfg.serve
         self.cfg = cfg
         self.model_name = s.model_name
@@ -100,7 +101,7 @@ class ServerCore:
         self.schedule = prepare_schedule(cfg, drafter)  # a stale one is refused before any engine starts
         if self.schedule is not None:
             log_schedule(self.schedule)
-        self.backend: BackendBase = make_backend(cfg, drafter)
+        self.backend: BackendBase = make_backend(cfg, drafter, engines=engines)
         if hasattr(self.backend, "on_route"):  # serve.route: count each engine's requests
             self.backend.on_route = self.metrics.routed
         if drafter is not None and self.preflight is None:

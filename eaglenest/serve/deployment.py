@@ -97,11 +97,16 @@ DEFAULT_DEPLOYMENT_OPTIONS: dict[str, Any] = {
 class EaglenestDeployment:
     """One replica: a ServerCore behind the FastAPI routes."""
 
-    def __init__(self, config: dict[str, Any], drafter: str | None = None, api_key: str | None = None) -> None:
+    def __init__(self, config: dict[str, Any], drafter: str | None = None, api_key: str | None = None,
+                 speculative_engine: Any = None, plain_engine: Any = None) -> None:
+        """``speculative_engine`` / ``plain_engine``: handles to the engine deployments of
+        ``serve.route.placement: deployments`` (serve.engine_deployment); otherwise the replica runs its engines."""
         global _CORE
         logging.basicConfig(level=logging.INFO)
         cfg = EaglenestConfig.model_validate(config)
-        self.core = ServerCore(cfg, drafter, api_key=api_key)
+        engines = ({"speculative": speculative_engine, "plain": plain_engine}
+                   if speculative_engine is not None and plain_engine is not None else None)
+        self.core = ServerCore(cfg, drafter, api_key=api_key, engines=engines)
         self.routes = Routes(self.core)
         _CORE = self.core
         ctx = serve.get_replica_context()
@@ -215,4 +220,10 @@ def make_app(cfg: EaglenestConfig, drafter: str | None = None, *, check: bool = 
         prepare_schedule(cfg, drafter, driver=True)
     api_key = resolve_api_key(cfg.serve.api_key)
     opts = {**deployment_options(cfg), **(options or {})}
+    from eaglenest.serve.engine_deployment import bind_engines
+
+    engines = bind_engines(cfg, drafter)
+    if engines is not None:  # the engines hold the GPUs; the ingress only routes (and renders, counts, streams)
+        opts["ray_actor_options"] = {**opts["ray_actor_options"], "num_gpus": 0}
+        return EaglenestDeployment.options(**opts).bind(cfg.model_dump(), drafter, api_key, **engines)
     return EaglenestDeployment.options(**opts).bind(cfg.model_dump(), drafter, api_key)

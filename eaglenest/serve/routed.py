@@ -29,23 +29,33 @@ from typing import Any
 from eaglenest.config import EaglenestConfig
 from eaglenest.engines.base import TargetInfo
 from eaglenest.serve.jobs import BackendBase, DecodeEvent, Job, SpecStats
+from eaglenest.serve.route_policy import (
+    PLAIN,
+    SPECULATIVE,
+    MarginalPolicy,
+    OverflowPolicy,
+    SharedGpuPolicy,
+    predicted_ratios,
+    schedule_curves,
+)
 from eaglenest.speculative.routed_engine import speculative_target
 
 log = logging.getLogger(__name__)
 
-SPECULATIVE, PLAIN = "speculative", "plain"
-
 
 class RoutedBackend(BackendBase):
-    """Two started backends behind one ``submit``: ``speculative`` for live loads up to ``limit``, ``plain`` beyond
-    (the rule in the module docstring). Facts (tokenizer, target info, algorithm) are the speculative engine's."""
+    """Two started backends behind one ``submit``: ``speculative`` for live loads up to ``limit``, ``plain`` beyond,
+    by ``policy`` (default: the one-GPU-group rule of the module docstring; :mod:`eaglenest.serve.route_policy`).
+    Facts (tokenizer, target info, algorithm) are the speculative engine's."""
 
-    def __init__(self, speculative: BackendBase, plain: BackendBase, limit: int) -> None:
+    def __init__(self, speculative: BackendBase, plain: BackendBase, limit: int,
+                 policy: SharedGpuPolicy | MarginalPolicy | OverflowPolicy | None = None) -> None:
         if limit < 1:
             raise ValueError(f"serve.route.limit must be at least 1, got {limit}")
         self.speculative_backend = speculative
         self.plain_backend = plain
         self.limit = limit
+        self.policy = policy or SharedGpuPolicy(limit)
         self.name = f"{speculative.name}-routed"
         self._lock = threading.Lock()
         self._running = {SPECULATIVE: 0, PLAIN: 0}
@@ -53,6 +63,8 @@ class RoutedBackend(BackendBase):
         """requests sent to each engine since start (/health, tests)"""
         self.on_route: Callable[[str], None] | None = None
         """called with the engine of every request (the replica's metrics counter)"""
+        self.predicted: dict[int, float] = {}
+        """deployments: per load, the curves' tok/s over the same GPUs all plain (/health)"""
 
     # ---- facts
     @property
@@ -85,14 +97,17 @@ class RoutedBackend(BackendBase):
     def route_state(self) -> dict[str, Any]:
         """For /health: the limit, the requests each engine runs now and how many each has taken."""
         with self._lock:
-            return {"limit": self.limit, "running": dict(self._running), "routed": dict(self.routed)}
+            state = {"limit": self.limit, "placement": self.policy.placement, "running": dict(self._running),
+                     "routed": dict(self.routed)}
+        if self.predicted:
+            state["predicted_vs_plain"] = {str(n): round(r, 3) for n, r in self.predicted.items()}
+        return state
 
     # ---- routing
     def choose(self) -> str:
         """The engine the next request goes to, counted as running there (call :meth:`_done` when it ends)."""
         with self._lock:
-            side = (SPECULATIVE if self._running[PLAIN] == 0 and self._running[SPECULATIVE] < self.limit
-                    else PLAIN)
+            side = self.policy.choose(self._running[SPECULATIVE], self._running[PLAIN])
             self._running[side] += 1
             self.routed[side] += 1
         return side
@@ -133,16 +148,19 @@ class RoutedBackend(BackendBase):
                 log.exception("closing the %s engine failed", b.name)
 
 
-def route_configs(cfg: EaglenestConfig, spec: Any, limit: int) -> tuple[EaglenestConfig, EaglenestConfig]:
-    """(speculative engine's config, plain engine's config) for the two decoder processes: neither has a schedule
-    or routing of its own; the speculative one serves ``spec`` for at most ``limit`` requests, in a KV pool sized
-    for them (SGLang)."""
+def route_configs(cfg: EaglenestConfig, spec: Any, limit: int, *,
+                  shared_gpus: bool = True) -> tuple[EaglenestConfig, EaglenestConfig]:
+    """(speculative engine's config, plain engine's config) for the two decoders: neither has a schedule or routing
+    of its own; the speculative one serves ``spec`` for at most ``limit`` requests, in a KV pool sized for them
+    (SGLang) where it shares the GPUs with the plain one (``shared_gpus``; a deployment of its own keeps the
+    target's memory settings)."""
     s = cfg.serve
     base = {"schedule": None, "route": s.route.model_copy(update={"by_load": False})}
     shape = spec.model_dump(exclude={"algorithm"}) if spec is not None else {}
     fast_serve = s.model_copy(update={**base, "spec": s.spec.model_copy(update=shape),
                                       "max_concurrent_requests": limit, "max_batch_size": min(limit, s.max_batch_size)})
-    fast = cfg.model_copy(update={"serve": fast_serve, "target": speculative_target(cfg.target, s, limit)})
+    target = speculative_target(cfg.target, s, limit) if shared_gpus else cfg.target
+    fast = cfg.model_copy(update={"serve": fast_serve, "target": target})
     plain = cfg.model_copy(update={"serve": s.model_copy(update=base)})
     return fast, plain
 
@@ -165,3 +183,51 @@ def make_routed_backend(cfg: EaglenestConfig, drafter: str, plan: Any) -> Routed
     log.info("routing by live load: up to %d request(s) on the speculative engine (%s), more on the plain engine",
              plan.route_limit, plan.spec)
     return RoutedBackend(fast, plain, plan.route_limit)
+
+
+def deployments_policy(cfg: EaglenestConfig, schedule: Any, plan: Any) -> tuple[MarginalPolicy | OverflowPolicy,
+                                                                             dict[int, float]]:
+    """``placement: deployments``: the marginal-throughput rule over the schedule's measured curves (each side's
+    curve pooled over its replicas; the speculative side's limit is per replica), and what it predicts against the
+    same replicas all plain at powers of two up to ``serve.max_concurrent_requests``; the overflow rule and no
+    prediction where the schedule lacks either curve."""
+    route = cfg.serve.route
+    limit = plan.route_limit * route.speculative_replicas
+    s = plan.spec
+    curves = schedule_curves(schedule.buckets, f"{s.num_steps}-{s.topk}-{s.num_draft_tokens}")
+    if curves is None:
+        return OverflowPolicy(limit), {}
+    spec_curve, plain_curve = curves
+    policy = MarginalPolicy(spec_curve.pooled(route.speculative_replicas), plain_curve.pooled(route.plain_replicas),
+                            limit)
+    top = cfg.serve.max_concurrent_requests
+    loads = sorted({*(1 << i for i in range(top.bit_length()) if 1 << i <= top), top})
+    copies = route.speculative_replicas + route.plain_replicas
+    return policy, predicted_ratios(policy, plain_curve, copies, loads)
+
+
+def make_deployments_routed_backend(cfg: EaglenestConfig, schedule: Any, plan: Any,
+                                    engines: dict[str, Any]) -> RoutedBackend:
+    """The ingress's side of ``placement: deployments``: the two engine deployments through their handles, routed
+    by :func:`deployments_policy`."""
+    from eaglenest.serve.handle_backend import HandleBackend
+
+    trust = cfg.target.trust_remote_code
+    fast = HandleBackend(engines[SPECULATIVE], trust_remote_code=trust)
+    try:
+        plain = HandleBackend(engines[PLAIN], trust_remote_code=trust)
+    except Exception:
+        fast.close()
+        raise
+    policy, predicted = deployments_policy(cfg, schedule, plan)
+    routed = RoutedBackend(fast, plain, policy.limit, policy)
+    routed.predicted = predicted
+    rule = "marginal throughput of the measured curves" if isinstance(policy, MarginalPolicy) else \
+        "overflow (the schedule has no curves for this shape)"
+    log.info("routing by live load across two deployments: up to %d request(s) on the speculative one (%s), by %s",
+             policy.limit, plan.spec, rule)
+    if predicted:
+        worst = min(predicted, key=predicted.__getitem__)
+        log.info("  predicted tok/s over the same replicas all plain: %s (lowest %.3fx at %d requests)",
+                 ", ".join(f"{n}: {r:.2f}x" for n, r in predicted.items()), predicted[worst], worst)
+    return routed

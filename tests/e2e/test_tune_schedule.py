@@ -9,6 +9,8 @@
   shows a lone request drafting.
 - the same schedule with ``serve.route.by_load``: two engines, a lone request on the speculative one, a burst on
   the plain one (equal greedy answers), back to the speculative one once the plain one drained.
+- ``serve.route.placement: deployments``: a speculative and a plain engine deployment behind the routing ingress,
+  a burst split by the schedule's measured curves (equal greedy answers, drafts only from the speculative side).
 - ``eaglenest serve`` refuses a schedule tuned for another drafter before anything starts, naming the fix.
 """
 
@@ -102,10 +104,11 @@ def test_tune_writes_a_schedule_that_follows_its_measurements_and_resumes(folder
 
 
 # ------------------------------------------------------------------------------------------------ serve
-def _schedule_for(cfg, drafter: Path, path: Path) -> Path:
+def _schedule_for(cfg, drafter: Path, path: Path,
+                  rates: dict[int, tuple[float, float]] | None = None) -> Path:
     """A schedule bound to this target, drafter and engine whose buckets speculate (3-1-4) at batch 1 and stop
     from batch 2 on (measurements written here, not by tune: the tiny target's own curve decides nothing about
-    whether serve applies what a schedule says)."""
+    whether serve applies what a schedule says). ``rates``: {batch: (baseline tok/s, 3-1-4 tok/s)} instead."""
     from eaglenest.speculative.identity import serving_identity
     from eaglenest.speculative.schedule import build_schedule
 
@@ -114,9 +117,16 @@ def _schedule_for(cfg, drafter: Path, path: Path) -> Path:
                  "configs": [{"config": "off", "tok_per_s": base, "tok_per_s_rounds": [base, base]},
                              {"config": "3-1-4", "tok_per_s": spec, "tok_per_s_rounds": [spec, spec]}]}]
 
-    s = build_schedule({1: rep(100.0, 150.0), 2: rep(180.0, 120.0), 8: rep(400.0, 200.0)},
-                       serving_identity(cfg.target, drafter), noise_floor=0.01)
+    rates = rates or {1: (100.0, 150.0), 2: (180.0, 120.0), 8: (400.0, 200.0)}
+    s = build_schedule({b: rep(*r) for b, r in rates.items()}, serving_identity(cfg.target, drafter),
+                       noise_floor=0.01)
     return s.save(path)
+
+
+ACROSS_RATES = {1: (100.0, 150.0), 2: (180.0, 240.0), 8: (400.0, 200.0)}
+"""3-1-4 safe up to 2 requests; from one request to two the speculative curve gains 90 tok/s, the plain one's first
+request 100 and its second 80: a burst of four splits 2 / 2 across deployments (speculative, plain, speculative,
+plain), where one GPU group's rule would keep one on the speculative engine"""
 
 
 def _free_port() -> int:
@@ -142,9 +152,13 @@ def scheduled(ray_session, tiny_target_path, folders):
     cfg = EaglenestConfig.model_validate({**base, "serve": {**base["serve"], "schedule": str(path)}})
     routed = EaglenestConfig.model_validate({**base, "serve": {**base["serve"], "schedule": str(path),
                                                                "route": {"by_load": True}}})
+    across_path = _schedule_for(cfg, folders["drafter"], folders["root"] / "across" / "schedule.json", ACROSS_RATES)
+    across = EaglenestConfig.model_validate({**base, "serve": {
+        **base["serve"], "schedule": str(across_path), "route": {"by_load": True, "placement": "deployments"}}})
     urls = start_apps([AppSpec(cfg, str(folders["drafter"]), "scheduled", "/"),
-                       AppSpec(routed, str(folders["drafter"]), "routed", "/routed")], port=_free_port())
-    yield {"scheduled": urls[0], "routed": urls[1]}
+                       AppSpec(routed, str(folders["drafter"]), "routed", "/routed"),
+                       AppSpec(across, str(folders["drafter"]), "across", "/across")], port=_free_port())
+    yield {"scheduled": urls[0], "routed": urls[1], "across": urls[2]}
     stop_serve()
 
 
@@ -227,6 +241,46 @@ def test_serve_routes_by_load_between_a_speculative_and_a_plain_engine(scheduled
     assert after["running"] == {"speculative": 0, "plain": 0}
     again = ask("List three colors.")
     assert again.usage.model_extra["spec"]["draft_tokens"] > 0, "the plain engine drained: speculating again"
+
+
+def test_serve_routes_across_a_speculative_and_a_plain_deployment(scheduled):
+    """serve.route.placement: deployments: the engines are deployments of their own, the ingress routes each request
+    where the schedule's curves gain more; a burst of four splits 2 / 2, the plain deployment's greedy answer equals
+    the speculative one's, and only the speculative deployment's answers report drafts."""
+    from ray import serve
+
+    url = scheduled["across"]
+    deployments = serve.status().applications["across"].deployments
+    assert {"eaglenest", "eaglenest-speculative", "eaglenest-plain"} <= set(deployments), deployments
+    h = _health(url)
+    assert h["schedule"]["mode"] == "routed" and h["route"]["placement"] == "deployments", h
+    assert h["route"]["limit"] == 2 and h["engine"] == "hf-deployment-routed", h
+    predicted = h["route"]["predicted_vs_plain"]  # two requests: (150 + 100) / (100 + 100); four: (240 + 180) / 360
+    assert predicted["2"] == pytest.approx(1.25, abs=1e-3) and predicted["4"] == pytest.approx(420 / 360, abs=1e-3)
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
+
+    def ask(prompt: str, n: int = 48):
+        return client.completions.create(model="eaglenest", prompt=prompt, max_tokens=n, temperature=0,
+                                         extra_body={"ignore_eos": True})
+
+    alone = ask("Count to 10.")
+    assert alone.usage.model_extra["spec"]["draft_tokens"] > 0, "alone: the speculative deployment"
+    before = _health(url)["route"]["routed"]
+    burst: dict[int, object] = {}
+    workers = [threading.Thread(target=lambda i=i: burst.__setitem__(i, ask("Count to 10.", 160)))
+               for i in range(4)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    after = _health(url)["route"]
+    moved = {k: after["routed"][k] - before[k] for k in before}
+    assert moved == {"speculative": 2, "plain": 2}, (before, after)
+    drafted = [r for r in burst.values() if r.usage.model_extra["spec"]["draft_tokens"] > 0]
+    assert len(drafted) == 2, "only the speculative deployment's answers report drafts"
+    texts = {r.choices[0].text[:len(alone.choices[0].text)] for r in burst.values()}
+    assert texts == {alone.choices[0].text}, "greedy: the same answer from either deployment"
+    assert after["running"] == {"speculative": 0, "plain": 0}
 
 
 def test_serve_refuses_a_schedule_of_another_drafter(folders, tiny_target_path):
