@@ -62,6 +62,38 @@ def registered_state(run_dir: Path) -> dict | None:
         return None
 
 
+def wait_until_reaped(driver_pid: int, timeout_s: float = 120.0) -> None:
+    """Wait until Ray has reaped the killed driver's job: its actors dead and their processes gone.
+
+    Ray notices a dead driver seconds after the kill; until then its engine actor goes on filing answers, so the
+    answers on disk are the killed run's final set only once every one of its actor processes has exited. (Ray
+    Data's detached helpers, such as its stats actor, outlive every job by design and file nothing.)"""
+    from ray._private import state
+
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        jobs = [j for j in state.jobs() if j["DriverPid"] == driver_pid]
+        if jobs and jobs[0]["IsDead"]:
+            actors = [a for a in state.actors().values() if a["JobID"] == jobs[0]["JobID"] and not a["IsDetached"]]
+            if all(a["State"] == "DEAD" and not (a["Pid"] and process_exists(a["Pid"])) for a in actors):
+                return
+        time.sleep(0.2)
+    jobs = [j for j in state.jobs() if j["DriverPid"] == driver_pid]
+    left = [(a["ActorClassName"], a["State"], a["Pid"], a["Pid"] and process_exists(a["Pid"]))
+            for a in state.actors().values() if jobs and a["JobID"] == jobs[0]["JobID"]]
+    raise AssertionError(f"Ray did not reap the killed driver's job (pid {driver_pid}) within {timeout_s:.0f} s: "
+                         f"job {jobs}, its actors {left}")
+
+
+def process_exists(pid: int) -> bool:
+    """Whether the process runs (a zombie waiting for its parent to reap it has exited)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+    return fields[0] != "Z"
+
+
 def test_online_training_writes_no_hidden_states_and_resumes_after_sigkill(ray_session, tmp_path) -> None:
     cfg = write_inputs(tmp_path, 40)
     out = tmp_path / "out"
@@ -84,6 +116,7 @@ def test_online_training_writes_no_hidden_states_and_resumes_after_sigkill(ray_s
             (tmp_path / "run1.log").read_text()[-3000:]
         os.killpg(first.pid, signal.SIGKILL)
         first.wait()
+    wait_until_reaped(first.pid)
     assert killed_at is not None and not (out / "export").exists()
     cached_before = filed_answers(out / "online")
     assert len(cached_before) == len(set(cached_before))  # the first run generated no sample twice
