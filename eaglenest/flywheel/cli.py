@@ -59,7 +59,7 @@ def _heldout(fw: Any, given: str | None) -> list[dict[str, Any]]:
 def run_promote(args: argparse.Namespace) -> int:
     from eaglenest.config import load_config
     from eaglenest.flywheel.context import Flywheel
-    from eaglenest.flywheel.promote import promote
+    from eaglenest.flywheel.promote import check_swappable, promote
 
     cfg = load_config(args.config)
     try:
@@ -68,6 +68,7 @@ def run_promote(args: argparse.Namespace) -> int:
         if not heldout:
             raise ValueError("no held-out traffic to gate on: pass --heldout FILE or let traffic reach the log")
         if not args.no_swap:  # the gate alone needs no Ray (its metrics record without one)
+            check_swappable(fw)
             _attach(need_cluster=True)
         out = promote(fw, args.candidate, heldout, swap=not args.no_swap)
     except (ValueError, FileNotFoundError, ConnectionError) as e:
@@ -82,11 +83,13 @@ def run_promote(args: argparse.Namespace) -> int:
 def run_flywheel(args: argparse.Namespace) -> int:
     from eaglenest.config import load_config
     from eaglenest.flywheel.context import Flywheel
+    from eaglenest.flywheel.promote import check_swappable
     from eaglenest.flywheel.turn import run_turn
 
     cfg = load_config(args.config)
     try:
         fw = Flywheel.create(cfg, args.config, serve=args.serve)
+        check_swappable(fw)
         every = fw.settings.every_s
         if not args.once and every is None:
             raise ValueError("set flywheel.every_s (seconds between turns) or pass --once")

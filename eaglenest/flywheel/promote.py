@@ -15,6 +15,16 @@ from eaglenest.flywheel.store import stage
 from eaglenest.flywheel.watch import baseline, rollback, watch
 
 
+def check_swappable(fw: Flywheel) -> None:
+    """Refuse, before a turn trains for hours, a loop whose swap serve would refuse: ``serve.schedule`` records the
+    drafter it was tuned with, and every candidate is another drafter."""
+    if fw.cfg.serve.schedule:
+        raise ValueError(f"serve.schedule ({fw.cfg.serve.schedule}) was tuned for the live drafter, and serve refuses "
+                         "it for any other, so no candidate could be swapped in: run the flywheel (or promote) with a "
+                         "config without serve.schedule, then `eaglenest tune` the promoted drafter and serve its "
+                         "schedule; or gate only (eaglenest promote --no-swap)")
+
+
 def swap_and_watch(fw: Flywheel, staged: str | Path, decision: GateDecision) -> dict[str, Any]:
     """Swap ``staged`` in (rolling replacement), watch its live accept length, roll back if it falls."""
     from eaglenest.serve import redeploy_drafter

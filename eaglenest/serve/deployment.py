@@ -222,7 +222,7 @@ def make_app(cfg: EaglenestConfig, drafter: str | None = None, *, check: bool = 
     opts = {**deployment_options(cfg), **(options or {})}
     from eaglenest.serve.engine_deployment import bind_engines
 
-    engines = bind_engines(cfg, drafter)
+    engines = bind_engines(cfg, drafter, surge_percent=opts.get("max_surge_percent"))
     if engines is not None:  # the engines hold the GPUs; the ingress only routes (and renders, counts, streams)
         opts["ray_actor_options"] = {**opts["ray_actor_options"], "num_gpus": 0}
         return EaglenestDeployment.options(**opts).bind(cfg.model_dump(), drafter, api_key, **engines)

@@ -89,10 +89,12 @@ class EngineDeployment:
             backend.close()
 
 
-def bind_engines(cfg: EaglenestConfig, drafter: str | None) -> dict[str, Any] | None:
+def bind_engines(cfg: EaglenestConfig, drafter: str | None, *, surge_percent: int | None = None
+                 ) -> dict[str, Any] | None:
     """``placement: deployments``: the speculative and the plain engine deployment, bound for the ingress (keyword
     ``speculative_engine`` / ``plain_engine``); None where the replica runs its engines itself. Refused, naming the
-    fix, where the ingress would not be the only one counting the load."""
+    fix, where the ingress would not be the only one counting the load. ``surge_percent``: a drafter swap's
+    ``max_surge_percent``, for the engines too (the speculative deployment is the one a new drafter replaces)."""
     s = cfg.serve
     route = s.route
     if not (route.by_load and route.placement == "deployments" and drafter is not None and s.schedule):
@@ -111,12 +113,13 @@ def bind_engines(cfg: EaglenestConfig, drafter: str | None) -> dict[str, Any] | 
     fast_cfg, plain_cfg = route_configs(cfg, plan.spec, plan.route_limit, shared_gpus=False)
     resources = {"num_cpus": s.num_cpus_per_replica, "num_gpus": s.num_gpus_per_replica}
     headroom = max(4, s.max_concurrent_requests // 8)
+    surge = {} if surge_percent is None else {"max_surge_percent": int(surge_percent)}
     out = {}
     for side, side_cfg, side_drafter, replicas, most in (
             ("speculative", fast_cfg, drafter, route.speculative_replicas, plan.route_limit),
             ("plain", plain_cfg, None, route.plain_replicas, s.max_concurrent_requests)):
         out[f"{side}_engine"] = EngineDeployment.options(
             name=f"eaglenest-{side}", num_replicas=replicas, ray_actor_options=resources,
-            graceful_shutdown_timeout_s=s.drain_timeout_s + 5.0, max_ongoing_requests=most + headroom,
+            graceful_shutdown_timeout_s=s.drain_timeout_s + 5.0, max_ongoing_requests=most + headroom, **surge,
         ).bind(side_cfg.model_dump(), side_drafter, side)
     return out

@@ -24,15 +24,19 @@ ACTIVE_STATES = ("STARTING", "UPDATING", "RECOVERING", "STOPPING", "PENDING_MIGR
 
 
 def replica_states(app: str) -> dict[str, int]:
-    """Replica counts by state of the application's eaglenest deployment ({} when it is not running)."""
+    """Replica counts by state over the application's deployments ({} when it is not running): the ingress, and with
+    ``serve.route.placement: deployments`` its speculative and plain engine deployments, which a swap also rolls."""
     from ray import serve
 
-    from eaglenest.serve.deployment import DEPLOYMENT_NAME
-
     status = serve.status().applications.get(app)
-    if status is None or DEPLOYMENT_NAME not in status.deployments:
+    if status is None:
         return {}
-    return {str(getattr(k, "value", k)): int(v) for k, v in status.deployments[DEPLOYMENT_NAME].replica_states.items()}
+    counts: dict[str, int] = {}
+    for deployment in status.deployments.values():
+        for state, n in deployment.replica_states.items():
+            key = str(getattr(state, "value", state))
+            counts[key] = counts.get(key, 0) + int(n)
+    return counts
 
 
 def redeploy_drafter(cfg: EaglenestConfig, drafter: str | None, *, app: str, route_prefix: str = "/",

@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import socket
 import statistics
 import subprocess
@@ -158,7 +159,7 @@ def scheduled(ray_session, tiny_target_path, folders):
     urls = start_apps([AppSpec(cfg, str(folders["drafter"]), "scheduled", "/"),
                        AppSpec(routed, str(folders["drafter"]), "routed", "/routed"),
                        AppSpec(across, str(folders["drafter"]), "across", "/across")], port=_free_port())
-    yield {"scheduled": urls[0], "routed": urls[1], "across": urls[2]}
+    yield {"scheduled": urls[0], "routed": urls[1], "across": urls[2], "across_cfg": across}
     stop_serve()
 
 
@@ -281,6 +282,52 @@ def test_serve_routes_across_a_speculative_and_a_plain_deployment(scheduled):
     texts = {r.choices[0].text[:len(alone.choices[0].text)] for r in burst.values()}
     assert texts == {alone.choices[0].text}, "greedy: the same answer from either deployment"
     assert after["running"] == {"speculative": 0, "plain": 0}
+
+
+def test_a_drafter_swap_rolls_the_engine_deployments_with_no_failed_request(scheduled, folders):
+    """The flywheel's swap on ``placement: deployments``: the speculative engine deployment is the one a new drafter
+    replaces, with surge, while a client streams; no request fails and the swap returns only once every deployment's
+    old replicas are gone (a copy of the drafter: the schedule's identity is its weights, so it stays valid)."""
+    from ray import serve
+
+    from eaglenest.serve import redeploy_drafter
+
+    url = scheduled["across"]
+    copy = folders["root"] / "across" / "drafter-copy"
+    shutil.copytree(folders["drafter"], copy)
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
+    errors: list[str] = []
+    answers: list[str] = []
+    stop = threading.Event()
+
+    def stream() -> None:
+        while not stop.is_set():
+            try:
+                parts = client.completions.create(model="eaglenest", prompt="Count to 10.", max_tokens=24,
+                                                  temperature=0, stream=True, extra_body={"ignore_eos": True})
+                answers.append("".join(c.choices[0].text for c in parts if c.choices))
+            except Exception as e:  # noqa: BLE001 - any failure is what this test counts
+                errors.append(repr(e))
+
+    client_thread = threading.Thread(target=stream)
+    client_thread.start()
+    try:
+        swap = redeploy_drafter(scheduled["across_cfg"], str(copy), app="across", route_prefix="/across",
+                                surge_percent=100)
+    finally:
+        stop.set()
+        client_thread.join()
+    assert errors == [], errors[:3]
+    assert len(answers) >= 2 and len(set(answers)) == 1, "greedy answers stay the same across the swap"
+    assert set(swap["replicas"]) == {"RUNNING"}, swap
+    deployments = serve.status().applications["across"].deployments
+    assert {d: sum(dep.replica_states.values()) for d, dep in deployments.items()} == \
+        {"eaglenest": 1, "eaglenest-speculative": 1, "eaglenest-plain": 1}
+    h = _health(url)
+    assert h["drafter"] == str(copy) and h["route"]["placement"] == "deployments", h
+    after = client.completions.create(model="eaglenest", prompt="Count to 10.", max_tokens=24, temperature=0,
+                                      extra_body={"ignore_eos": True})
+    assert after.usage.model_extra["spec"]["draft_tokens"] > 0, "alone: the new speculative deployment drafts"
 
 
 def test_serve_refuses_a_schedule_of_another_drafter(folders, tiny_target_path):

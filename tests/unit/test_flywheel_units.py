@@ -137,3 +137,19 @@ def test_vocab_coverage_counts_generated_tokens_inside_the_draft_vocabulary(tmp_
     recs = [_rec(1, 1.0), _rec(7, 2.0)]  # answers [1, 2] (inside) and [7, 8] (outside); prompts do not count
     assert vocab_coverage(recs, tmp_path) == 0.5
     assert vocab_coverage([], tmp_path) is None
+
+
+@pytest.mark.parametrize("command", [["flywheel", "--once"],
+                                     ["promote", "--candidate", "cand", "--heldout", "h.jsonl"]])
+def test_a_loop_whose_swap_serve_would_refuse_is_refused_before_it_trains(tmp_path, capsys, command) -> None:
+    """serve.schedule is tied to the live drafter: every candidate's swap would be refused after hours of training."""
+    from eaglenest.cli import main
+
+    (tmp_path / "h.jsonl").write_text(json.dumps(_rec(0, 1.0)) + "\n")
+    cfg = tmp_path / "fw.yaml"
+    cfg.write_text(json.dumps({"serve": {"schedule": "schedule.json"},
+                               "flywheel": {"workdir": str(tmp_path / "fw")}}))
+    args = [a if a != "h.jsonl" else str(tmp_path / "h.jsonl") for a in command]
+    assert main([args[0], "--config", str(cfg), *args[1:]]) == 2
+    err = capsys.readouterr().err
+    assert "serve.schedule (schedule.json) was tuned for the live drafter" in err and "eaglenest tune" in err
