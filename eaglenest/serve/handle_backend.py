@@ -15,8 +15,7 @@ import logging
 import threading
 from typing import Any
 
-from eaglenest.engines.base import TargetInfo
-from eaglenest.serve.jobs import BackendBase, DecodeEvent, Job
+from eaglenest.serve.jobs import DecodeEvent, Job, RemoteEngineBackend
 
 log = logging.getLogger(__name__)
 
@@ -24,7 +23,7 @@ FACTS_TIMEOUT_S = 900.0
 """the engine deployment answers once its engine has started (a large checkpoint loads first)"""
 
 
-class HandleBackend(BackendBase):
+class HandleBackend(RemoteEngineBackend):
     """Requests to one engine deployment through ``handle``; facts from its ``facts()`` at construction."""
 
     def __init__(self, handle: Any, *, trust_remote_code: bool = False,
@@ -43,34 +42,14 @@ class HandleBackend(BackendBase):
             raise
         self.name = f"{facts['name']}-deployment"
         self.side: str = facts["side"]
-        self._info: TargetInfo = facts["info"]
-        self._speculative: bool = facts["speculative"]
-        self._algorithm: str | None = facts["algorithm"]
-        from transformers import AutoTokenizer
-
-        self._tokenizer = AutoTokenizer.from_pretrained(facts["model_path"], trust_remote_code=trust_remote_code)
+        self._take_facts(facts["info"], facts["speculative"], facts["algorithm"], facts["model_path"],
+                         trust_remote_code)
 
     @staticmethod
     async def _facts(handle: Any) -> dict[str, Any]:
         return await handle.facts.remote()
 
-    # ---- facts
-    @property
-    def info(self) -> TargetInfo:
-        return self._info
-
-    @property
-    def tokenizer(self) -> Any:
-        return self._tokenizer
-
-    @property
-    def speculative(self) -> bool:
-        return self._speculative
-
-    @property
-    def algorithm(self) -> str | None:
-        return self._algorithm
-
+    # ---- facts (info, tokenizer, speculative, algorithm: RemoteEngineBackend)
     @property
     def alive(self) -> bool:
         return self._thread.is_alive()

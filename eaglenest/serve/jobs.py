@@ -182,3 +182,31 @@ class BackendBase:
             ids = [t for ev in collected[i] for t in ev.token_ids]
             out.append((ids, str(last.finish_reason), last.stats or SpecStats(verify_steps=max(len(ids) - 1, 0))))
         return out
+
+
+class RemoteEngineBackend(BackendBase):
+    """A backend whose engine runs elsewhere (a child process, an engine deployment): the engine hands its facts
+    over once, when it is ready, and the tokenizer loads here from the model folder it names."""
+
+    def _take_facts(self, info: TargetInfo, speculative: bool, algorithm: str | None, model_path: str,
+                    trust_remote_code: bool) -> None:
+        from transformers import AutoTokenizer
+
+        self._info, self._speculative, self._algorithm = info, speculative, algorithm
+        self._tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+
+    @property
+    def info(self) -> TargetInfo:
+        return self._info
+
+    @property
+    def tokenizer(self) -> Any:
+        return self._tokenizer
+
+    @property
+    def speculative(self) -> bool:
+        return self._speculative
+
+    @property
+    def algorithm(self) -> str | None:
+        return self._algorithm

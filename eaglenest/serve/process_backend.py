@@ -28,11 +28,9 @@ import sys
 import threading
 import time
 from multiprocessing.connection import Connection
-from typing import Any
 
 from eaglenest.config import EaglenestConfig
-from eaglenest.engines.base import TargetInfo
-from eaglenest.serve.jobs import BackendBase, DecodeEvent, Job
+from eaglenest.serve.jobs import DecodeEvent, Job, RemoteEngineBackend
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +42,7 @@ class DecoderProcessError(RuntimeError):
     """The decoder process could not start or went away."""
 
 
-class ProcessBackend(BackendBase):
+class ProcessBackend(RemoteEngineBackend):
     """Same interface as :class:`eaglenest.serve.backends.Backend`; the engine and scheduler live in ``python -m
     eaglenest.serve.engine_process`` and this side keeps the tokenizer, the job table and one receiving thread."""
 
@@ -64,10 +62,8 @@ class ProcessBackend(BackendBase):
         self._conn = Connection(parent_sock.detach())
         self._conn.send(("start", cfg.model_dump(mode="json"), drafter))
         ready = self._await_ready(start_timeout_s)
-        _, self._info, self._speculative, self._algorithm, model_path = ready
-        from transformers import AutoTokenizer
-
-        self._tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=cfg.target.trust_remote_code)
+        _, info, speculative, algorithm, model_path = ready
+        self._take_facts(info, speculative, algorithm, model_path, cfg.target.trust_remote_code)
         self._reader = threading.Thread(target=self._receive, name="eaglenest-decoder-events", daemon=True)
         self._reader.start()
 
@@ -86,23 +82,7 @@ class ProcessBackend(BackendBase):
             raise DecoderProcessError(msg[1])
         return msg
 
-    # ---- facts
-    @property
-    def info(self) -> TargetInfo:
-        return self._info
-
-    @property
-    def tokenizer(self) -> Any:
-        return self._tokenizer
-
-    @property
-    def speculative(self) -> bool:
-        return self._speculative
-
-    @property
-    def algorithm(self) -> str | None:
-        return self._algorithm
-
+    # ---- facts (info, tokenizer, speculative, algorithm: RemoteEngineBackend)
     @property
     def alive(self) -> bool:
         return self.fatal is None and self._proc.poll() is None and self._reader.is_alive()

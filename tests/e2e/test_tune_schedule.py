@@ -141,6 +141,24 @@ def _health(url: str) -> dict:
         return json.loads(r.read())
 
 
+def _ask(client: openai.OpenAI, prompt: str, n: int = 48):
+    """One greedy completion of exactly ``n`` tokens."""
+    return client.completions.create(model="eaglenest", prompt=prompt, max_tokens=n, temperature=0,
+                                     extra_body={"ignore_eos": True})
+
+
+def _burst(client: openai.OpenAI, prompts: list[str], n: int) -> dict[int, object]:
+    """The prompts at once, one thread each; answers by index."""
+    out: dict[int, object] = {}
+    workers = [threading.Thread(target=lambda i=i, p=p: out.__setitem__(i, _ask(client, p, n)))
+               for i, p in enumerate(prompts)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    return out
+
+
 @pytest.fixture(scope="module")
 def scheduled(ray_session, tiny_target_path, folders):
     from eaglenest.config import EaglenestConfig
@@ -217,21 +235,10 @@ def test_serve_routes_by_load_between_a_speculative_and_a_plain_engine(scheduled
     assert h["schedule"]["buckets"] == {"1": "3-1-4", "2": "off", "3-8": "off", "9+": "off"}
     assert any("up to 1 concurrent" in n for n in h["schedule"]["notes"]), h["schedule"]["notes"]
 
-    def ask(prompt: str, n: int = 48):
-        return client.completions.create(model="eaglenest", prompt=prompt, max_tokens=n, temperature=0,
-                                         extra_body={"ignore_eos": True})
-
-    alone = ask("Count to 10.")
+    alone = _ask(client, "Count to 10.")
     assert alone.usage.model_extra["spec"]["draft_tokens"] > 0, "alone: the speculative engine"
     before = _health(url)["route"]["routed"]
-    burst: dict[int, object] = {}
-    workers = [threading.Thread(target=lambda i=i: burst.__setitem__(i, ask("Count to 10." if i == 0 else
-                                                                            f"Name {i + 2} animals.", 96)))
-               for i in range(4)]
-    for w in workers:
-        w.start()
-    for w in workers:
-        w.join()
+    burst = _burst(client, ["Count to 10.", *(f"Name {i + 2} animals." for i in range(1, 4))], 96)
     after = _health(url)["route"]
     moved = {k: after["routed"][k] - before[k] for k in before}
     assert sum(moved.values()) == 4 and moved["plain"] >= 3, (before, after)
@@ -240,7 +247,7 @@ def test_serve_routes_by_load_between_a_speculative_and_a_plain_engine(scheduled
     assert burst[0].choices[0].text[:len(alone.choices[0].text)] == alone.choices[0].text, \
         "greedy: the same answer from either engine"
     assert after["running"] == {"speculative": 0, "plain": 0}
-    again = ask("List three colors.")
+    again = _ask(client, "List three colors.")
     assert again.usage.model_extra["spec"]["draft_tokens"] > 0, "the plain engine drained: speculating again"
 
 
@@ -260,20 +267,10 @@ def test_serve_routes_across_a_speculative_and_a_plain_deployment(scheduled):
     assert predicted["2"] == pytest.approx(1.25, abs=1e-3) and predicted["4"] == pytest.approx(420 / 360, abs=1e-3)
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
 
-    def ask(prompt: str, n: int = 48):
-        return client.completions.create(model="eaglenest", prompt=prompt, max_tokens=n, temperature=0,
-                                         extra_body={"ignore_eos": True})
-
-    alone = ask("Count to 10.")
+    alone = _ask(client, "Count to 10.")
     assert alone.usage.model_extra["spec"]["draft_tokens"] > 0, "alone: the speculative deployment"
     before = _health(url)["route"]["routed"]
-    burst: dict[int, object] = {}
-    workers = [threading.Thread(target=lambda i=i: burst.__setitem__(i, ask("Count to 10.", 160)))
-               for i in range(4)]
-    for w in workers:
-        w.start()
-    for w in workers:
-        w.join()
+    burst = _burst(client, ["Count to 10."] * 4, 160)
     after = _health(url)["route"]
     moved = {k: after["routed"][k] - before[k] for k in before}
     assert moved == {"speculative": 2, "plain": 2}, (before, after)
