@@ -35,6 +35,9 @@ PRIVATE_APIS: dict[str, str] = {
         "on small clusters; the flag is an internal DataContext field",
     "ray._private.worker.global_worker.node.metrics_export_port":
         "tests: the port of this node's Prometheus endpoint, scraped by the metrics tests",
+    "ray._private.state.jobs / actors":
+        "tests: whether a killed driver's job is dead and its actors' states and process ids, read from the GCS (the "
+        "public state API needs the dashboard, which the test session's Ray runs without)",
     "ray.autoscaler._private.util.prepare_config / validate_config":
         "tests: `ray up`'s own config preparation and schema validation of cluster.yaml (no public equivalent)",
     "RAY_JOB_CONFIG_JSON_ENV_VAR, RAY_JOB_STOP_WAIT_TIME_S (ray.dashboard.modules.job.job_supervisor)":
@@ -115,6 +118,18 @@ def metrics_export_port() -> int:
     import ray
 
     return ray._private.worker.global_worker.node.metrics_export_port
+
+
+def driver_job_actors(driver_pid: int) -> tuple[bool, list[dict[str, Any]]] | None:
+    """The job whose driver had ``driver_pid``: (is it dead, its actors that are not detached, each with ``State``
+    and ``Pid``); None when no job had that driver (Ray must be initialized)."""
+    from ray._private import state
+
+    jobs = [j for j in state.jobs() if j["DriverPid"] == driver_pid]
+    if not jobs:
+        return None
+    actors = [a for a in state.actors().values() if a["JobID"] == jobs[0]["JobID"] and not a["IsDetached"]]
+    return bool(jobs[0]["IsDead"]), actors
 
 
 def autoscaler_config_tools() -> tuple[Callable[[dict], dict], Callable[[dict], None]]:

@@ -68,21 +68,19 @@ def wait_until_reaped(driver_pid: int, timeout_s: float = 120.0) -> None:
     Ray notices a dead driver seconds after the kill; until then its engine actor goes on filing answers, so the
     answers on disk are the killed run's final set only once every one of its actor processes has exited. (Ray
     Data's detached helpers, such as its stats actor, outlive every job by design and file nothing.)"""
-    from ray._private import state
+    from eaglenest.ray_private import driver_job_actors
 
     deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        jobs = [j for j in state.jobs() if j["DriverPid"] == driver_pid]
-        if jobs and jobs[0]["IsDead"]:
-            actors = [a for a in state.actors().values() if a["JobID"] == jobs[0]["JobID"] and not a["IsDetached"]]
-            if all(a["State"] == "DEAD" and not (a["Pid"] and process_exists(a["Pid"])) for a in actors):
-                return
+    while True:
+        job = driver_job_actors(driver_pid)
+        left = [] if job is None else [(a["ActorClassName"], a["State"], a["Pid"]) for a in job[1]
+                                       if a["State"] != "DEAD" or (a["Pid"] and process_exists(a["Pid"]))]
+        if job is not None and job[0] and not left:
+            return
+        if time.time() > deadline:
+            raise AssertionError(f"Ray did not reap the killed driver's job (pid {driver_pid}) within "
+                                 f"{timeout_s:.0f} s: dead {job and job[0]}, actors left {left}")
         time.sleep(0.2)
-    jobs = [j for j in state.jobs() if j["DriverPid"] == driver_pid]
-    left = [(a["ActorClassName"], a["State"], a["Pid"], a["Pid"] and process_exists(a["Pid"]))
-            for a in state.actors().values() if jobs and a["JobID"] == jobs[0]["JobID"]]
-    raise AssertionError(f"Ray did not reap the killed driver's job (pid {driver_pid}) within {timeout_s:.0f} s: "
-                         f"job {jobs}, its actors {left}")
 
 
 def process_exists(pid: int) -> bool:

@@ -28,6 +28,10 @@ def test_each_private_api_is_there() -> None:
     for fn, arg in ((get, "namespace"), (put, "namespace"), (delete, "namespace"), (keys, "namespace")):
         assert arg in inspect.signature(fn).parameters, fn
     assert ray._config.metrics_report_interval_ms() > 0
+    from ray._private import state
+
+    for fn in (state.jobs, state.actors):
+        assert callable(fn), fn
     prepare, validate = ray_private.autoscaler_config_tools()
     assert callable(prepare) and callable(validate)
     from ray.data import DataContext
