@@ -1,10 +1,15 @@
-"""Small drafter folders for the serve and preflight tests, written by the real exporter (random weights)."""
+"""For the serve and preflight tests: small drafter folders written by the real exporter (random weights), and a
+client that streams through a swap."""
 
 from __future__ import annotations
 
 import json
+import threading
+import time
 from pathlib import Path
 from typing import Any
+
+import openai
 
 
 def tiny_target_facts(target: Path) -> dict[str, Any]:
@@ -50,3 +55,37 @@ def rewrite_tensors(folder: Path, fn) -> None:
     f = Path(folder) / "model.safetensors"
     tensors = fn(dict(load_file(str(f))))
     save_file(tensors, str(f), metadata={"format": "pt"})
+
+
+class StreamingClient:
+    """Streams greedy chat requests in a loop and checks each answer against the target's own greedy answer."""
+
+    def __init__(self, url: str, cases: list[tuple[list[dict], str]]) -> None:
+        self.client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
+        self.cases, self.ok, self.errors, self.mismatches = cases, 0, [], []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        i = 0
+        while not self._stop.is_set():
+            messages, want = self.cases[i % len(self.cases)]
+            i += 1
+            try:
+                chunks = self.client.chat.completions.create(model="eaglenest", messages=messages, temperature=0,
+                                                             max_tokens=40, stream=True)
+                text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+                self.ok += 1
+                if text != want:
+                    self.mismatches.append((messages[-1]["content"], text, want))
+            except Exception as e:  # every failure counts: a swap must cause none
+                self.errors.append(repr(e))
+            time.sleep(0.2)
+
+    def __enter__(self) -> StreamingClient:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(120)

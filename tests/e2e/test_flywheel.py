@@ -18,13 +18,13 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from http.server import BaseHTTPRequestHandler, HTTPServer
 
 import httpx
 import openai
 import pytest
 import yaml
+from serve_helpers import StreamingClient
 
 from eaglenest.engines.base import SamplingParams
 from eaglenest.engines.tiny import corpus_chats
@@ -72,40 +72,6 @@ class _Webhook(BaseHTTPRequestHandler):
 
     def log_message(self, *args) -> None:
         pass
-
-
-class StreamingClient:
-    """Streams greedy chat requests in a loop and checks each answer against the target's own greedy answer."""
-
-    def __init__(self, url: str, cases: list[tuple[list[dict], str]]) -> None:
-        self.client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
-        self.cases, self.ok, self.errors, self.mismatches = cases, 0, [], []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        i = 0
-        while not self._stop.is_set():
-            messages, want = self.cases[i % len(self.cases)]
-            i += 1
-            try:
-                chunks = self.client.chat.completions.create(model="eaglenest", messages=messages, temperature=0,
-                                                             max_tokens=40, stream=True)
-                text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-                self.ok += 1
-                if text != want:
-                    self.mismatches.append((messages[-1]["content"], text, want))
-            except Exception as e:  # every failure counts: a swap must cause none
-                self.errors.append(repr(e))
-            time.sleep(0.2)
-
-    def __enter__(self) -> StreamingClient:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join(120)
 
 
 @pytest.fixture(scope="module")

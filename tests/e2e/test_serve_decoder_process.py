@@ -12,6 +12,7 @@ import threading
 import time
 
 import pytest
+from process_helpers import process_running
 
 from eaglenest.config import EaglenestConfig
 from eaglenest.engines.base import SamplingParams
@@ -22,16 +23,6 @@ from eaglenest.serve.process_backend import DecoderProcessError, ProcessBackend
 def _cfg(tiny_target_path) -> EaglenestConfig:
     return EaglenestConfig.model_validate({"target": {"model": str(tiny_target_path), "device": "cpu",
                                                       "dtype": "float32"}})
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # a zombie (exited, not yet reaped) counts as gone
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().split(")")[-1].split()[0] != "Z"
 
 
 def test_a_start_failure_carries_the_childs_reason(tiny_target_path, tmp_path):
@@ -87,6 +78,6 @@ def test_the_decoder_does_not_outlive_its_replica(tiny_target_path, tmp_path):
     assert out.returncode == 0, out.stderr
     child = int(out.stdout.strip().splitlines()[-1])
     deadline = time.monotonic() + 30
-    while _alive(child) and time.monotonic() < deadline:
+    while process_running(child) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not _alive(child), f"decoder process {child} outlived its parent"
+    assert not process_running(child), f"decoder process {child} outlived its parent"

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import yaml
+from process_helpers import process_running
 
 from eaglenest.drafter.data import is_eval_sample
 from eaglenest.engines.tiny import corpus_chats
@@ -74,22 +75,13 @@ def wait_until_reaped(driver_pid: int, timeout_s: float = 120.0) -> None:
     while True:
         job = driver_job_actors(driver_pid)
         left = [] if job is None else [(a["ActorClassName"], a["State"], a["Pid"]) for a in job[1]
-                                       if a["State"] != "DEAD" or (a["Pid"] and process_exists(a["Pid"]))]
+                                       if a["State"] != "DEAD" or (a["Pid"] and process_running(a["Pid"]))]
         if job is not None and job[0] and not left:
             return
         if time.time() > deadline:
             raise AssertionError(f"Ray did not reap the killed driver's job (pid {driver_pid}) within "
                                  f"{timeout_s:.0f} s: dead {job and job[0]}, actors left {left}")
         time.sleep(0.2)
-
-
-def process_exists(pid: int) -> bool:
-    """Whether the process runs (a zombie waiting for its parent to reap it has exited)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (FileNotFoundError, ProcessLookupError, IndexError):
-        return False
-    return fields[0] != "Z"
 
 
 def test_online_training_writes_no_hidden_states_and_resumes_after_sigkill(ray_session, tmp_path) -> None:

@@ -30,7 +30,7 @@ from pathlib import Path
 import openai
 import pytest
 from conftest import FIXTURES
-from serve_helpers import make_drafter
+from serve_helpers import StreamingClient, make_drafter
 
 HELDOUT = FIXTURES / "prompts" / "heldout.jsonl"
 
@@ -293,37 +293,21 @@ def test_a_drafter_swap_rolls_the_engine_deployments_with_no_failed_request(sche
     copy = folders["root"] / "across" / "drafter-copy"
     shutil.copytree(folders["drafter"], copy)
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
-    errors: list[str] = []
-    answers: list[str] = []
-    stop = threading.Event()
-
-    def stream() -> None:
-        while not stop.is_set():
-            try:
-                parts = client.completions.create(model="eaglenest", prompt="Count to 10.", max_tokens=24,
-                                                  temperature=0, stream=True, extra_body={"ignore_eos": True})
-                answers.append("".join(c.choices[0].text for c in parts if c.choices))
-            except Exception as e:  # noqa: BLE001 - any failure is what this test counts
-                errors.append(repr(e))
-
-    client_thread = threading.Thread(target=stream)
-    client_thread.start()
-    try:
+    messages = [{"role": "user", "content": "Count to 10."}]
+    want = client.chat.completions.create(model="eaglenest", messages=messages, temperature=0,
+                                          max_tokens=40).choices[0].message.content
+    with StreamingClient(url, [(messages, want)]) as streamer:
         swap = redeploy_drafter(scheduled["across_cfg"], str(copy), app="across", route_prefix="/across",
                                 surge_percent=100)
-    finally:
-        stop.set()
-        client_thread.join()
-    assert errors == [], errors[:3]
-    assert len(answers) >= 2 and len(set(answers)) == 1, "greedy answers stay the same across the swap"
+    assert streamer.errors == [], streamer.errors[:3]
+    assert streamer.ok >= 2 and streamer.mismatches == [], "greedy answers stay the same across the swap"
     assert set(swap["replicas"]) == {"RUNNING"}, swap
     deployments = serve.status().applications["across"].deployments
     assert {d: sum(dep.replica_states.values()) for d, dep in deployments.items()} == \
         {"eaglenest": 1, "eaglenest-speculative": 1, "eaglenest-plain": 1}
     h = _health(url)
     assert h["drafter"] == str(copy) and h["route"]["placement"] == "deployments", h
-    after = client.completions.create(model="eaglenest", prompt="Count to 10.", max_tokens=24, temperature=0,
-                                      extra_body={"ignore_eos": True})
+    after = _ask(client, "Count to 10.", 24)
     assert after.usage.model_extra["spec"]["draft_tokens"] > 0, "alone: the new speculative deployment drafts"
 
 
