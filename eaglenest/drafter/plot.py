@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from eaglenest.plotting import pyplot, save_figure
+
 
 def plot_training_curves(records: list[dict[str, Any]], path: str | Path) -> Path | None:
     """Two panels (loss_k, acc_k) over training steps; returns None when there is nothing to plot."""
@@ -12,10 +14,7 @@ def plot_training_curves(records: list[dict[str, Any]], path: str | Path) -> Pat
     evals = [r for r in records if r.get("kind") == "eval"]
     if not train and not evals:
         return None
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     first = (train or evals)[0]
     steps_k = sorted(int(k.split("_")[1]) for k in first if k.startswith("acc_"))
@@ -44,8 +43,4 @@ def plot_training_curves(records: list[dict[str, Any]], path: str | Path) -> Pat
     axes[0].legend(fontsize=6, ncol=2)
     axes[1].legend(fontsize=6, ncol=2)
     axes[2].legend(fontsize=8)
-    fig.tight_layout()
-    out = Path(path)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return save_figure(fig, path)

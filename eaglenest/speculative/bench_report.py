@@ -9,6 +9,8 @@ import statistics
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from eaglenest.plotting import pyplot, save_figure
+
 if TYPE_CHECKING:
     from eaglenest.speculative.bench import VariantStats
 
@@ -115,10 +117,7 @@ def report_markdown(report: dict[str, Any], title: str = "Speculative decoding b
 
 def plot_bench(report: dict[str, Any], path: str | Path) -> Path:
     """PNG: tok/s per config against the baseline line, and speedup vs accept length."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     rows = report["configs"]
     if not rows:
@@ -139,12 +138,7 @@ def plot_bench(report: dict[str, Any], path: str | Path) -> Path:
     axes[1].set_xlabel("accept length")
     axes[1].set_ylabel("speedup vs baseline")
     axes[1].set_title("speedup vs accept length")
-    fig.tight_layout()
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return save_figure(fig, path)
 
 
 # ------------------------------------------------------------------------------------ several batch sizes at once
@@ -195,10 +189,7 @@ def sweep_markdown(summary: dict[str, Any]) -> str:
 
 def plot_sweep(summary: dict[str, Any], path: str | Path) -> Path:
     """PNG: tok/s of the baseline, the best static config and the schedule over the batch sizes, and the ratios."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     rows = summary["rows"]
     xs = [r["batch_size"] for r in rows]
@@ -227,9 +218,4 @@ def plot_sweep(summary: dict[str, Any], path: str | Path) -> Path:
         a.legend(fontsize=8)
     ax.set_title(f"throughput ({summary['engine']})")
     ar.set_title("against the baseline and the best static config")
-    fig.tight_layout()
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return save_figure(fig, path)

@@ -20,6 +20,7 @@ from typing import Any
 from eaglenest.config import SpecConfig
 from eaglenest.contracts.metrics import accept_length
 from eaglenest.engines.base import SamplingParams
+from eaglenest.plotting import pyplot, save_figure
 
 
 class PromptFileError(ValueError):
@@ -152,10 +153,7 @@ def evaluate_acceptance(
 
 def plot_acceptance(reports: dict[str, dict[str, Any]], path: str | Path) -> Path:
     """PNG: accept length per domain (one bar group per mode) and per-position acceptance curves."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
     modes = list(reports)
@@ -181,9 +179,4 @@ def plot_acceptance(reports: dict[str, dict[str, Any]], path: str | Path) -> Pat
     axes[1].set_ylim(0, 1.05)
     axes[1].set_title("per-position acceptance")
     axes[1].legend(fontsize=8)
-    fig.tight_layout()
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return save_figure(fig, path)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from eaglenest.plotting import pyplot, save_figure
 from eaglenest.speculative.schedule import Schedule
 
 
@@ -39,10 +40,7 @@ def schedule_markdown(s: Schedule) -> str:
 
 def plot_schedule(s: Schedule, path: str | Path) -> Path:
     """The PNG described in the module docstring."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     measured = [b for b in s.buckets if b.measured]
     if not measured:
@@ -75,12 +73,7 @@ def plot_schedule(s: Schedule, path: str | Path) -> Path:
         a.set_ylabel(ylabel)
         a.set_title(title)
     ax.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return save_figure(fig, path)
 
 
 def summary_lines(s: Schedule) -> list[str]:

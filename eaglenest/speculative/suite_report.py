@@ -9,6 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from eaglenest.plotting import pyplot, save_figure
+
 
 def table_rows(doc: dict[str, Any]) -> list[tuple[str, str, dict[str, Any]]]:
     """(suite, row label, row) for every line of the table: the suite, then its categories and turns."""
@@ -58,10 +60,7 @@ def write_suites(doc: dict[str, Any], out: str | Path) -> tuple[str, Path]:
 
 def plot_suites(doc: dict[str, Any], path: str | Path) -> Path:
     """PNG: accept length per suite and category (bars) and per-position acceptance per suite (curves)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     rows = [(s, label, r) for s, label, r in table_rows(doc) if not label.startswith("turn ")]
     fig, axes = plt.subplots(1, 2, figsize=(max(10.0, 4 + 0.45 * len(rows)), 4.8),
@@ -93,9 +92,4 @@ def plot_suites(doc: dict[str, Any], path: str | Path) -> Path:
     else:
         axes[1].text(0.5, 0.5, "not reported by the served API", ha="center", va="center",
                      transform=axes[1].transAxes)
-    fig.tight_layout()
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return save_figure(fig, path)
