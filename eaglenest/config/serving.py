@@ -108,8 +108,8 @@ class RouteConfig(Section):
         "max_tokens_limit), at least 8,192")
     placement: Literal["replica", "deployments"] = Field(
         "replica", description="replica: both engines on each replica's GPUs (the target must fit twice); "
-        "deployments: a speculative and a plain deployment, each on GPUs of its own, behind one CPU-only routing "
-        "ingress (a target that fills its tensor-parallel group)")
+        "deployments: a speculative and a plain deployment, each on GPUs of its own, behind the CPU-only routing "
+        "ingress (serve.num_replicas of it, each routing its share; a target that fills its tensor-parallel group)")
     speculative_replicas: int = Field(1, ge=1, description="deployments: replicas of the speculative engine")
     plain_replicas: int = Field(1, ge=1, description="deployments: replicas of the plain engine")
 

@@ -45,6 +45,8 @@ class EngineDeployment:
         self.backend = make_backend(cfg, drafter)
         self.model_path = str(resolve_target_path(cfg.target))
         self.running = 0
+        self.peak = 0
+        self.served = 0
         log.info("%s engine deployment ready (%s, drafter %s)", side, self.backend.name, drafter or "none")
 
     def facts(self) -> dict[str, Any]:
@@ -60,6 +62,8 @@ class EngineDeployment:
         queue: asyncio.Queue[DecodeEvent] = asyncio.Queue()
         job = Job(list(prompt_ids), sampling, lambda ev: loop.call_soon_threadsafe(queue.put_nowait, ev))
         self.running += 1
+        self.peak = max(self.peak, self.running)
+        self.served += 1
         try:
             try:
                 self.backend.submit(job)
@@ -79,6 +83,11 @@ class EngineDeployment:
         finally:
             self.running -= 1
 
+    def load(self) -> dict[str, int]:
+        """This replica's requests now, at most at once, and in all since it started: what the routing ingress
+        replicas sent it together (each of them sees only its own share)."""
+        return {"running": self.running, "peak": self.peak, "served": self.served}
+
     def check_health(self) -> None:
         if not self.backend.alive:
             raise RuntimeError(f"{self.side} engine is not running: {self.backend.fatal}")
@@ -93,12 +102,14 @@ def bind_engines(cfg: EaglenestConfig, drafter: str | None, *, surge_percent: in
                  ) -> dict[str, Any] | None:
     """``placement: deployments``: the speculative and the plain engine deployment, bound for the ingress (keyword
     ``speculative_engine`` / ``plain_engine``); None where the replica runs its engines itself. Refused, naming the
-    fix, where the ingress would not be the only one counting the load. ``surge_percent``: a drafter swap's
-    ``max_surge_percent``, for the engines too (the speculative deployment is the one a new drafter replaces)."""
+    fix, where the ingress replicas could not share the speculative range (each needs one request of it) or would
+    change in number (autoscaling). ``surge_percent``: a drafter swap's ``max_surge_percent``, for the engines too (the
+    speculative deployment is the one a new drafter replaces)."""
     s = cfg.serve
     route = s.route
     if not (route.by_load and route.placement == "deployments" and drafter is not None and s.schedule):
         return None
+    from eaglenest.serve.route_policy import ingress_share
     from eaglenest.serve.routed import route_configs
     from eaglenest.serve.schedule import prepare_schedule
 
@@ -106,10 +117,12 @@ def bind_engines(cfg: EaglenestConfig, drafter: str | None, *, surge_percent: in
     plan = sched.plan if sched is not None else None
     if plan is None or plan.mode != "routed" or plan.route_limit is None:
         return None  # the ingress logs why the schedule does not route (serve.schedule's notes)
-    if s.autoscaling or s.num_replicas != 1:
-        raise ValueError("serve.route.placement: deployments routes from one ingress replica (it counts what each "
-                         "engine runs); set serve.num_replicas: 1 without serve.autoscaling, and scale the engines "
-                         "with serve.route.speculative_replicas / serve.route.plain_replicas")
+    if s.autoscaling:
+        raise ValueError("serve.route.placement: deployments splits the engines' ranges over a fixed number of "
+                         "routing ingress replicas (each counts what it routed); set serve.num_replicas without "
+                         "serve.autoscaling, and scale the engines with serve.route.speculative_replicas / "
+                         "serve.route.plain_replicas")
+    ingress_share(plan.route_limit * route.speculative_replicas, s.num_replicas)  # refused here, before deploying
     fast_cfg, plain_cfg = route_configs(cfg, plan.spec, plan.route_limit, shared_gpus=False)
     resources = {"num_cpus": s.num_cpus_per_replica, "num_gpus": s.num_gpus_per_replica}
     headroom = max(4, s.max_concurrent_requests // 8)
@@ -117,7 +130,7 @@ def bind_engines(cfg: EaglenestConfig, drafter: str | None, *, surge_percent: in
     out = {}
     for side, side_cfg, side_drafter, replicas, most in (
             ("speculative", fast_cfg, drafter, route.speculative_replicas, plan.route_limit),
-            ("plain", plain_cfg, None, route.plain_replicas, s.max_concurrent_requests)):
+            ("plain", plain_cfg, None, route.plain_replicas, s.max_concurrent_requests * s.num_replicas)):
         out[f"{side}_engine"] = EngineDeployment.options(
             name=f"eaglenest-{side}", num_replicas=replicas, ray_actor_options=resources,
             graceful_shutdown_timeout_s=s.drain_timeout_s + 5.0, max_ongoing_requests=most + headroom, **surge,

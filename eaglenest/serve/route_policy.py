@@ -11,6 +11,12 @@
   fewer than ``limit`` (its safe range). For curves that flatten as the batch grows (every engine's) joining the
   larger gain one arrival at a time gives the split of the live load with the most total tokens/s the curves allow.
 
+Several routing ingress replicas (``serve.num_replicas``): each counts only the requests it routed itself, and Ray
+Serve's proxies spread requests over the ingress replicas by their queue lengths, so each sees about one
+``routers``-th of the load. Each therefore routes over its share of the engines (both curves pooled over
+``replicas / routers``) and of the speculative range (``limit // routers``, at least one: the speculative side never
+runs more than its safe range in all, :func:`ingress_share`).
+
 At low load the speculative curve rises faster (1.96x at batch 1 on the Llama stand-in), so it takes the requests;
 as its gain per request falls below the plain engine's, requests spill to the plain deployment. Against the
 reference (the same GPUs all plain, load shared evenly), by the curves, this split is never slower while the load
@@ -33,13 +39,13 @@ class Curve:
     """Tokens/s of an engine against its running requests, from measured ``(batch, tok/s)`` points: linear between
     them, through ``(0, 0)``, and flat beyond the last one (no gain is assumed where nothing was measured)."""
 
-    points: tuple[tuple[int, float], ...]
+    points: tuple[tuple[float, float], ...]
 
     def __post_init__(self) -> None:
         if not self.points:
             raise ValueError("a throughput curve needs at least one measured point")
-        if any(b < 1 or t < 0 for b, t in self.points) or list(self.points) != sorted(self.points):
-            raise ValueError(f"curve points must be (batch >= 1, tok/s >= 0) in ascending batch: {self.points}")
+        if any(b <= 0 or t < 0 for b, t in self.points) or list(self.points) != sorted(self.points):
+            raise ValueError(f"curve points must be (batch > 0, tok/s >= 0) in ascending batch: {self.points}")
 
     def __call__(self, n: float) -> float:
         if n <= 0:
@@ -52,9 +58,10 @@ class Curve:
         x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
         return y0 + (y1 - y0) * (n - x0) / (x1 - x0)
 
-    def pooled(self, copies: int) -> Curve:
-        """``copies`` replicas sharing a load evenly: ``copies x T(n / copies)`` at each of their points."""
-        return Curve(tuple((b * copies, t * copies) for b, t in self.points)) if copies > 1 else self
+    def pooled(self, copies: float) -> Curve:
+        """``copies`` replicas sharing a load evenly: ``copies x T(n / copies)`` at each of their points. A fraction
+        is one router's share of the replicas when several routers split the load evenly (1 / routers)."""
+        return Curve(tuple((b * copies, t * copies) for b, t in self.points)) if copies != 1 else self
 
 
 class SharedGpuPolicy:
@@ -96,15 +103,21 @@ class MarginalPolicy:
         return s, p
 
 
-def predicted_ratios(policy: MarginalPolicy, baseline: Curve, copies: int,
-                     loads: Sequence[int]) -> dict[int, float]:
+def predicted_ratios(policy: MarginalPolicy, baseline: Curve, copies: int, loads: Sequence[int],
+                     routers: int = 1) -> dict[int, float]:
     """Per load: the routed deployments' tokens/s as the curves predict them, over the same ``copies`` of the target
-    all plain with the load shared evenly (the "no speculation" reference)."""
+    all plain with the load shared evenly (the "no speculation" reference). ``routers`` ingress replicas each route
+    their even share of the load by ``policy`` (its curves are one router's share of the engines)."""
+    spec_all = policy.speculative_curve.pooled(routers)
+    plain_all = policy.plain_curve.pooled(routers)
     out = {}
     for n in loads:
-        s, p = policy.split(n)
+        s = p = 0
+        for i in range(routers):
+            a, b = policy.split(n // routers + (1 if i < n % routers else 0))
+            s, p = s + a, p + b
         ref = copies * baseline(n / copies)
-        out[n] = (policy.speculative_curve(s) + policy.plain_curve(p)) / ref if ref > 0 else 1.0
+        out[n] = (spec_all(s) + plain_all(p)) / ref if ref > 0 else 1.0
     return out
 
 
@@ -138,3 +151,16 @@ class OverflowPolicy:
 
     def choose(self, speculative: int, plain: int) -> str:
         return SPECULATIVE if speculative < self.limit else PLAIN
+
+
+def ingress_share(limit: int, routers: int) -> int:
+    """The speculative requests one of ``routers`` ingress replicas may run: ``limit // routers``, so that all of
+    them together never pass the safe range; refused (naming the fix) where that leaves a router none."""
+    if routers < 1:
+        raise ValueError(f"routers must be at least 1, got {routers}")
+    share = limit // routers
+    if share < 1:
+        raise ValueError(f"{routers} routing ingress replicas cannot share a speculative range of {limit} "
+                         f"request(s): each needs at least one; set serve.num_replicas <= {limit}, or raise "
+                         f"serve.route.speculative_replicas (the range is per speculative replica)")
+    return share

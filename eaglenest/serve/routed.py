@@ -35,6 +35,7 @@ from eaglenest.serve.route_policy import (
     MarginalPolicy,
     OverflowPolicy,
     SharedGpuPolicy,
+    ingress_share,
     predicted_ratios,
     schedule_curves,
 )
@@ -65,6 +66,8 @@ class RoutedBackend(BackendBase):
         """called with the engine of every request (the replica's metrics counter)"""
         self.predicted: dict[int, float] = {}
         """deployments: per load, the curves' tok/s over the same GPUs all plain (/health)"""
+        self.routers = 1
+        """deployments: the routing ingress replicas that share the engines (this one routes its share)"""
 
     # ---- facts
     @property
@@ -98,7 +101,7 @@ class RoutedBackend(BackendBase):
         """For /health: the limit, the requests each engine runs now and how many each has taken."""
         with self._lock:
             state = {"limit": self.limit, "placement": self.policy.placement, "running": dict(self._running),
-                     "routed": dict(self.routed)}
+                     "routed": dict(self.routed), "ingress_replicas": self.routers}
         if self.predicted:
             state["predicted_vs_plain"] = {str(n): round(r, 3) for n, r in self.predicted.items()}
         return state
@@ -188,22 +191,24 @@ def make_routed_backend(cfg: EaglenestConfig, drafter: str, plan: Any) -> Routed
 def deployments_policy(cfg: EaglenestConfig, schedule: Any, plan: Any) -> tuple[MarginalPolicy | OverflowPolicy,
                                                                              dict[int, float]]:
     """``placement: deployments``: the marginal-throughput rule over the schedule's measured curves (each side's
-    curve pooled over its replicas; the speculative side's limit is per replica), and what it predicts against the
-    same replicas all plain at powers of two up to ``serve.max_concurrent_requests``; the overflow rule and no
-    prediction where the schedule lacks either curve."""
+    curve pooled over its replicas; the speculative side's limit is per replica), as one of ``serve.num_replicas``
+    routing ingress replicas applies it to its share of the load (route_policy's module docstring), and what the
+    whole app predicts against the same replicas all plain at powers of two up to ``serve.max_concurrent_requests``
+    per ingress replica; the overflow rule and no prediction where the schedule lacks either curve."""
     route = cfg.serve.route
-    limit = plan.route_limit * route.speculative_replicas
+    routers = cfg.serve.num_replicas
+    limit = ingress_share(plan.route_limit * route.speculative_replicas, routers)
     s = plan.spec
     curves = schedule_curves(schedule.buckets, f"{s.num_steps}-{s.topk}-{s.num_draft_tokens}")
     if curves is None:
         return OverflowPolicy(limit), {}
     spec_curve, plain_curve = curves
-    policy = MarginalPolicy(spec_curve.pooled(route.speculative_replicas), plain_curve.pooled(route.plain_replicas),
-                            limit)
-    top = cfg.serve.max_concurrent_requests
+    policy = MarginalPolicy(spec_curve.pooled(route.speculative_replicas / routers),
+                            plain_curve.pooled(route.plain_replicas / routers), limit)
+    top = cfg.serve.max_concurrent_requests * routers
     loads = sorted({*(1 << i for i in range(top.bit_length()) if 1 << i <= top), top})
     copies = route.speculative_replicas + route.plain_replicas
-    return policy, predicted_ratios(policy, plain_curve, copies, loads)
+    return policy, predicted_ratios(policy, plain_curve, copies, loads, routers)
 
 
 def make_deployments_routed_backend(cfg: EaglenestConfig, schedule: Any, plan: Any,
@@ -222,10 +227,12 @@ def make_deployments_routed_backend(cfg: EaglenestConfig, schedule: Any, plan: A
     policy, predicted = deployments_policy(cfg, schedule, plan)
     routed = RoutedBackend(fast, plain, policy.limit, policy)
     routed.predicted = predicted
+    routed.routers = cfg.serve.num_replicas
     rule = "marginal throughput of the measured curves" if isinstance(policy, MarginalPolicy) else \
         "overflow (the schedule has no curves for this shape)"
-    log.info("routing by live load across two deployments: up to %d request(s) on the speculative one (%s), by %s",
-             policy.limit, plan.spec, rule)
+    log.info("routing by live load across two deployments: up to %d request(s) on the speculative one (%s), by %s%s",
+             policy.limit, plan.spec, rule, f" (this ingress replica's share: 1 of {routed.routers})"
+             if routed.routers > 1 else "")
     if predicted:
         worst = min(predicted, key=predicted.__getitem__)
         log.info("  predicted tok/s over the same replicas all plain: %s (lowest %.3fx at %d requests)",

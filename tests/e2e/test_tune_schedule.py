@@ -10,7 +10,9 @@
 - the same schedule with ``serve.route.by_load``: two engines, a lone request on the speculative one, a burst on
   the plain one (equal greedy answers), back to the speculative one once the plain one drained.
 - ``serve.route.placement: deployments``: a speculative and a plain engine deployment behind the routing ingress,
-  a burst split by the schedule's measured curves (equal greedy answers, drafts only from the speculative side).
+  a burst split by the schedule's measured curves (equal greedy answers, drafts only from the speculative side);
+  with two ingress replicas, each routes its share of the speculative range (a burst reaches it from both, never
+  past the range).
 - ``eaglenest serve`` refuses a schedule tuned for another drafter before anything starts, naming the fix.
 """
 
@@ -174,10 +176,14 @@ def scheduled(ray_session, tiny_target_path, folders):
     across_path = _schedule_for(cfg, folders["drafter"], folders["root"] / "across" / "schedule.json", ACROSS_RATES)
     across = EaglenestConfig.model_validate({**base, "serve": {
         **base["serve"], "schedule": str(across_path), "route": {"by_load": True, "placement": "deployments"}}})
+    shared = EaglenestConfig.model_validate({**base, "serve": {
+        **base["serve"], "num_replicas": 2, "num_cpus_per_replica": 0.1, "schedule": str(across_path),
+        "route": {"by_load": True, "placement": "deployments"}}})
     urls = start_apps([AppSpec(cfg, str(folders["drafter"]), "scheduled", "/"),
                        AppSpec(routed, str(folders["drafter"]), "routed", "/routed"),
-                       AppSpec(across, str(folders["drafter"]), "across", "/across")], port=_free_port())
-    yield {"scheduled": urls[0], "routed": urls[1], "across": urls[2], "across_cfg": across}
+                       AppSpec(across, str(folders["drafter"]), "across", "/across"),
+                       AppSpec(shared, str(folders["drafter"]), "shared", "/shared")], port=_free_port())
+    yield {"scheduled": urls[0], "routed": urls[1], "across": urls[2], "across_cfg": across, "shared": urls[3]}
     stop_serve()
 
 
@@ -279,6 +285,36 @@ def test_serve_routes_across_a_speculative_and_a_plain_deployment(scheduled):
     texts = {r.choices[0].text[:len(alone.choices[0].text)] for r in burst.values()}
     assert texts == {alone.choices[0].text}, "greedy: the same answer from either deployment"
     assert after["running"] == {"speculative": 0, "plain": 0}
+
+
+def test_two_ingress_replicas_share_the_speculative_range(scheduled):
+    """``serve.num_replicas: 2`` in front of the two engine deployments: each ingress replica routes its share (one
+    of the range of two), so a burst reaches the speculative deployment from both of them, never more than two at
+    once; every answer the same greedy text."""
+    from ray import serve
+
+    url = scheduled["shared"]
+    ingress = serve.status().applications["shared"].deployments["eaglenest"]
+    assert ingress.replica_states.get("RUNNING") == 2, ingress.replica_states
+    h = _health(url)
+    assert h["route"]["placement"] == "deployments" and h["route"]["ingress_replicas"] == 2, h
+    assert h["route"]["limit"] == 1, "each ingress replica's share of the range of 2"
+    loads = {side: serve.get_deployment_handle(f"eaglenest-{side}", app_name="shared").load
+             for side in ("speculative", "plain")}
+    before = {side: load.remote().result() for side, load in loads.items()}  # the replicas' self-tests included
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
+    alone = _ask(client, "Count to 10.")
+    assert alone.usage.model_extra["spec"]["draft_tokens"] > 0, "alone: the speculative deployment"
+    burst = _burst(client, ["Count to 10."] * 8, 160)
+    spec, plain = (loads[side].remote().result() for side in ("speculative", "plain"))
+    assert spec["peak"] == 2, ("each ingress replica sent at most its one: a peak of two needs both, and a third "
+                               f"would pass the range: {spec}")
+    drafted = [r for r in burst.values() if r.usage.model_extra["spec"]["draft_tokens"] > 0]
+    assert len(drafted) == 2 and spec["served"] - before["speculative"]["served"] == 3, (spec, before)
+    assert plain["served"] - before["plain"]["served"] == 6, (plain, before)
+    texts = {r.choices[0].text[:len(alone.choices[0].text)] for r in burst.values()}
+    assert texts == {alone.choices[0].text}, "greedy: the same answer from either deployment"
+    assert spec["running"] == plain["running"] == 0
 
 
 def test_a_drafter_swap_rolls_the_engine_deployments_with_no_failed_request(scheduled, folders):

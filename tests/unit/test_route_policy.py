@@ -13,6 +13,7 @@ from eaglenest.serve.route_policy import (
     MarginalPolicy,
     OverflowPolicy,
     SharedGpuPolicy,
+    ingress_share,
     predicted_ratios,
     schedule_curves,
 )
@@ -99,18 +100,52 @@ def test_the_deployments_policy_pools_replicas_and_predicts_up_to_the_admission_
     assert sorted(predicted) == [1, 2, 4, 8, 16]
 
 
-def test_deployments_refuse_more_than_one_ingress(tmp_path):
-    """Each ingress replica counts only what it routed itself: two would each send the limit to the speculative
-    side. Refused before anything is deployed, naming the fix."""
+def test_ingress_replicas_each_route_their_share_and_never_pass_the_range_together():
+    """Two ingress replicas, each with half of an even load: each routes over half of the engines and half of the
+    range, so the app splits a load as one router with the whole of it would; a router that counted the whole range
+    as its own would send twice the safe range to the speculative side."""
+    from eaglenest.serve.routed import deployments_policy
+
+    s = _schedule({1: (100.0, 150.0), 2: (180.0, 240.0), 8: (400.0, 200.0)})
+    plan = s.route_plan(1)
+    route = {"by_load": True, "placement": "deployments", "speculative_replicas": 2}
+    one, _ = deployments_policy(EaglenestConfig.model_validate({"serve": {"route": route}}), s, plan)
+    two, predicted = deployments_policy(
+        EaglenestConfig.model_validate({"serve": {"route": route, "num_replicas": 2}}), s, plan)
+    assert (one.limit, two.limit) == (4, 2), "the range (2 a speculative replica, 2 replicas) shared by 2 routers"
+    assert two.speculative_curve(1) == pytest.approx(one.speculative_curve(2) / 2)
+    assert all(2 * two.split(n)[0] <= one.limit for n in range(64)), "together they never pass the range"
+    assert 2 * one.split(6)[0] == 8 > one.limit, "a router that took the whole range as its own would pass it"
+    assert tuple(2 * x for x in two.split(6)) == one.split(12) == (4, 8), "at 12 requests, as one router would"
+    assert tuple(2 * x for x in two.split(2)) == (4, 0) and one.split(4) == (3, 1), \
+        "the price: each router decides in steps of two of the app's requests"
+    whole = deployments_policy(EaglenestConfig.model_validate({"serve": {"route": route}}), s, plan)[1]
+    assert predicted[4] == pytest.approx(1.263, abs=1e-3) and whole[4] == pytest.approx(1.289, abs=1e-3)
+    assert predicted[8] == pytest.approx(whole[8]) and predicted[64] == pytest.approx(whole[64])
+    assert max(predicted) == 2 * 64, "predicted up to max_concurrent_requests per ingress replica"
+
+
+def test_ingress_share_refuses_a_router_without_a_speculative_request():
+    assert ingress_share(4, 1) == 4 and ingress_share(4, 3) == 1
+    with pytest.raises(ValueError, match=r"serve.num_replicas <= 2.*speculative_replicas"):
+        ingress_share(2, 3)
+
+
+def test_deployments_refuse_what_the_ingress_replicas_cannot_share(tmp_path):
+    """Refused before anything is deployed, naming the fix: more ingress replicas than speculative requests to
+    share, or an autoscaled ingress (the share needs a fixed count)."""
     from eaglenest.serve.engine_deployment import bind_engines
 
     path = _schedule({1: (100.0, 150.0), 2: (180.0, 240.0), 8: (400.0, 200.0)}).save(tmp_path / "schedule.json")
     serve = {"schedule": str(path), "route": {"by_load": True, "placement": "deployments"}}
-    one = EaglenestConfig.model_validate({"serve": serve})
-    engines = bind_engines(one, "drafter")
-    assert engines is not None and set(engines) == {"speculative_engine", "plain_engine"}
-    two = EaglenestConfig.model_validate({"serve": {**serve, "num_replicas": 2}})
-    with pytest.raises(ValueError, match="serve.num_replicas: 1.*speculative_replicas"):
-        bind_engines(two, "drafter")
+    for replicas in (1, 2):
+        engines = bind_engines(EaglenestConfig.model_validate({"serve": {**serve, "num_replicas": replicas}}),
+                               "drafter")
+        assert engines is not None and set(engines) == {"speculative_engine", "plain_engine"}
+    with pytest.raises(ValueError, match="serve.num_replicas <= 2"):
+        bind_engines(EaglenestConfig.model_validate({"serve": {**serve, "num_replicas": 3}}), "drafter")
+    with pytest.raises(ValueError, match="without serve.autoscaling"):
+        bind_engines(EaglenestConfig.model_validate({"serve": {**serve, "autoscaling": {"min_replicas": 1}}}),
+                     "drafter")
     assert bind_engines(EaglenestConfig.model_validate({"serve": {**serve, "route": {"by_load": True}}}),
                        "drafter") is None, "placement: replica runs both engines on the replica"
