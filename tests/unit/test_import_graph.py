@@ -23,20 +23,21 @@ STAGES = ("regen", "drafter", "serve", "flywheel")
 CORE_ENTRY_POINTS = {"eaglenest.cli", "eaglenest.demo"}
 MODULE_STRING = re.compile(r"^eaglenest(\.\w+)+(:\w+)?$")
 
-_BOTTOM = {"targets", "config", "ray_private", "lr_schedule"}
+_BOTTOM = {"targets", "config", "ray_private", "lr_schedule", "plotting"}
 _CORE = {*_BOTTOM, "contracts", "kernels", "runtime", "drafters", "sizing", "engines", "speculative"}
 ALLOWED: dict[str, set[str]] = {
     "targets": set(),
     "config": set(),
     "ray_private": set(),
     "lr_schedule": set(),
+    "plotting": set(),
     "contracts": {"config", "targets"},
     "kernels": {"config"},
     "runtime": {"config", "ray_private"},
     "drafters": {"config", "targets", "contracts", "kernels"},
     "sizing": {"config", "targets", "contracts"},
     "engines": {"config", "targets", "contracts", "kernels", "drafters", "lr_schedule"},
-    "speculative": {"config", "targets", "contracts", "kernels", "drafters", "engines"},
+    "speculative": {"config", "targets", "contracts", "kernels", "drafters", "engines", "plotting"},
     "regen": _CORE,
     "drafter": {*_CORE, "regen"},
     "serve": _CORE,
