@@ -97,7 +97,7 @@ def measure(eng: Any, prompts: list[list[int]], batch: int, new_tokens: int, rou
     groups = [[p] for p in prompts[:sequential]] if batch == 1 else [prompts[:batch]]
     # Warm-up: every request twice. The first pass misses the prefix cache (full prefill), the second hits it, as
     # every measured round does; each path compiles on its first use. One request once left round 1 at 45 vs 154
-    # tok/s (fifteenth session), every request once still 38.7 vs 148.7 (eighteenth): the hit path was still cold.
+    # tok/s (fifteenth session), every request once still 38.7 vs 148.7 (eighteenth): likely the hit path, still cold.
     for _ in range(2):
         for g in groups:
             eng.generate(input_ids=g, sampling_params=sp)

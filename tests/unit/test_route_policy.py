@@ -102,14 +102,15 @@ def test_the_deployments_policy_pools_replicas_and_predicts_up_to_the_admission_
 
 def test_ingress_replicas_each_route_their_share_and_never_pass_the_range_together():
     """Two ingress replicas, each with half of an even load: each routes over half of the engines and half of the
-    range, so the app splits a load as one router with the whole of it would; a router that counted the whole range
-    as its own would send twice the safe range to the speculative side."""
+    range, so together they never pass it (a router that counted the whole range as its own would send twice the
+    safe range to the speculative side); they split a load as one router with all of it would, but in steps of two
+    requests, which costs a little at small loads."""
     from eaglenest.serve.routed import deployments_policy
 
     s = _schedule({1: (100.0, 150.0), 2: (180.0, 240.0), 8: (400.0, 200.0)})
     plan = s.route_plan(1)
     route = {"by_load": True, "placement": "deployments", "speculative_replicas": 2}
-    one, _ = deployments_policy(EaglenestConfig.model_validate({"serve": {"route": route}}), s, plan)
+    one, whole = deployments_policy(EaglenestConfig.model_validate({"serve": {"route": route}}), s, plan)
     two, predicted = deployments_policy(
         EaglenestConfig.model_validate({"serve": {"route": route, "num_replicas": 2}}), s, plan)
     assert (one.limit, two.limit) == (4, 2), "the range (2 a speculative replica, 2 replicas) shared by 2 routers"
@@ -119,7 +120,6 @@ def test_ingress_replicas_each_route_their_share_and_never_pass_the_range_togeth
     assert tuple(2 * x for x in two.split(6)) == one.split(12) == (4, 8), "at 12 requests, as one router would"
     assert tuple(2 * x for x in two.split(2)) == (4, 0) and one.split(4) == (3, 1), \
         "the price: each router decides in steps of two of the app's requests"
-    whole = deployments_policy(EaglenestConfig.model_validate({"serve": {"route": route}}), s, plan)[1]
     assert predicted[4] == pytest.approx(1.263, abs=1e-3) and whole[4] == pytest.approx(1.289, abs=1e-3)
     assert predicted[8] == pytest.approx(whole[8]) and predicted[64] == pytest.approx(whole[64])
     assert max(predicted) == 2 * 64, "predicted up to max_concurrent_requests per ingress replica"
