@@ -264,6 +264,13 @@ if ! python3 benchmarks/gpu_e2e.py order > /dev/null; then  # e.g. E2E_STEPS_SKI
 fi
 step jit_warm  # DeepseekV3 on the GPU: SGLang's kernels compiled in the background meanwhile (gpu_jit_warm.py)
 step standin
+if ! python3 benchmarks/gpu_e2e.py ok standin; then  # every later step needs the target: end the run (and the calls)
+  step jit_wait  # ends a warm-up still holding the GPU (a record saying so where none was started)
+  python3 benchmarks/gpu_e2e.py summary
+  echo "== the stand-in failed (its record above says why): nothing after it can run; the runner stops here"
+  touch "$E2E_WORK/phaseA.done" "$E2E_WORK/all.done"
+  exit 1
+fi
 for s in $(python3 benchmarks/gpu_e2e.py order before-ray); do  # DeepseekV3: what needs no Ray (SGLang's yardstick)
   step "$s"
 done

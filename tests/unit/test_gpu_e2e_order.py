@@ -3,6 +3,7 @@ the steps after the stand-in that need no Ray, SGLang's offline reference among 
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -89,3 +90,20 @@ def test_steps_skip_leaves_named_steps_out_and_refuses_a_name_that_is_no_step() 
     env = {**os.environ, "E2E_ARCH": "llama", "E2E_STEPS_SKIP": "bnech"}
     out = subprocess.run([sys.executable, str(SCRIPT), "order"], env=env, capture_output=True, text=True, cwd=ROOT)
     assert out.returncode != 0 and "bnech" in out.stderr and "bench" in out.stderr
+
+
+def test_the_runner_stops_at_a_failed_stand_in_instead_of_running_every_step_on_nothing(tmp_path: Path) -> None:
+    """On an 80 GB card the stand-in's pre-training once ran out of memory and the runner went on through regen,
+    train, bench and serve on no target (~480 s of device time, every step an error). A failed stand-in now ends the
+    run at once, with both "done" marks written so the device calls waiting on them return."""
+    work = tmp_path / "work"
+    env = {**os.environ, "E2E_WORK_CPU": str(work), "E2E_SHAREGPT": str(tmp_path / "no-such-dump.json")}
+    res = subprocess.run(["bash", "benchmarks/gpu_e2e.sh", "--cpu"], env=env, cwd=ROOT, capture_output=True,
+                         text=True, timeout=600)
+    assert res.returncode == 1, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "the runner stops here" in res.stdout
+    assert (work / "phaseA.done").is_file() and (work / "all.done").is_file()
+    steps = work / "results" / "steps"
+    assert json.loads((steps / "standin.json").read_text())["status"] == "error"
+    assert sorted(p.stem for p in steps.glob("*.json")) == ["jit_wait", "jit_warm", "standin"]
+    assert "standin: error" in (work / "results" / "summary.txt").read_text()
