@@ -166,6 +166,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"batch {report['batch_size']}: {report['verdict']}", file=sys.stderr)
             wins = False
     if len(reports) > 1:
+        from eaglenest.speculative.bench_report import write_sweep
+
         write_sweep(reports, Path(out_dir) if out_dir else None)
     if not wins and args.fail_if_slower:
         return 1
@@ -221,57 +223,12 @@ def _prompt_list(engine, records: list[dict], max_new_tokens: int) -> list[list[
     return conversation_prompts(records, answers, ids_of)
 
 
-def planned_launch(spec: Any, plan: Any, extra_args: Any, expected: tuple[int, int], route: Any = None) -> Any:
-    """What a bench/tune variant starts on SGLang, as the ``SGLangPlan`` serve acts on: ``spec`` None and no
-    ``plan``: plain; a shape: static; a ``plan`` (a tuned schedule, or "off") as serve launches it
-    (``plan.sglang_plan`` with serve's ``route`` settings, its notes to stderr). Only mode "plain" is the engine
-    without a drafter: adaptive mode has no static shape."""
-    from eaglenest.speculative.schedule import SGLangPlan
-
-    if plan is None:
-        return SGLangPlan("plain") if spec is None else SGLangPlan("static", spec=spec)
-    routing = {"route": route.by_load, "route_limit": route.limit} if route is not None else {}
-    launch = plan.sglang_plan(extra_args, expected=expected, provenance="eaglenest bench/tune", **routing)
-    for note in launch.notes:
-        print(f"eaglenest: {note}", file=sys.stderr)
-    return launch
-
-
-def sglang_factory(tc, expected: tuple[int, int] = (1, 256), serve: Any = None):
-    """SGLang integration point: one checked ``SGLangEngine`` per variant (eaglenest.engines.sglang.engine).
-
-    ``factory(spec, drafter)``: the plain engine (``spec`` None) or one static shape; ``factory(None, drafter,
-    plan=...)``: a step plan (a tuned schedule, or "off") launched as serve launches it (:func:`planned_launch`).
-    Each engine's start raises on a scheduler failure rather than ending the bench, so the other variants are still
-    measured (``start_failure_raises``). A speculative engine runs as many requests at once as the plain one will be
-    asked to (``expected[1]``, the largest batch), not SGLang's own cap of 48 for speculative launches. ``serve``
-    (the serving config): a schedule routed by live load there (``serve.route``) is measured as routed
-    (:class:`~eaglenest.speculative.routed_engine.RoutedEngine`)."""
-    from eaglenest.engines.sglang.engine import SGLangEngine
-
-    def factory(spec, drafter_dir, plan=None):
-        launch = planned_launch(spec, plan, tc.sglang.extra_args, expected,
-                                route=serve.route if serve is not None else None)
-        if launch.mode == "plain":
-            return SGLangEngine(tc, start_failure_raises=True)
-        if launch.mode == "routed":
-            from eaglenest.speculative.routed_engine import RoutedEngine, speculative_target
-
-            fast_tc, limit = speculative_target(tc, serve, launch.route_limit), launch.route_limit
-            return RoutedEngine(lambda: SGLangEngine.speculative(fast_tc, str(drafter_dir), launch.spec,
-                                                                 start_failure_raises=True, concurrency=limit),
-                                lambda: SGLangEngine(tc, start_failure_raises=True), limit)
-        return SGLangEngine.speculative(tc, str(drafter_dir), launch.spec, adaptive=launch.adaptive,
-                                        start_failure_raises=True, concurrency=expected[1])
-
-    return factory
-
-
 def _run_sglang(tc, drafter, records, sweep, common, *, expected: tuple[int, int] = (1, 256), whole: bool = False,
                 serve: Any = None):
     from eaglenest.engines.sglang.engine import SGLangEngine
     from eaglenest.speculative.bench import run_bench_batches
     from eaglenest.speculative.evaluate import prompt_ids
+    from eaglenest.speculative.sglang_variants import sglang_factory
 
     probe = SGLangEngine(tc)  # tokenizer + chat template only; the engine itself starts lazily
     if any(r.get("followups") for r in records):
@@ -306,17 +263,3 @@ def _with_schedule(args, tc, drafters, sweep, batch_sizes):
     if not args.batch_size:
         batch_sizes = [b.max_batch for b in schedule.buckets if b.measured]
     return schedule, sweep, batch_sizes
-
-
-def write_sweep(reports, out: Path | None) -> None:
-    """Baseline, best static config and the schedule side by side over the batch sizes (printed; files in out)."""
-    from eaglenest.speculative.bench_report import plot_sweep, sweep_markdown, sweep_summary
-
-    summary = sweep_summary(reports)
-    print(sweep_markdown(summary))
-    if out is not None:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "bench-sweep.json").write_text(json.dumps(summary, indent=2) + "\n")
-        (out / "bench-sweep.md").write_text(sweep_markdown(summary))
-        plot_sweep(summary, out / "bench-sweep.png")
-        print(f"wrote {out / 'bench-sweep'}.json, .md, .png")

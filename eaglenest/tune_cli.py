@@ -93,68 +93,21 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _tune(cfg, tc, t, drafter: str, prompts_path: str, out: Path, *, progress: bool) -> int:
-    from eaglenest.speculative.evaluate import PromptFileError, load_prompts, prompt_ids
-    from eaglenest.speculative.identity import serving_identity
-    from eaglenest.speculative.schedule_plot import plot_schedule, schedule_markdown, summary_lines
-    from eaglenest.speculative.tune import (
-        MEASUREMENTS,
-        Measurements,
-        TuneError,
-        TuneSettings,
-        candidate_labels,
-        run_tune,
-        schedule_from,
-        verify_schedule,
-    )
+    from eaglenest.speculative.evaluate import PromptFileError
+    from eaglenest.speculative.schedule_plot import summary_lines
+    from eaglenest.speculative.tune import TuneError, TuneSettings, candidate_labels
+    from eaglenest.speculative.tune_run import engine_options, tune_to_folder
 
-    try:
-        records = load_prompts(prompts_path, None)
-    except PromptFileError as e:
-        print(f"eaglenest tune: {e}", file=sys.stderr)
-        return 2
-    options = {"skip_zero_step_draft_extend": True} if tc.engine == "sglang" else {}
     settings = TuneSettings(batch_sizes=list(t.batch_sizes), candidates=candidate_labels(t.steps, t.trees),
                             temperatures=list(t.temperatures), repeats=t.repeats, max_new_tokens=t.max_new_tokens,
                             num_prompts=t.num_prompts, noise_floor=t.noise_floor, prompts=str(prompts_path),
-                            engine_options=options)
-    identity = serving_identity(tc, drafter)
+                            engine_options=engine_options(tc.engine))
     try:
-        log = Measurements(out / MEASUREMENTS, identity, settings)
-    except TuneError as e:
+        outcome = tune_to_folder(cfg, tc, settings, drafter, out, verify=bool(t.verify), progress=progress)
+    except (PromptFileError, TuneError) as e:
         print(f"eaglenest tune: {e}", file=sys.stderr)
         return 2
-    if tc.engine == "hf":
-        import torch
-
-        from eaglenest.engines.hf import HFEngine
-
-        torch.set_num_threads(tc.cpu_threads or 1)  # as serve runs it (the schedule records the thread count)
-        engine = HFEngine.from_config(tc)
-        prompts = [prompt_ids(engine.tokenizer, r) for r in records]
-        run_tune("hf", engine, drafter, prompts, settings, log, progress=progress)
-        kind, target, factory = "hf", engine, None
-    else:
-        from eaglenest.bench_cli import sglang_factory
-        from eaglenest.engines.sglang.engine import SGLangEngine
-
-        probe = SGLangEngine(tc)  # tokenizer only; the engine starts lazily
-        prompts = [prompt_ids(probe.tokenizer, r) for r in records]
-        lo_hi = (1, max(settings.batch_sizes))
-        factory = sglang_factory(tc, lo_hi, cfg.serve)
-        run_tune("sglang", None, drafter, prompts, settings, log, sglang_factory=factory, progress=progress,
-                 drift_check=not t.verify)  # with --verify the baseline's second run comes after the schedule's
-        kind, target = "sglang", None
-    schedule = schedule_from(log, identity, settings)
-    if t.verify:
-        from eaglenest.bench_cli import write_sweep
-
-        reports = verify_schedule(kind, target, drafter, prompts, settings, log, schedule, sglang_factory=factory,
-                                  progress=progress)
-        write_sweep(reports, out / "verify")
-        schedule = schedule_from(log, identity, settings)  # the same choices, now with the drift check's result
-    path = schedule.save(out / "schedule.json")
-    (out / "schedule.md").write_text(schedule_markdown(schedule))
-    plot_schedule(schedule, out / "schedule.png")
+    schedule, path = outcome.schedule, outcome.path
     print("\n".join(["eaglenest tune: schedule (batch sizes -> what runs):", *summary_lines(schedule)]))
     if schedule.drift and not schedule.drift["all_within_noise"]:
         w = schedule.drift["worst"]

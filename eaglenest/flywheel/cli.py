@@ -75,7 +75,7 @@ def run_promote(args: argparse.Namespace) -> int:
         print(f"eaglenest promote: {e}", file=sys.stderr)
         return EXIT_USAGE
     _print(out)
-    if not out["decision"]["promote"]:
+    if not out["decision"]["promote"] or not (out.get("retune") or {"keeps": True})["keeps"]:
         return EXIT_REFUSED
     return EXIT_ROLLED_BACK if out["rolled_back"] else 0
 
@@ -113,6 +113,12 @@ def _print(out: dict[str, Any]) -> None:
     for name, pair in d["sets"].items():
         print(f"  {name}: candidate {pair['candidate']['accept_length']:.3f} vs live "
               f"{pair['live']['accept_length']:.3f} on {pair['prompts']} prompts")
+    if out.get("retune"):
+        r = out["retune"]
+        print(f"re-tune: {'KEEPS' if r['keeps'] else 'REFUSE'} {r['schedule']} ({r['seconds']} s; batch -> what runs: "
+              + ", ".join(f"{k}: {v}" for k, v in r["buckets"].items()) + ")")
+        for reason in r["comparison"]["reasons"]:
+            print(f"  - {reason}")
     if out.get("watch"):
         w = out["watch"]
         print(f"swap: {out['staged']} in {out['swap']['old_drained_s']} s; watch: {w['verdict']}: {w['reason']}")

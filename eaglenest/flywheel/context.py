@@ -86,6 +86,19 @@ class Flywheel:
                                   "API key (serve.api_key / EAGLENEST_API_KEY)")
         return body["drafter"]
 
+    def live_schedule(self) -> str | None:
+        """The schedule file the application serves now (None: none): from ``GET /health``, else (an application
+        whose ingress does not show it) the one the flywheel last swapped in, else ``serve.schedule``."""
+        try:
+            shown = (self.health().get("schedule") or {}).get("path")
+        except OSError:
+            shown = None
+        if shown:
+            return str(shown)
+        if "schedule" in self.state:
+            return self.state["schedule"]
+        return str(self.cfg.resolve(self.cfg.serve.schedule)) if self.cfg.serve.schedule else None
+
     def traffic_folder(self) -> Path:
         given = self.settings.traffic or self.cfg.serve.traffic_log.path
         if not given:

@@ -56,6 +56,11 @@ class FlywheelConfig(_Section):
                                      "with the target (not by loss), among those that keep the regression set")
     select_max_prompts: int = Field(32, ge=1, description="prompts of the training run's held-out split decoded per "
                                     "checkpoint")
+    retune: bool = Field(True, description="where the application serves serve.schedule: tune each promoted "
+                         "drafter as the live schedule was tuned and swap drafter and schedule together (refused "
+                         "when its schedule gains less than the live one anywhere); false: refuse to swap")
+    retune_prompts: str | None = Field(None, description="prompts the re-tune decodes (default: the live "
+                                       "schedule's own, else tune.prompts, else bench.prompts)")
     surge_percent: int = Field(100, ge=1, le=100, description="Ray Serve's max_surge_percent during a swap")
     watch: WatchSettings = Field(default_factory=WatchSettings)
     alert_webhook: str | None = Field(None, description="URL a rollback is POSTed to (JSON), e.g. an Alertmanager "

@@ -8,7 +8,8 @@
    original data at ``flywheel.traffic_share`` (``train.mix``).
 4. **Choose** the checkpoint by held-out accept length among those that keep the regression set
    (:mod:`eaglenest.flywheel.select`).
-5. **Promote** it (:mod:`eaglenest.flywheel.promote`): gate, swap, watch, roll back.
+5. **Promote** it (:mod:`eaglenest.flywheel.promote`): gate, re-tune where a schedule is served, swap, watch,
+   roll back.
 
 Every step lands in ``WORKDIR/turn-NNNN/`` and the audit log; a promoted drafter that stays live moves
 ``trained_until``, so a refused or rolled-back turn's traffic is used again by the next turn.
@@ -79,10 +80,20 @@ def run_turn(fw: Flywheel) -> dict[str, Any]:
                     "selection": chosen, "gate": "promote" if result["decision"]["promote"] else "refuse",
                     "promoted": result["watch"] is not None,
                     "rolled_back": result["rolled_back"], "kept": kept, "seconds": round(time.time() - t0, 1),
-                    "outcome": "promoted and kept" if kept else "rolled back" if result["rolled_back"]
-                    else "refused by the gate: " + "; ".join(result["decision"]["reasons"])})
+                    "outcome": _outcome(result, kept)})
     fw.audit.write("turn", **summary)
     return {**summary, "result": result}
+
+
+def _outcome(result: dict[str, Any], kept: bool) -> str:
+    if kept:
+        return "promoted and kept"
+    if result["rolled_back"]:
+        return "rolled back"
+    retuned = result.get("retune")
+    if retuned is not None and not retuned["keeps"]:
+        return "refused by the re-tune: " + "; ".join(retuned["comparison"]["reasons"])
+    return "refused by the gate: " + "; ".join(result["decision"]["reasons"])
 
 
 __all__ = ["capture_config", "run_turn", "train_config"]

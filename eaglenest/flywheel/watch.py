@@ -19,6 +19,7 @@ from typing import Any
 from eaglenest.contracts.metrics import accept_length
 from eaglenest.flywheel.audit import send_alert
 from eaglenest.flywheel.context import Flywheel
+from eaglenest.flywheel.retune import with_schedule
 from eaglenest.flywheel.store import digest
 
 ROLLBACK_ALERT = "EaglenestDrafterRolledBack"
@@ -101,17 +102,22 @@ def watch(fw: Flywheel, new: str, base: Baseline, predicted: float | None) -> Wa
     return WatchResult(verdict, live, requests, base.previous_level, predicted, reason)
 
 
-def rollback(fw: Flywheel, bad: str, previous: str | None, result: WatchResult, gated_digest: str | None) -> dict:
-    """Swap ``previous`` back in, alert, audit; returns the audit record."""
+def rollback(fw: Flywheel, bad: str, previous: str | None, result: WatchResult, gated_digest: str | None, *,
+             schedule: str | None = None) -> dict:
+    """Swap ``previous`` back in (with ``schedule``, the one it was served with, where there was one), alert,
+    audit; returns the audit record."""
     from eaglenest.serve import redeploy_drafter
 
     now = digest(bad)
     changed = gated_digest is not None and now != gated_digest
-    swap = redeploy_drafter(fw.cfg, previous, app=fw.settings.app, route_prefix=fw.settings.route_prefix,
+    cfg = fw.cfg if schedule is None else with_schedule(fw.cfg, schedule)
+    swap = redeploy_drafter(cfg, previous, app=fw.settings.app, route_prefix=fw.settings.route_prefix,
                             surge_percent=fw.settings.surge_percent)
     fw.metrics.count("rollbacks")
-    fw.save_state(live=previous, previous=None, rolled_back=bad)
+    fw.save_state(live=previous, previous=None, rolled_back=bad,
+                  **({"schedule": schedule, "previous_schedule": None} if schedule is not None else {}))
     alert = {"alert": ROLLBACK_ALERT, "app": fw.settings.app, "url": fw.url, "rolled_back": bad, "restored": previous,
+             "restored_schedule": schedule,
              "reason": result.reason, "live_accept_length": result.live_accept_length,
              "previous_level": result.previous_level, "predicted": result.predicted, "requests": result.requests,
              "weights_changed_after_gate": changed, "time": time.time()}

@@ -5,6 +5,7 @@ Kept apart from :mod:`eaglenest.speculative.bench` (which measures) so each modu
 
 from __future__ import annotations
 
+import json
 import statistics
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -219,3 +220,15 @@ def plot_sweep(summary: dict[str, Any], path: str | Path) -> Path:
     ax.set_title(f"throughput ({summary['engine']})")
     ar.set_title("against the baseline and the best static config")
     return save_figure(fig, path)
+
+
+def write_sweep(reports: list[dict[str, Any]], out: Path | None) -> None:
+    """Baseline, best static config and the schedule side by side over the batch sizes (printed; files in out)."""
+    summary = sweep_summary(reports)
+    print(sweep_markdown(summary))
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "bench-sweep.json").write_text(json.dumps(summary, indent=2) + "\n")
+        (out / "bench-sweep.md").write_text(sweep_markdown(summary))
+        plot_sweep(summary, out / "bench-sweep.png")
+        print(f"wrote {out / 'bench-sweep'}.json, .md, .png")

@@ -261,3 +261,59 @@ def test_a_drafter_broken_on_its_way_to_the_server_is_rolled_back(world) -> None
     (alert,) = _Webhook.received
     assert alert["alert"] == "EaglenestDrafterRolledBack" and alert["restored"] == live
     assert _health(world["url"])["drafter"] == live
+
+
+def test_a_served_schedule_is_re_tuned_for_the_promoted_drafter_and_restored_on_rollback(world) -> None:
+    """serve.schedule is bound to its drafter's weights, so a promotion re-tunes the candidate the way the live
+    schedule was tuned (its settings and prompts, the serving engine) and swaps drafter and schedule together, with
+    no failed request; a rollback restores both. The candidate is the first live drafter (other weights than the
+    live one: serve would refuse the live schedule for it)."""
+    from eaglenest.config import load_config
+    from eaglenest.flywheel import Flywheel, heldout_prompts, run_gate, stage, swap_and_watch
+    from eaglenest.flywheel.retune import with_schedule
+    from eaglenest.flywheel.watch import WatchResult, rollback
+    from eaglenest.serve import redeploy_drafter
+    from eaglenest.speculative.identity import serving_identity
+    from eaglenest.speculative.schedule import Schedule
+    from eaglenest.speculative.tune import TuneSettings
+    from eaglenest.speculative.tune_run import tune_to_folder
+
+    cfg = load_config(world["config"])
+    # the throughput comparison's own rule is unit-tested; here a CPU's noise must not decide whether the swap runs
+    cfg = cfg.model_copy(update={"flywheel": {**cfg.flywheel, "margin": 0.0, "tolerance": 0.6,
+                                              "watch": {**cfg.flywheel["watch"], "tolerance": 0.9}}})
+    fw = Flywheel.create(cfg, str(world["config"]))
+    live = fw.live_drafter()
+    assert live != world["live"]
+    settings = TuneSettings(batch_sizes=[1, 2], candidates=["3-1-4"], temperatures=[0.0], repeats=2,
+                            max_new_tokens=8, num_prompts=2, noise_floor=0.01,
+                            prompts=str(world["root"] / "regression.jsonl"))
+    old = str(tune_to_folder(cfg, cfg.target, settings, live, world["root"] / "tuned-live", progress=False).path)
+    redeploy_drafter(with_schedule(cfg, old), live, app=APP, surge_percent=100)
+    assert _health(world["url"])["schedule"]["path"] == old
+    decision = run_gate(fw, live, heldout_prompts(fw, world["root"] / "work/turn-0001/traffic/heldout.jsonl"))
+    assert decision.promote, decision.reasons
+    staged = stage(fw.workdir, world["live"], "retuned")
+    with StreamingClient(world["url"], world["cases"]) as client:
+        out = swap_and_watch(fw, staged, decision)
+    assert client.errors == [] and client.mismatches == [], (client.errors[:3], client.mismatches[:3])
+    retuned = out["retune"]
+    assert retuned["keeps"] and retuned["live_schedule"] == old, retuned
+    new = Schedule.load(retuned["schedule"])
+    assert new.identity["drafter"] == serving_identity(cfg.target, str(staged))["drafter"] != \
+        Schedule.load(old).identity["drafter"], "tuned for the candidate's weights"
+    assert new.settings["batch_sizes"] == [1, 2] and new.settings["candidates"] == ["3-1-4"]
+    assert [r["batch_size"] for r in retuned["comparison"]["rows"]] == [1, 2]
+    assert out["watch"]["verdict"] in ("keep", "inconclusive") and not out["rolled_back"], out["watch"]
+    health = _health(world["url"])
+    assert health["drafter"] == str(staged) and health["schedule"]["path"] == retuned["schedule"], health
+    assert fw.state["schedule"] == retuned["schedule"] and fw.state["previous_schedule"] == old
+
+    result = WatchResult("rollback", 1.0, 16, 2.0, None, "a rollback asked for by the test")
+    with StreamingClient(world["url"], world["cases"]) as client:
+        rb = rollback(fw, str(staged), live, result, None, schedule=old)
+    assert client.errors == [] and client.mismatches == [], (client.errors[:3], client.mismatches[:3])
+    assert rb["restored"] == live and rb["restored_schedule"] == old
+    health = _health(world["url"])
+    assert health["drafter"] == live and health["schedule"]["path"] == old, health
+    assert fw.state["schedule"] == old

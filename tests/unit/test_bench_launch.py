@@ -1,13 +1,13 @@
-"""What bench and tune start on SGLang for each variant (``bench_cli.planned_launch``): a plan that serve runs as
+"""What bench and tune start on SGLang for each variant (``sglang_variants.planned_launch``): a plan that serve runs as
 SGLang's adaptive mode must start a speculative engine. On #29's H100 rehearsal the tune's "off" and "schedule"
 variants started the plain engine instead (adaptive plans carry no static shape), so the schedule measured 1.006x
 the baseline at batch 1 where serve, launching the same schedule, speculated; this pins the rule on a CPU."""
 
 from __future__ import annotations
 
-from eaglenest.bench_cli import planned_launch
 from eaglenest.config import SpecConfig
 from eaglenest.speculative.schedule import OffPlan, SGLangPlan, build_schedule
+from eaglenest.speculative.sglang_variants import planned_launch
 
 EXPECTED = (1, 256)
 

@@ -139,17 +139,79 @@ def test_vocab_coverage_counts_generated_tokens_inside_the_draft_vocabulary(tmp_
     assert vocab_coverage([], tmp_path) is None
 
 
+def _tuned(path, rates: dict[int, tuple[float, float]], **settings) -> str:
+    """A schedule file from {batch: (baseline tok/s, 3-1-4 tok/s)}, two equal rounds each."""
+    from eaglenest.speculative.schedule import build_schedule
+
+    def rep(base: float, spec: float) -> list[dict]:
+        return [{"baseline": {"tok_per_s": base, "tok_per_s_rounds": [base, base]},
+                 "configs": [{"config": "off", "tok_per_s": base, "tok_per_s_rounds": [base, base]},
+                             {"config": "3-1-4", "tok_per_s": spec, "tok_per_s_rounds": [spec, spec]}]}]
+
+    return str(build_schedule({b: rep(*r) for b, r in rates.items()}, {}, noise_floor=0.01,
+                              settings=settings).save(path))
+
+
+TUNED = {"batch_sizes": [1, 8], "candidates": ["3-1-4"], "temperatures": [0.0], "repeats": 2, "max_new_tokens": 8,
+         "num_prompts": 2, "noise_floor": 0.01}
+
+
+@pytest.mark.parametrize(("retune", "schedule_settings", "needle"), [
+    (False, TUNED, "set flywheel.retune: true"),
+    (True, {}, "does not record how it was tuned"),
+    (True, {**TUNED, "prompts": "/nowhere/prompts.jsonl"}, "no prompt file to re-tune with"),
+])
 @pytest.mark.parametrize("command", [["flywheel", "--once"],
                                      ["promote", "--candidate", "cand", "--heldout", "h.jsonl"]])
-def test_a_loop_whose_swap_serve_would_refuse_is_refused_before_it_trains(tmp_path, capsys, command) -> None:
-    """serve.schedule is tied to the live drafter: every candidate's swap would be refused after hours of training."""
+def test_a_loop_whose_swap_could_not_happen_is_refused_before_it_trains(tmp_path, capsys, command, retune,
+                                                                        schedule_settings, needle) -> None:
+    """serve.schedule is tied to the live drafter: a candidate is swapped in only with a schedule of its own, tuned
+    as the live one was; without the re-tune, or where it could not run, the loop is refused before hours of
+    training, naming the fix."""
     from eaglenest.cli import main
 
     (tmp_path / "h.jsonl").write_text(json.dumps(_rec(0, 1.0)) + "\n")
+    _tuned(tmp_path / "schedule.json", {1: (100.0, 150.0), 8: (400.0, 300.0)}, **schedule_settings)
     cfg = tmp_path / "fw.yaml"
-    cfg.write_text(json.dumps({"serve": {"schedule": "schedule.json"},
-                               "flywheel": {"workdir": str(tmp_path / "fw")}}))
+    cfg.write_text(json.dumps({"serve": {"schedule": "schedule.json", "port": 9},
+                               "flywheel": {"workdir": str(tmp_path / "fw"), "retune": retune}}))
     args = [a if a != "h.jsonl" else str(tmp_path / "h.jsonl") for a in command]
     assert main([args[0], "--config", str(cfg), *args[1:]]) == 2
     err = capsys.readouterr().err
-    assert "serve.schedule (schedule.json) was tuned for the live drafter" in err and "eaglenest tune" in err
+    assert needle in err, err
+
+
+def test_the_re_tune_keeps_a_candidate_whose_schedule_gains_as_much_and_refuses_one_that_gains_less(tmp_path):
+    """Each schedule's choice against its own run's baseline, bucket by bucket: a machine that got 10% slower
+    between the runs does not count against the candidate; a bucket where its schedule gains less does."""
+    from eaglenest.flywheel.retune import compare_schedules
+    from eaglenest.speculative.schedule import Schedule
+
+    live = Schedule.load(_tuned(tmp_path / "live.json", {1: (100.0, 150.0), 8: (400.0, 300.0)}, **TUNED))
+    slower_machine = Schedule.load(_tuned(tmp_path / "a.json", {1: (90.0, 140.0), 8: (360.0, 300.0)}, **TUNED))
+    keeps = compare_schedules(live, slower_machine, tolerance=0.02)
+    assert keeps.keeps and keeps.reasons == []
+    assert [(r["batch_size"], r["live"], r["candidate"]) for r in keeps.rows] == [(1, "3-1-4", "3-1-4"),
+                                                                               (8, "off", "off")]
+    gains_less = Schedule.load(_tuned(tmp_path / "b.json", {1: (100.0, 120.0), 8: (400.0, 300.0)}, **TUNED))
+    refused = compare_schedules(live, gains_less, tolerance=0.02)
+    assert not refused.keeps and [r["lost"] for r in refused.rows] == [True, False]
+    assert "batch 1: the candidate's schedule runs 3-1-4 at 1.200x its baseline, the live one 3-1-4 at 1.500x" in \
+        refused.reasons[0]
+    within = Schedule.load(_tuned(tmp_path / "c.json", {1: (100.0, 148.0), 8: (400.0, 300.0)}, **TUNED))
+    assert compare_schedules(live, within, tolerance=0.02).keeps, "1.48x vs 1.50x is within 2%"
+    other_sizes = Schedule.load(_tuned(tmp_path / "d.json", {2: (100.0, 150.0)}, **TUNED))
+    assert compare_schedules(live, other_sizes, tolerance=0.02).reasons == [
+        "the two schedules share no measured batch size"]
+
+
+def test_a_re_tune_measures_as_the_live_schedule_was_measured(tmp_path) -> None:
+    from eaglenest.speculative.schedule import Schedule
+    from eaglenest.speculative.tune_run import settings_of
+
+    live = Schedule.load(_tuned(tmp_path / "live.json", {1: (100.0, 150.0)}, **TUNED, prompts="p.jsonl"))
+    s = settings_of(live, prompts="here.jsonl")
+    assert (s.batch_sizes, s.candidates, s.repeats, s.max_new_tokens, s.prompts) == ([1, 8], ["3-1-4"], 2, 8,
+                                                                                     "here.jsonl")
+    with pytest.raises(ValueError, match="eaglenest tune"):
+        settings_of(Schedule.load(_tuned(tmp_path / "bare.json", {1: (100.0, 150.0)})))
