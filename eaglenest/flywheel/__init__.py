@@ -5,7 +5,8 @@ flywheel``): the traffic log's new records (serve.traffic_log), split by time in
 held-out; captured by regen (native format: the served answers are the target's own, no regeneration); trained from
 the live drafter over traffic + original data (``train.init_from`` / ``train.mix``); the checkpoint chosen by held-out
 accept length; then :func:`promote` (``eaglenest promote``): preflight and the gate (:func:`run_gate`), a swap by
-rolling replacement (``eaglenest.serve.redeploy_drafter``), the post-swap watch and the automatic rollback. Every
+rolling replacement (``eaglenest.serve.redeploy_drafter``; where a schedule is served, the candidate re-tuned first
+and swapped in with its own: :func:`retune`), the post-swap watch and the automatic rollback. Every
 decision and its numbers are in ``WORKDIR/audit.jsonl``.
 
 Imports are lazy: the commands load Ray, torch and the engines only when they run.
@@ -34,6 +35,8 @@ _EXPORTS = {
     "judge": "eaglenest.flywheel.watch",
     "promote": "eaglenest.flywheel.promote",
     "swap_and_watch": "eaglenest.flywheel.promote",
+    "compare_schedules": "eaglenest.flywheel.retune",
+    "retune": "eaglenest.flywheel.retune",
     "select_checkpoint": "eaglenest.flywheel.select",
     "run_turn": "eaglenest.flywheel.turn",
 }
