@@ -154,6 +154,15 @@ step() {  # a step whose process is killed (SGLang ends its parent's tree when a
   return 0
 }
 
+needed() {  # every later step needs the target and its configs: a failed one ends the run (and the waiting calls)
+  python3 benchmarks/gpu_e2e.py ok "$1" && return 0
+  [ -f "$E2E_WORK/results/steps/jit_wait.json" ] || step jit_wait  # ends a warm-up still holding the GPU
+  python3 benchmarks/gpu_e2e.py summary
+  echo "== step $1 failed (its record above says why): nothing after it can run; the runner stops here"
+  touch "$E2E_WORK/phaseA.done" "$E2E_WORK/all.done"
+  exit 1
+}
+
 case "${1:-}" in
   --prepare)
     # .whl/, .whl-src/ and .whl-fw/ are git-ignored (.gitignore)
@@ -264,15 +273,10 @@ if ! python3 benchmarks/gpu_e2e.py order > /dev/null; then  # e.g. E2E_STEPS_SKI
 fi
 step jit_warm  # DeepseekV3 on the GPU: SGLang's kernels compiled in the background meanwhile (gpu_jit_warm.py)
 step standin
-if ! python3 benchmarks/gpu_e2e.py ok standin; then  # every later step needs the target: end the run (and the calls)
-  step jit_wait  # ends a warm-up still holding the GPU (a record saying so where none was started)
-  python3 benchmarks/gpu_e2e.py summary
-  echo "== the stand-in failed (its record above says why): nothing after it can run; the runner stops here"
-  touch "$E2E_WORK/phaseA.done" "$E2E_WORK/all.done"
-  exit 1
-fi
+needed standin
 for s in $(python3 benchmarks/gpu_e2e.py order before-ray); do  # DeepseekV3: what needs no Ray (SGLang's yardstick)
   step "$s"
+  [ "$s" = configs ] && needed configs
 done
 touch "$E2E_WORK/phaseA.done"
 echo "== phase A done at +$(( $(date +%s) - START )) s"
@@ -298,6 +302,7 @@ fi
 # the order is gpu_e2e.py's (DeepseekV3: the optional offline yardstick last, within E2E_BUDGET_S)
 for s in $(python3 benchmarks/gpu_e2e.py order); do
   step "$s"
+  [ "$s" = configs ] && needed configs
 done
 python3 benchmarks/gpu_e2e.py summary
 step ray_stop
