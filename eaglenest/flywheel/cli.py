@@ -75,7 +75,7 @@ def run_promote(args: argparse.Namespace) -> int:
         print(f"eaglenest promote: {e}", file=sys.stderr)
         return EXIT_USAGE
     _print(out)
-    if not out["decision"]["promote"] or not (out.get("retune") or {"keeps": True})["keeps"]:
+    if not out["decision"]["promote"] or ("retune" in out and not out["retune"]["keeps"]):
         return EXIT_REFUSED
     return EXIT_ROLLED_BACK if out["rolled_back"] else 0
 

@@ -87,14 +87,14 @@ class Flywheel:
         return body["drafter"]
 
     def live_schedule(self) -> str | None:
-        """The schedule file the application serves now (None: none): from ``GET /health``, else (an application
-        whose ingress does not show it) the one the flywheel last swapped in, else ``serve.schedule``."""
+        """The schedule file the application serves now (None: none): what ``GET /health`` says, else (no answer)
+        the one the flywheel last swapped in, else ``serve.schedule``."""
         try:
-            shown = (self.health().get("schedule") or {}).get("path")
+            body = self.health()
         except OSError:
-            shown = None
-        if shown:
-            return str(shown)
+            body = {}
+        if "schedule" in body:  # the application says, "none" included
+            return str(body["schedule"]["path"]) if body["schedule"] else None
         if "schedule" in self.state:
             return self.state["schedule"]
         return str(self.cfg.resolve(self.cfg.serve.schedule)) if self.cfg.serve.schedule else None

@@ -15,7 +15,7 @@ the engine pays more for) is refused here, before any replica changes.
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -90,8 +90,7 @@ def retune(fw: Flywheel, drafter: str, live_schedule: str, label: str) -> dict[s
 
     t0 = time.time()
     live = Schedule.load(live_schedule)
-    settings_of(live)  # first: a schedule without settings is refused with the better fix than a missing prompt file
-    settings = settings_of(live, prompts=tune_prompts(fw, live))
+    settings = replace(settings_of(live), prompts=tune_prompts(fw, live))
     out = fw.workdir / "schedules" / label
     outcome = tune_to_folder(fw.cfg, fw.cfg.target, settings, drafter, out, progress=False)
     comparison = compare_schedules(live, outcome.schedule, fw.settings.tolerance)

@@ -32,19 +32,16 @@ def engine_options(engine: str) -> dict[str, Any]:
     return {"skip_zero_step_draft_extend": True} if engine == "sglang" else {}
 
 
-def settings_of(schedule: Schedule, *, prompts: str | None = None) -> TuneSettings:
-    """The settings ``schedule`` was measured with (``prompts`` replaces its prompt file, e.g. where that file is
-    not on this machine). Raises ``ValueError`` naming the fix when the schedule does not record them."""
+def settings_of(schedule: Schedule) -> TuneSettings:
+    """The settings ``schedule`` was measured with (``dataclasses.replace`` its ``prompts`` where that file is not
+    on this machine). Raises ``ValueError`` naming the fix when the schedule does not record them."""
     recorded = schedule.settings or {}
     names = [f.name for f in fields(TuneSettings)]
     missing = [n for n in names if n not in recorded and n not in ("prompts", "engine_options")]
     if missing:
         raise ValueError(f"the schedule does not record how it was tuned (no {', '.join(missing)}): tune the live "
                          "drafter again with `eaglenest tune` so a new drafter can be measured the same way")
-    values = {n: recorded[n] for n in names if n in recorded}
-    if prompts is not None:
-        values["prompts"] = prompts
-    return TuneSettings(**values)
+    return TuneSettings(**{n: recorded[n] for n in names if n in recorded})
 
 
 def tune_to_folder(cfg: EaglenestConfig, tc: TargetConfig, settings: TuneSettings, drafter: str | Path, out: Path,

@@ -210,8 +210,8 @@ def test_a_re_tune_measures_as_the_live_schedule_was_measured(tmp_path) -> None:
     from eaglenest.speculative.tune_run import settings_of
 
     live = Schedule.load(_tuned(tmp_path / "live.json", {1: (100.0, 150.0)}, **TUNED, prompts="p.jsonl"))
-    s = settings_of(live, prompts="here.jsonl")
+    s = settings_of(live)
     assert (s.batch_sizes, s.candidates, s.repeats, s.max_new_tokens, s.prompts) == ([1, 8], ["3-1-4"], 2, 8,
-                                                                                     "here.jsonl")
+                                                                                     "p.jsonl")
     with pytest.raises(ValueError, match="eaglenest tune"):
         settings_of(Schedule.load(_tuned(tmp_path / "bare.json", {1: (100.0, 150.0)})))
