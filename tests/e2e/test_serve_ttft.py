@@ -19,8 +19,7 @@ environment names the proxy callback, as ``eaglenest serve``'s does), two applic
   not the server's: the first batch's chunks reach a client whose one event loop is still sending the other 112
   requests (its own time, ~0.1 s mean), so it reads them up to that much late, and a whole batch of 16 crosses a
   bound at once (a CI run saw 16 served by 0.3 s that the clients read at 0.346 s and later). Kept short for CI: a
-  baseline replica, 32 tokens per request (``ignore_eos``), so a round
-  is eight batches of 16 and lasts seconds.
+  baseline replica, 32 tokens per request (``ignore_eos``), so a round is eight batches of 16 and lasts seconds.
 - ``/narrow``: a replica that takes 5 requests at once (``max_concurrent_requests`` 1 plus Serve's headroom of 4).
   Five requests whose bodies are still arriving hold those places, so the next request waits in Ray Serve's
   router, at the proxy, before its handler runs: the control that the test can fail. Its TTFT and queue samples
