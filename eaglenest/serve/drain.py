@@ -139,14 +139,19 @@ def request_drain() -> None:
 
 
 def running_replicas() -> int:
-    """Replicas Serve reports RUNNING (those that will answer the drain request)."""
+    """Ingress replicas Serve reports RUNNING: those that will answer the drain request. An engine deployment
+    (``serve.route.placement: deployments``) runs no watcher: its requests come through an ingress, which drains
+    them, and Serve's graceful shutdown stops it; counted here, it held every such shutdown to the deadline."""
     from ray import serve
+
+    from eaglenest.serve.deployment import DEPLOYMENT_NAME
 
     total = 0
     for app in serve.status().applications.values():
-        for dep in app.deployments.values():
-            total += sum(n for state, n in dep.replica_states.items() if str(getattr(state, "value", state))
-                         == "RUNNING")
+        for name, dep in app.deployments.items():
+            if name == DEPLOYMENT_NAME:
+                total += sum(n for state, n in dep.replica_states.items() if str(getattr(state, "value", state))
+                             == "RUNNING")
     return total
 
 

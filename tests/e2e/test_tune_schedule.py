@@ -347,6 +347,20 @@ def test_a_drafter_swap_rolls_the_engine_deployments_with_no_failed_request(sche
     assert after.usage.model_extra["spec"]["draft_tokens"] > 0, "alone: the new speculative deployment drafts"
 
 
+def test_shutdown_with_engine_deployments_drains_at_once(scheduled):
+    """Nothing in flight: stopping Serve waits for the ingress replicas' drain reports only. The engine deployments
+    answer no drain request (Serve's graceful shutdown stops them); counted among those expected to answer, they
+    held every shutdown of a ``placement: deployments`` application to ``serve.drain_timeout_s`` (30 s) + 3 s."""
+    from eaglenest.serve.cli import stop_serve
+    from eaglenest.serve.drain import running_replicas
+
+    assert running_replicas() == 5, "scheduled, routed and across: one ingress each; shared: two"
+    t0 = time.monotonic()
+    stop_serve()
+    took = time.monotonic() - t0
+    assert took < 20, f"stopping Serve took {took:.1f} s with nothing in flight"
+
+
 def test_serve_refuses_a_schedule_of_another_drafter(folders, tiny_target_path):
     root = folders["root"] / "stale"
     root.mkdir()
