@@ -25,6 +25,8 @@ from collections.abc import Callable
 log = logging.getLogger(__name__)
 
 NAMESPACE = "eaglenest"
+DEPLOYMENT_NAME = "eaglenest"
+"""the ingress deployment (serve.deployment): its replicas run the drain watcher and answer a drain request"""
 REQUEST_KEY = "drain-request"
 REPORT_PREFIX = "drain-report:"
 RETRY_AFTER_S = 5
@@ -143,8 +145,6 @@ def running_replicas() -> int:
     (``serve.route.placement: deployments``) runs no watcher: its requests come through an ingress, which drains
     them, and Serve's graceful shutdown stops it; counted here, it held every such shutdown to the deadline."""
     from ray import serve
-
-    from eaglenest.serve.deployment import DEPLOYMENT_NAME
 
     total = 0
     for app in serve.status().applications.values():
