@@ -20,7 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from eaglenest.config import EaglenestConfig
 from eaglenest.serve import openapi_doc
 from eaglenest.serve.core import ServerCore
-from eaglenest.serve.drain import DrainWatcher
+from eaglenest.serve.drain import DEPLOYMENT_NAME, DrainWatcher
 from eaglenest.serve.gates import resolve_api_key
 from eaglenest.serve.openai_protocol import APIError, error_body
 from eaglenest.serve.routes import (
@@ -30,10 +30,10 @@ from eaglenest.serve.routes import (
     METRICS_ROUTE,
     MODEL_ROUTE,
     MODELS_ROUTE,
+    RESPONSES_ROUTE,
     Routes,
 )
 
-DEPLOYMENT_NAME = "eaglenest"
 OPENAPI_ROUTE = "/openapi.json"
 
 
@@ -47,7 +47,8 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> Response
     """Unknown routes and wrong methods get OpenAI-style bodies too; a 405 keeps Starlette's ``Allow`` header."""
     code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
     msg = (f"no route {request.method} {request.url.path}; this server has POST {CHAT_ROUTE}, POST "
-           f"{COMPLETIONS_ROUTE}, GET {MODELS_ROUTE}, GET {MODEL_ROUTE}, GET {HEALTH_ROUTE}, GET {METRICS_ROUTE}") \
+           f"{COMPLETIONS_ROUTE}, POST {RESPONSES_ROUTE}, GET {MODELS_ROUTE}, GET {MODEL_ROUTE}, GET {HEALTH_ROUTE}, "
+           f"GET {METRICS_ROUTE}") \
         if exc.status_code in (404, 405) else str(exc.detail)
     _shared_metrics_request("other", exc.status_code)
     return JSONResponse(error_body(exc.status_code, msg, code=code), status_code=exc.status_code,
@@ -68,7 +69,7 @@ def _openapi() -> dict[str, Any]:
     themselves nor the streams and errors they answer with."""
     if not api.openapi_schema:
         api.openapi_schema = openapi_doc.build(api, {
-            "chat": CHAT_ROUTE, "completions": COMPLETIONS_ROUTE, "models": MODELS_ROUTE,
+            "chat": CHAT_ROUTE, "completions": COMPLETIONS_ROUTE, "responses": RESPONSES_ROUTE, "models": MODELS_ROUTE,
             "model": MODELS_ROUTE + "/{model_id}", "health": HEALTH_ROUTE, "metrics": METRICS_ROUTE})
     return api.openapi_schema
 
@@ -123,6 +124,10 @@ class EaglenestDeployment:
     @api.post(COMPLETIONS_ROUTE)
     async def completions(self, request: Request) -> Response:
         return await self.routes.completions(request)
+
+    @api.post(RESPONSES_ROUTE)
+    async def responses(self, request: Request) -> Response:
+        return await self.routes.responses(request)
 
     @api.get(MODELS_ROUTE)
     async def models(self, request: Request) -> Response:

@@ -24,6 +24,7 @@ from eaglenest.serve.openai_protocol import (
     ModelCard,
     ModelList,
 )
+from eaglenest.serve.responses_api import ResponseObject, ResponsesRequest, ResponseStreamEvent
 from eaglenest.serve.sse import DONE
 
 ERRORS = {400: "invalid parameter or type (the error names it)", 401: "missing or wrong API key",
@@ -40,8 +41,8 @@ class Health(BaseModel):
 
 
 def build(app: Any, routes: dict[str, str]) -> dict[str, Any]:
-    """The document of ``app`` (a FastAPI app); ``routes`` maps chat, completions, models, model, health, metrics
-    to their paths."""
+    """The document of ``app`` (a FastAPI app); ``routes`` maps chat, completions, responses, models, model,
+    health, metrics to their paths."""
     schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
     components = schema.setdefault("components", {}).setdefault("schemas", {})
     components.pop("HTTPValidationError", None)
@@ -79,6 +80,16 @@ def build(app: Any, routes: dict[str, str]) -> dict[str, Any]:
                                    "content": {"application/json": {"schema": ref(response)},
                                                "text/event-stream": {"schema": stream}}},
                            **errors(400, 401, 404, 413, 415, 429, 503)}
+    op = paths[routes["responses"]]["post"]
+    op["requestBody"] = {"required": True, "content": {"application/json": {"schema": ref(ResponsesRequest)}}}
+    event = {"type": "object", "required": ["data"], "description": "one server-sent event, named by its type",
+             "properties": {"data": {"type": "string", "contentMediaType": "application/json",
+                                     "contentSchema": ref(ResponseStreamEvent)},
+                            "event": {"type": "string"}, "id": {"type": "string"}, "retry": {"type": "integer"}}}
+    op["responses"] = {"200": {"description": "the response; with stream: true, its typed events (no [DONE])",
+                               "content": {"application/json": {"schema": ref(ResponseObject)},
+                                           "text/event-stream": {"schema": event}}},
+                       **errors(400, 401, 404, 413, 415, 429, 503)}
     paths[routes["models"]]["get"]["responses"] = {"200": json_body(ModelList, "the served model"), **errors(401)}
     paths[routes["model"]]["get"]["responses"] = {"200": json_body(ModelCard, "the model card"), **errors(401, 404)}
     paths[routes["health"]]["get"]["responses"] = {"200": json_body(Health, "healthy"),

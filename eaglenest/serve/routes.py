@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP handlers of one replica: :class:`Routes` over its :class:`~.core.ServerCore`.
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (both with SSE streaming, :mod:`eaglenest.serve.sse`),
+``POST /v1/responses`` (OpenAI's Responses API on the chat pipeline, :mod:`eaglenest.serve.responses_api`),
 ``GET /v1/models``, ``GET /v1/models/{id}``, ``GET /health``, ``GET /metrics`` (vLLM's spec-decode counters,
 serve.vllm_metrics). Every error is an OpenAI-style JSON body ``{"error":
 {"message", "type", "param", "code"}}`` with the status that fits: 400 bad parameter or type (a prompt over the
@@ -26,7 +27,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from eaglenest.serve.arrival import Arrival
-from eaglenest.serve.chat_parsing import ChatParser, chat_message, delta_fields, finish_reason, parse_all
+from eaglenest.serve.chat_parsing import ChatParser, Parsed, chat_message, delta_fields, finish_reason, parse_all
 from eaglenest.serve.core import Outcome, ServerCore
 from eaglenest.serve.drain import RETRY_AFTER_S
 from eaglenest.serve.logprobs import LogprobText, chat_logprobs, completion_logprobs
@@ -47,6 +48,16 @@ from eaglenest.serve.openai_protocol import (
     now,
 )
 from eaglenest.serve.request_body import parse_body, read_body
+from eaglenest.serve.responses_api import (
+    ResponseEvents,
+    ResponseShell,
+    ResponsesRequest,
+    final_status,
+    output_items,
+    to_chat_request,
+    usage_of,
+)
+from eaglenest.serve.responses_api import dumps as responses_event
 from eaglenest.serve.sse import DONE, event_stream, sse
 from eaglenest.serve.vllm_metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 
@@ -54,6 +65,7 @@ log = logging.getLogger("eaglenest.serve")
 
 CHAT_ROUTE, COMPLETIONS_ROUTE, MODELS_ROUTE, MODEL_ROUTE, HEALTH_ROUTE, METRICS_ROUTE = (
     "/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/models/{model}", "/health", "/metrics")
+RESPONSES_ROUTE = "/v1/responses"
 
 
 class Routes:
@@ -74,17 +86,7 @@ class Routes:
             self.core.check_ready()
             req: ChatCompletionRequest = await self.parse(request, ChatCompletionRequest)
             self.core.check_model(req.model)
-            sampling = check_sampling(req, max_tokens=req.max_completion_tokens or req.max_tokens,
-                                      max_tokens_limit=self.core.cfg.serve.max_tokens_limit)
-            if req.tools and req.tool_choice not in (None, "auto", "none"):
-                raise APIError(400, "tool_choice other than auto/none is not supported", param="tool_choice")
-            messages = chat_messages(req)
-            try:
-                prompt_ids = await asyncio.to_thread(self.core.backend.render_chat, messages, req.tools)
-            except Exception as e:
-                raise APIError(400, f"cannot render the conversation with the model's chat template: {e}",
-                               param="messages") from e
-            self.core.check_prompt(prompt_ids, sampling)
+            sampling, prompt_ids = await self._chat_prompt(req)
             self.core.acquire()
         except APIError as e:
             return self.error(CHAT_ROUTE, e)
@@ -103,6 +105,81 @@ class Routes:
                                  self.core.usage(len(prompt_ids), out), created, logprobs=lps)
 
         return await self._complete(CHAT_ROUTE, prompt_ids, sampling, arrived, build, decode=decode)
+
+    async def _chat_prompt(self, req: ChatCompletionRequest, messages_param: str = "messages"
+                           ) -> tuple[SamplingRequest, list[int]]:
+        """The sampling settings and the rendered prompt of a chat request, every value checked (400 naming it)."""
+        sampling = check_sampling(req, max_tokens=req.max_completion_tokens or req.max_tokens,
+                                  max_tokens_limit=self.core.cfg.serve.max_tokens_limit)
+        if req.tools and req.tool_choice not in (None, "auto", "none"):
+            raise APIError(400, "tool_choice other than auto/none is not supported", param="tool_choice")
+        messages = chat_messages(req)
+        try:
+            prompt_ids = await asyncio.to_thread(self.core.backend.render_chat, messages, req.tools)
+        except Exception as e:
+            raise APIError(400, f"cannot render the conversation with the model's chat template: {e}",
+                           param=messages_param) from e
+        self.core.check_prompt(prompt_ids, sampling, param=messages_param)
+        return sampling, prompt_ids
+
+    async def responses(self, request: Request) -> Response:
+        """``POST /v1/responses`` (serve.responses_api): the chat pipeline, answered as a response object or its
+        typed events."""
+        arrived = self.core.arrival(request)
+        try:
+            self.core.check_auth(request)
+            self.core.check_ready()
+            req: ResponsesRequest = await self.parse(request, ResponsesRequest)
+            self.core.check_model(req.model)
+            chat = to_chat_request(req)
+            sampling, prompt_ids = await self._chat_prompt(chat, messages_param="input")
+            self.core.acquire()
+        except APIError as e:
+            if e.param == "max_tokens" and e.code != "unrecognized_argument":  # the chat check's name for it
+                e.param, e.message = "max_output_tokens", e.message.replace("max_tokens", "max_output_tokens")
+            return self.error(RESPONSES_ROUTE, e)
+        shell = ResponseShell(req, self.core.model_name, now())
+        parser = self._chat_parser(chat, prompt_ids)
+        if req.stream:
+            return event_stream(self._responses_stream(shell, prompt_ids, sampling, arrived, parser))
+
+        def build(out: Outcome) -> dict[str, Any]:
+            parsed = parse_all(parser, out.text) if parser is not None else Parsed(content=out.text)
+            usage = usage_of(self.core.usage(len(prompt_ids), out), self._reasoning_tokens(parsed.reasoning))
+            reason = finish_reason(parsed, out.finish_reason)
+            return shell.body(final_status(reason), output_items(parsed), usage, reason)
+
+        return await self._complete(RESPONSES_ROUTE, prompt_ids, sampling, arrived, build,
+                                    decode=self._chat_decode(parser))
+
+    def _reasoning_tokens(self, reasoning: str) -> int:
+        """Responses' ``reasoning_tokens``: the reasoning text as the tokenizer counts it."""
+        return len(self.core.backend.encode(reasoning)) if reasoning else 0
+
+    async def _responses_stream(self, shell: ResponseShell, prompt_ids: list[int], sampling: SamplingRequest,
+                                arrived: Arrival, parser: ChatParser | None) -> AsyncIterator[str]:
+        events = ResponseEvents(shell)
+        started = [events.start()]  # created and in_progress go out with the first token, as the role chunk does
+
+        def opened(later: list[dict[str, Any]]) -> list[dict[str, Any]]:
+            first, started[:] = started[:], []
+            return [ev for group in first for ev in group] + later
+
+        def pieces(piece: str, out: Outcome) -> list[dict[str, Any]]:
+            return opened(events.feed(parser.feed(piece) if parser is not None else [("content", piece)]))
+
+        def finals(out: Outcome) -> list[dict[str, Any]]:
+            evs = opened(events.feed(parser.finish()) if parser is not None else [])
+            parsed = parser.out if parser is not None else Parsed(content=out.text)
+            usage = usage_of(self.core.usage(len(prompt_ids), out), self._reasoning_tokens(parsed.reasoning))
+            return evs + events.finish(finish_reason(parsed, out.finish_reason), usage)
+
+        def failed(status: int, message: str, code: str | None) -> list[dict[str, Any]]:
+            return opened(events.failed(status, message, code))
+
+        async for s in self._stream(RESPONSES_ROUTE, prompt_ids, sampling, arrived, pieces, finals,
+                                    decode=self._chat_decode(parser), failed=failed, frame=responses_event):
+            yield s
 
     def _chat_parser(self, req: ChatCompletionRequest, prompt_ids: list[int]) -> ChatParser | None:
         """A parser when the target has tool-call markers (parsed into calls when the request offers tools, else
@@ -194,19 +271,24 @@ class Routes:
                 self.core.record(arrived, out, route=route, prompt_ids=prompt_ids, sampling=sampling)
 
     async def _stream(self, route: str, prompt_ids: list[int], sampling: SamplingRequest, arrived: Arrival,
-                      piece_chunks: Any, final_chunks: Any, decode: Any = None) -> AsyncIterator[str]:
+                      piece_chunks: Any, final_chunks: Any, decode: Any = None, failed: Any = None,
+                      frame: Any = None) -> AsyncIterator[str]:
         """SSE of one generation: ``piece_chunks(piece, out)`` and ``final_chunks(out)`` give the chunks; a failure
-        (or a drain's deadline) ends the stream with an error event, then ``[DONE]``."""
+        (or a drain's deadline) ends the stream with an error event, then ``[DONE]``. Responses' streams pass
+        ``failed(status, message, code)`` for their error events and ``frame`` for their framing, and end
+        without ``[DONE]``, as OpenAI's do."""
         out = Outcome()
         status = 200
+        framed = frame or sse
         try:
             async for piece in self.core.generate(prompt_ids, sampling, out, decode=decode):
                 out.first_sent_at = out.first_sent_at or time.perf_counter()  # TTFT ends here (core.record)
                 for chunk in piece_chunks(piece, out):
-                    yield sse(chunk)
+                    yield framed(chunk)
             for chunk in final_chunks(out):
-                yield sse(chunk)
-            yield sse(DONE)
+                yield framed(chunk)
+            if frame is None:
+                yield sse(DONE)
         except asyncio.CancelledError:
             status = 499  # the client went away; the decoder is told to stop
             raise
@@ -216,8 +298,12 @@ class Routes:
             else:
                 log.exception("streaming generation failed")
                 status, code = 500, "generation_failed"
-            yield sse(error_body(status, str(e), code=code))
-            yield sse(DONE)
+            if failed is not None:
+                for chunk in failed(status, str(e), code):
+                    yield framed(chunk)
+            else:
+                yield sse(error_body(status, str(e), code=code))
+                yield sse(DONE)
         finally:
             self.core.release()
             self.core.metrics.request(route, status)
