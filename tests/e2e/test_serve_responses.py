@@ -8,6 +8,7 @@ against the same request on ``/v1/chat/completions``, which its own tests check 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 
@@ -163,6 +164,40 @@ def test_what_the_server_cannot_do_is_a_400_naming_it(url, body, param):
     assert resp.status_code == 400, resp.text
     err = resp.json()["error"]
     assert err["param"] == param and err["type"] == "invalid_request_error", err
+
+
+def test_an_agent_of_openais_agents_sdk_calls_its_tool_and_answers(url):
+    """A real agent framework over this server: OpenAI's Agents SDK (its Responses model, streamed and not) runs the
+    loop, the model calls the Python tool, the SDK sends the result back as a function_call_output, and the model's
+    next answer ends the run. Greedy, so both runs take the same path."""
+    from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled
+
+    set_tracing_disabled(True)
+    cities: list[str] = []
+
+    @function_tool
+    def get_weather(city: str) -> str:
+        """current weather of a city"""
+        cities.append(city)
+        return json.dumps({"city": city, "celsius": 21})
+
+    model = OpenAIResponsesModel(model="eaglenest", openai_client=openai.AsyncOpenAI(
+        base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120))
+    agent = Agent(name="weather", tools=[get_weather], model=model,
+                  model_settings=ModelSettings(temperature=0, max_tokens=48))
+
+    async def both() -> tuple[object, object]:
+        plain = await Runner.run(agent, WEATHER_Q, max_turns=3)
+        streamed = Runner.run_streamed(agent, WEATHER_Q, max_turns=3)
+        async for _ in streamed.stream_events():
+            pass
+        return plain, streamed
+
+    plain, streamed = asyncio.run(both())
+    assert [type(i).__name__ for i in plain.new_items] == ["ToolCallItem", "ToolCallOutputItem", "MessageOutputItem"]
+    assert len(cities) == 2 and cities[0] == cities[1] and cities[0], cities
+    assert isinstance(plain.final_output, str) and plain.final_output
+    assert streamed.final_output == plain.final_output
 
 
 def test_the_client_raises_on_an_unknown_model(client):
