@@ -419,15 +419,20 @@ def test_schema_driven_requests_never_get_a_5xx(url):
             statuses.add((case.operation.label, resp.status_code))
 
         fuzz()
-    assert {"POST /v1/chat/completions", "POST /v1/completions", "GET /v1/models/{model_id}"} <= set(labels)
-    # the fuzzing got past the model check into parameter validation on both generation routes
-    assert ("POST /v1/chat/completions", 400) in statuses and ("POST /v1/completions", 400) in statuses, statuses
+    assert {"POST /v1/chat/completions", "POST /v1/completions", "POST /v1/responses",
+            "GET /v1/models/{model_id}"} <= set(labels)
+    # the fuzzing got past the model check into parameter validation on every generation route
+    assert {("POST /v1/chat/completions", 400), ("POST /v1/completions", 400), ("POST /v1/responses", 400)} <= \
+        statuses, statuses
     # and what valid requests get, which random bodies rarely are (no chat 200 among them): JSON and SSE answers
     # are checked against the document too
     chat = {"model": "eaglenest", "messages": HI, "max_tokens": 4}
     for label, case in (("POST /v1/chat/completions", {"body": chat}),
                         ("POST /v1/chat/completions", {"body": {**chat, "stream": True, "logprobs": True}}),
                         ("POST /v1/completions", {"body": {"model": "eaglenest", "prompt": "hi", "stream": True}}),
+                        ("POST /v1/responses", {"body": {"model": "eaglenest", "input": "hi", "max_output_tokens": 4}}),
+                        ("POST /v1/responses", {"body": {"model": "eaglenest", "input": "hi", "max_output_tokens": 4,
+                                                         "stream": True}}),
                         ("GET /v1/models/{model_id}", {"path_parameters": {"model_id": "eaglenest"}})):
         resp = ops[label].Case(**case).call_and_validate(checks=CHECKS, timeout=120)
         assert resp.status_code == 200, (label, resp.status_code, resp.text[:300])
