@@ -1,7 +1,9 @@
 """Tool calls and reasoning in the target's own output, as OpenAI's ``tool_calls`` and ``reasoning_content``.
 
 A chat model writes a tool call or its reasoning as ordinary output between markers its chat template defines, e.g.
-``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` (Hermes / Qwen / the tiny target) and
+``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` (Hermes / Qwen / the tiny target),
+``<|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>{...}<|tool_call_end|>`` (Kimi-K2 / K2.5,
+inside ``<|tool_calls_section_begin|>`` ... ``<|tool_calls_section_end|>``) and
 ``<think>...</think>`` (Qwen3, DeepSeek-R1, the tiny target). The markers are usually special tokens, which plain
 detokenization drops, so the request's text is decoded with :meth:`ChatFormat.decode` (special tokens skipped
 except the markers) and split by :class:`ChatParser`.
@@ -15,8 +17,9 @@ before a stray end marker is not reclaimed as reasoning, since a stream has alre
 
 Markers come from ``serve.tool_call_markers`` / ``serve.reasoning_markers`` when set (``[]`` turns parsing off),
 otherwise from the target: a known pair is used when the tokenizer's chat template mentions both markers or both
-are tokens of its vocabulary. Tool-call bodies are parsed as JSON ``{"name", "arguments"|"parameters"}``; a body
-that does not parse stays in ``content`` (vLLM's hermes parser keeps it too), so nothing the model wrote is lost.
+are tokens of its vocabulary. Tool-call bodies are parsed as JSON ``{"name", "arguments"|"parameters"}`` (Kimi's as
+``functions.NAME:IDX``, its argument marker and a JSON object, :func:`parse_kimi_body`); a body that does not parse
+stays in ``content`` (vLLM's hermes parser keeps it too), so nothing the model wrote is lost.
 
 Tool-call markers never reach ``content``: not around a body that did not parse, not unclosed, not stray (an end
 marker with no start), and not when the request offered no tools (the parser then drops the markers and keeps what
@@ -27,12 +30,15 @@ same true of targets whose markers are ordinary tokens or text).
 from __future__ import annotations
 
 import json
+import re
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-KNOWN_TOOL_CALL_MARKERS: tuple[tuple[str, str], ...] = (("<tool_call>", "</tool_call>"),)
+KIMI_TOOL_CALL = ("<|tool_call_begin|>", "<|tool_call_end|>")
+KIMI_ARGUMENT_MARKER = "<|tool_call_argument_begin|>"
+KNOWN_TOOL_CALL_MARKERS: tuple[tuple[str, str], ...] = (("<tool_call>", "</tool_call>"), KIMI_TOOL_CALL)
 KNOWN_REASONING_MARKERS: tuple[tuple[str, str], ...] = (
     ("<think>", "</think>"), ("<thinking>", "</thinking>"), ("◁think▷", "◁/think▷"))
 
@@ -99,8 +105,9 @@ class ChatFormat:
         for tid, tok in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items():
             if getattr(tok, "special", False):
                 special.add(int(tid))
+        inner = {vocab[m] for m in tool_call_syntax(tool_call)[1] if m in vocab}
         # markers the request does not parse are skipped like any special token (plain decoding's text)
-        self._drop = {True: frozenset(special - ids(tool_call) - ids(reasoning)),
+        self._drop = {True: frozenset(special - ids(tool_call) - inner - ids(reasoning)),
                       False: frozenset(special - ids(reasoning))}
 
     @classmethod
@@ -135,7 +142,38 @@ class ChatFormat:
         """A parser of one request: tool calls parsed when ``tools`` (their markers dropped either way), reasoning
         separated when ``reasoning``."""
         return ChatParser(self.tool_call, self.reasoning if reasoning else None,
-                          in_reasoning=reasoning and self.starts_in_reasoning(prompt_text), parse_tools=tools)
+                          in_reasoning=reasoning and self.starts_in_reasoning(prompt_text), parse_tools=tools,
+                          tool_body=tool_call_syntax(self.tool_call)[0])
+
+
+KIMI_CALL_BODY = re.compile(r"\s*(?P<id>(?:functions\.)?(?P<name>\S+?):\d+)\s*" + re.escape(KIMI_ARGUMENT_MARKER)
+                            + r"(?P<args>.*)", re.DOTALL)
+
+
+def parse_kimi_body(body: str) -> ToolCall | None:
+    """Kimi-K2's call between ``<|tool_call_begin|>`` and ``<|tool_call_end|>``: ``functions.NAME:IDX``, the
+    argument marker, the arguments as a JSON object (Moonshot's tool-call guidance). The model's own id
+    (``functions.get_weather:0``) is the call's id, as Moonshot's guidance and vLLM's ``kimi_k2`` parser return it:
+    Kimi's chat template writes it back into the history and names the tool's answer by it. The section markers
+    around the calls are special tokens that decoding drops."""
+    m = KIMI_CALL_BODY.match(body)
+    if m is None:
+        return None
+    try:
+        args = json.loads(m["args"])
+    except (json.JSONDecodeError, ValueError):
+        return None
+    if not isinstance(args, dict):
+        return None
+    return ToolCall(id=m["id"], name=m["name"], arguments=json.dumps(args, ensure_ascii=False))
+
+
+def tool_call_syntax(pair: tuple[str, str] | None) -> tuple[Callable[[str], ToolCall | None], tuple[str, ...]]:
+    """How a body between these markers reads, and the special tokens inside one that decoding must keep: Kimi's
+    ``functions.NAME:IDX<|tool_call_argument_begin|>{...}``, else a JSON object (Hermes / Qwen / the tiny target)."""
+    if pair == KIMI_TOOL_CALL:
+        return parse_kimi_body, (KIMI_ARGUMENT_MARKER,)
+    return parse_tool_body, ()
 
 
 def parse_tool_body(body: str) -> ToolCall | None:
@@ -162,8 +200,12 @@ class ChatParser:
     """
 
     def __init__(self, tool_call: tuple[str, str] | None, reasoning: tuple[str, str] | None, *,
-                 in_reasoning: bool = False, parse_tools: bool = True) -> None:
+                 in_reasoning: bool = False, parse_tools: bool = True,
+                 tool_body: Callable[[str], ToolCall | None] | None = None) -> None:
         self.tool_call = tool_call
+        self.tool_body, self.tool_inner = tool_call_syntax(tool_call)
+        if tool_body is not None:
+            self.tool_body = tool_body
         self.parse_tools = parse_tools
         """False: the request offered no tools; tool-call markers are only dropped"""
         self.reasoning = reasoning
@@ -232,7 +274,7 @@ class ChatParser:
         if self.state == "reasoning":
             return self._reasoning(rest)
         if self.state == "tool":
-            call = parse_tool_body(rest.strip())
+            call = self.tool_body(rest.strip())
             if call is not None:
                 return self._add_call(call)
             self.state = "content"
@@ -267,7 +309,7 @@ class ChatParser:
         return [("reasoning", text)]
 
     def _tool(self, body: str) -> list[Delta]:
-        call = parse_tool_body(body.strip())
+        call = self.tool_body(body.strip())
         if call is None:  # not a call after all: the model's text stays visible, its markers do not
             self.trim = False
             return self._content(self._unmarked(body), force=True)
@@ -275,8 +317,8 @@ class ChatParser:
         return self._add_call(call)
 
     def _unmarked(self, text: str) -> str:
-        """``text`` without tool-call markers (a body may hold another start marker)."""
-        for marker in self.tool_call or ():
+        """``text`` without tool-call markers (a body may hold another start marker, or Kimi's argument marker)."""
+        for marker in (*(self.tool_call or ()), *self.tool_inner):
             text = text.replace(marker, "")
         return text
 
