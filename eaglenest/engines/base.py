@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import abc
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -190,9 +190,11 @@ def render_chat_ids(
     *,
     tools: Sequence[dict] | None = None,
     add_generation_prompt: bool,
+    template_kwargs: Mapping[str, Any] | None = None,
 ) -> list[int]:
     """Render with the tokenizer's chat template and tokenize without adding special tokens a second time."""
-    text = render_chat_text(tokenizer, messages, tools=tools, add_generation_prompt=add_generation_prompt)
+    text = render_chat_text(tokenizer, messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                            template_kwargs=template_kwargs)
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
@@ -220,14 +222,27 @@ def render_chat_text(
     *,
     tools: Sequence[dict] | None = None,
     add_generation_prompt: bool,
+    template_kwargs: Mapping[str, Any] | None = None,
 ) -> str:
-    """The chat template's text for ``messages`` (a target without a template is refused with the fix)."""
+    """The chat template's text for ``messages`` (a target without a template is refused with the fix);
+    ``template_kwargs``: variables for the template (a request's ``chat_template_kwargs``, e.g. Kimi-K2.5's
+    ``thinking`` or Qwen3's ``enable_thinking``), never one of :data:`RESERVED_TEMPLATE_KWARGS`."""
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError(
             "the target's tokenizer has no chat_template; regenerating chats needs one "
             "(add `chat_template` to tokenizer_config.json or pick an instruct model)"
         )
-    kwargs: dict[str, Any] = {"tokenize": False, "add_generation_prompt": add_generation_prompt}
+    reserved = sorted(set(template_kwargs or ()) & set(RESERVED_TEMPLATE_KWARGS))
+    if reserved:
+        raise ValueError(f"template variable {reserved[0]!r} is set by the renderer itself")
+    kwargs: dict[str, Any] = {**(template_kwargs or {}), "tokenize": False,
+                              "add_generation_prompt": add_generation_prompt}
     if tools:
         kwargs["tools"] = list(tools)
     return tokenizer.apply_chat_template(list(messages), **kwargs)
+
+
+RESERVED_TEMPLATE_KWARGS = ("tokenize", "add_generation_prompt", "tools", "conversation", "messages", "chat_template",
+                            "continue_final_message", "documents", "return_tensors", "return_dict", "padding",
+                            "truncation", "max_length", "tokenizer_kwargs", "return_assistant_tokens_mask")
+"""``apply_chat_template``'s own arguments: a request cannot set them as template variables"""

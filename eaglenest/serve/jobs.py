@@ -139,9 +139,12 @@ class BackendBase:
         raise NotImplementedError
 
     # ---- text
-    def render_chat(self, messages: Sequence[Message], tools: Sequence[dict] | None = None) -> list[int]:
-        """The target's chat template, rendered exactly as every engine renders it."""
-        return render_chat_ids(self.tokenizer, messages, tools=tools, add_generation_prompt=True)
+    def render_chat(self, messages: Sequence[Message], tools: Sequence[dict] | None = None,
+                    template_kwargs: dict[str, Any] | None = None) -> list[int]:
+        """The target's chat template, rendered exactly as every engine renders it (``template_kwargs``: a
+        request's ``chat_template_kwargs``)."""
+        return render_chat_ids(self.tokenizer, messages, tools=tools, add_generation_prompt=True,
+                               template_kwargs=template_kwargs)
 
     def encode(self, text: str) -> list[int]:
         """A raw completion prompt, tokenized as the tokenizer does by default (BOS where the model adds one)."""

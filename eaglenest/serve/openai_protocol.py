@@ -159,6 +159,9 @@ class ChatCompletionRequest(_Request):
     separate_reasoning: bool | None = None
     """extension (SGLang): split reasoning into ``reasoning_content`` for this request (None:
     ``serve.reasoning_parser``)"""
+    chat_template_kwargs: dict[str, Any] | None = None
+    """extension (vLLM, SGLang): variables for the chat template, e.g. ``{"thinking": false}`` (Kimi-K2.5's instant
+    mode) or ``{"enable_thinking": false}`` (Qwen3)"""
 
     @field_validator("tools")
     @classmethod

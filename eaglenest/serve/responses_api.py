@@ -58,6 +58,7 @@ class ResponsesRequest(BaseModel):
     min_p: float | None = None
     repetition_penalty: float | None = None
     ignore_eos: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
     # accepted and ignored (RESPONSES_IGNORED)
     store: bool | None = None
     metadata: dict[str, Any] | None = None
@@ -131,7 +132,8 @@ def to_chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
         body["tools"] = chat_tools(req.tools)
     if req.tool_choice is not None:
         body["tool_choice"] = req.tool_choice
-    for name in ("temperature", "top_p", "seed", "top_k", "min_p", "repetition_penalty", "ignore_eos"):
+    for name in ("temperature", "top_p", "seed", "top_k", "min_p", "repetition_penalty", "ignore_eos",
+                 "chat_template_kwargs"):
         if getattr(req, name) is not None:
             body[name] = getattr(req, name)
     try:

@@ -26,6 +26,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from eaglenest.engines.base import RESERVED_TEMPLATE_KWARGS
 from eaglenest.serve.arrival import Arrival
 from eaglenest.serve.chat_parsing import ChatParser, Parsed, chat_message, delta_fields, finish_reason, parse_all
 from eaglenest.serve.core import Outcome, ServerCore
@@ -114,8 +115,13 @@ class Routes:
         if req.tools and req.tool_choice not in (None, "auto", "none"):
             raise APIError(400, "tool_choice other than auto/none is not supported", param="tool_choice")
         messages = chat_messages(req)
+        reserved = sorted(set(req.chat_template_kwargs or ()) & set(RESERVED_TEMPLATE_KWARGS))
+        if reserved:
+            raise APIError(400, f"chat_template_kwargs cannot set {reserved[0]!r}: the server sets it (send tools and "
+                                f"messages as themselves)", param=f"chat_template_kwargs.{reserved[0]}")
         try:
-            prompt_ids = await asyncio.to_thread(self.core.backend.render_chat, messages, req.tools)
+            prompt_ids = await asyncio.to_thread(self.core.backend.render_chat, messages, req.tools,
+                                                 req.chat_template_kwargs)
         except Exception as e:
             raise APIError(400, f"cannot render the conversation with the model's chat template: {e}",
                            param=messages_param) from e

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 import socket
 
 import httpx
@@ -32,17 +33,35 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+GENERATION_PROMPT = "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
+INSTANT = ("{% if add_generation_prompt %}{{ '<|assistant|>' }}{% if thinking is defined and not thinking %}"
+           "{{ '<think></think>' }}{% endif %}{% endif %}")
+"""Kimi-K2.5's switch to instant mode (``chat_template_kwargs: {"thinking": false}``: the generation prompt closes an
+empty reasoning block), added to a copy of the tiny target's template"""
+
+
 @pytest.fixture(scope="module")
-def url(ray_session, tiny_target_path, tmp_path_factory):
+def served(ray_session, tiny_target_path, tmp_path_factory):
     from eaglenest.serve.cli import AppSpec, start_apps, stop_serve
 
-    drafter = make_drafter(tmp_path_factory.mktemp("responses") / "drafter", tiny_target_path)
+    root = tmp_path_factory.mktemp("responses")
+    target = root / "target"
+    shutil.copytree(tiny_target_path, target)
+    template = (target / "chat_template.jinja").read_text()
+    assert template.count(GENERATION_PROMPT) == 1, "the tiny target's generation prompt changed"
+    (target / "chat_template.jinja").write_text(template.replace(GENERATION_PROMPT, INSTANT))
+    drafter = make_drafter(root / "drafter", target)
     cfg = EaglenestConfig.model_validate({
-        "target": {"model": str(tiny_target_path), "device": "cpu", "dtype": "float32"},
+        "target": {"model": str(target), "device": "cpu", "dtype": "float32"},
         "serve": {"num_cpus_per_replica": 0.25, "max_tokens_limit": 64}})
-    (served,) = start_apps([AppSpec(cfg, str(drafter), "responses", "/")], port=_free_port())
-    yield served
+    (url,) = start_apps([AppSpec(cfg, str(drafter), "responses", "/")], port=_free_port())
+    yield {"url": url, "target": target}
     stop_serve()
+
+
+@pytest.fixture(scope="module")
+def url(served) -> str:
+    return served["url"]
 
 
 @pytest.fixture(scope="module")
@@ -50,9 +69,9 @@ def client(url) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
 
 
-def _chat(client, messages, **kw):
+def _chat(client, messages, extra: dict | None = None, **kw):
     return client.chat.completions.create(model="eaglenest", messages=messages, temperature=0,
-                                          extra_body={"separate_reasoning": True}, **kw)
+                                          extra_body={"separate_reasoning": True, **(extra or {})}, **kw)
 
 
 def test_a_text_answer_is_the_chat_answer(client):
@@ -142,6 +161,31 @@ def test_reasoning_comes_back_as_a_reasoning_item(client):
         text = "".join(e.delta for e in stream if e.type == "response.reasoning_text.delta")
         final = stream.get_final_response()
     assert text == reasoning and [i.type for i in final.output] == [i.type for i in r.output]
+
+
+def test_chat_template_kwargs_reach_the_template(served, client):
+    """vLLM's and SGLang's ``chat_template_kwargs`` on both routes: ``thinking: false`` renders the prompt the
+    template renders with that variable (the reasoning block closed in the generation prompt), and the answer is
+    the one to that prompt; a variable the renderer sets itself is a 400 naming it."""
+    from transformers import AutoTokenizer
+
+    from eaglenest.engines.base import render_chat_ids
+
+    tok = AutoTokenizer.from_pretrained(served["target"])
+    question = [{"role": "user", "content": THINK_Q}]
+    instant = render_chat_ids(tok, question, add_generation_prompt=True, template_kwargs={"thinking": False})
+    assert len(instant) > len(render_chat_ids(tok, question, add_generation_prompt=True))
+    on = _chat(client, question, max_tokens=48)
+    off = _chat(client, question, max_tokens=48, extra={"chat_template_kwargs": {"thinking": False}})
+    assert off.usage.prompt_tokens == len(instant) > on.usage.prompt_tokens
+    assert off.choices[0].message != on.choices[0].message, "another prompt, another greedy answer"
+    r = client.responses.create(model="eaglenest", input=THINK_Q, temperature=0, max_output_tokens=48,
+                                extra_body={"chat_template_kwargs": {"thinking": False}})
+    assert r.usage.input_tokens == len(instant) and r.output_text == (off.choices[0].message.content or "")
+    with pytest.raises(openai.BadRequestError) as e:
+        _chat(client, [{"role": "user", "content": THINK_Q}], max_tokens=4,
+              extra={"chat_template_kwargs": {"add_generation_prompt": False}})
+    assert e.value.body["param"] == "chat_template_kwargs.add_generation_prompt"
 
 
 @pytest.mark.parametrize(("body", "param"), [
