@@ -142,8 +142,7 @@ class ChatFormat:
         """A parser of one request: tool calls parsed when ``tools`` (their markers dropped either way), reasoning
         separated when ``reasoning``."""
         return ChatParser(self.tool_call, self.reasoning if reasoning else None,
-                          in_reasoning=reasoning and self.starts_in_reasoning(prompt_text), parse_tools=tools,
-                          tool_body=tool_call_syntax(self.tool_call)[0])
+                          in_reasoning=reasoning and self.starts_in_reasoning(prompt_text), parse_tools=tools)
 
 
 KIMI_CALL_BODY = re.compile(r"\s*(?P<id>(?:functions\.)?(?P<name>\S+?):\d+)\s*" + re.escape(KIMI_ARGUMENT_MARKER)
@@ -200,12 +199,9 @@ class ChatParser:
     """
 
     def __init__(self, tool_call: tuple[str, str] | None, reasoning: tuple[str, str] | None, *,
-                 in_reasoning: bool = False, parse_tools: bool = True,
-                 tool_body: Callable[[str], ToolCall | None] | None = None) -> None:
+                 in_reasoning: bool = False, parse_tools: bool = True) -> None:
         self.tool_call = tool_call
         self.tool_body, self.tool_inner = tool_call_syntax(tool_call)
-        if tool_body is not None:
-            self.tool_body = tool_body
         self.parse_tools = parse_tools
         """False: the request offered no tools; tool-call markers are only dropped"""
         self.reasoning = reasoning
