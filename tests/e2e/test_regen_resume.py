@@ -141,12 +141,22 @@ def test_sigkill_mid_run_then_rerun_loses_and_repeats_nothing(ray_session, tmp_p
 def test_an_engine_that_keeps_dying_fails_the_job_with_its_cause(ray_session, tmp_path):
     """An engine actor that dies on every attempt (on the H200: a kernel crash in SGLang's decode, every restart) must
     not be restarted forever with no progress: after ``regen.max_engine_restarts`` the job fails and says why and
-    how to resume. Here the actor is SIGKILLed once more than the limit allows. One conversation per engine call: with
-    the demo's 4, the restarted actor once finished all the remaining work before the test found and killed it, and
-    the job rightly succeeded (a CI failure); unbatched, the same work takes four times as many engine calls."""
+    how to resume. Here the actor is SIGKILLed once more than the limit allows. The work must outlast the test's
+    search for the restarted actor: with the fixture's 25 conversations the restarted actor twice finished all that
+    was left before the test found and killed it (batches of 4; then one conversation per call, done in 5 s on a fast
+    machine), and the job rightly succeeded (two CI failures). 800 distinct conversations, one per engine call, are
+    twice what took 36 s here without a death (400); the test ends after the second death, in seconds."""
+    sources = tmp_path / "many"
+    sources.mkdir()
+    with open(sources / "questions.jsonl", "w") as fh:
+        for i in range(800):
+            fh.write(json.dumps({"id": f"q{i}", "conversations": [
+                {"from": "human", "value": f"What is {i} plus 7?"}, {"from": "gpt", "value": f"{i + 7}."}]}) + "\n")
+    (sources / "sources.yaml").write_text(yaml.safe_dump({"sources": [
+        {"name": "questions", "domain": "math", "adapter": "sharegpt", "path": "questions.jsonl"}]}))
     cfg = yaml.safe_load((REPO / "configs" / "demo.yaml").read_text())
-    cfg["regen"].update(sources_file=str(FIX / "sources.yaml"), output=str(tmp_path / "regen"), max_engine_restarts=1,
-                        batch_size=1)
+    cfg["regen"].update(sources_file=str(sources / "sources.yaml"), output=str(tmp_path / "regen"),
+                        max_engine_restarts=1, batch_size=1)
     config = tmp_path / "regen.yaml"
     config.write_text(yaml.safe_dump(cfg))
     env = {**os.environ, "RAY_ADDRESS": ray_session.get_runtime_context().gcs_address, "OMP_NUM_THREADS": "1",
