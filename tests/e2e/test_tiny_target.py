@@ -34,8 +34,8 @@ def _other_kernels() -> dict[str, str]:
 
     One thread, and ATen's and MKL's AVX2 code on an AVX-512 machine; where AVX2 is the native choice, ATen's portable
     code and MKL's AVX (not AVX2) branch. MKL's SSE2-compatible branch (``COMPATIBLE``) gives the same digest but took
-    176 s where its AVX branch took 74 s (both with ATen's portable code, on an AVX-512 machine; on an AVX2 CI machine
-    the test took 408 s with it).
+    176 s where its AVX branch took 74 s (both with ATen's portable code, on an AVX-512 machine; a slower CI machine
+    of an earlier session took 408 s for this test).
     """
     avx512 = torch.backends.cpu.get_cpu_capability().startswith("AVX512")
     return {"OMP_NUM_THREADS": "1", "ATEN_CPU_CAPABILITY": "avx2" if avx512 else "default",
