@@ -232,7 +232,7 @@ def render_chat_text(
             "the target's tokenizer has no chat_template; regenerating chats needs one "
             "(add `chat_template` to tokenizer_config.json or pick an instruct model)"
         )
-    reserved = sorted(set(template_kwargs or ()) & set(RESERVED_TEMPLATE_KWARGS))
+    reserved = reserved_template_kwargs(template_kwargs)
     if reserved:
         raise ValueError(f"template variable {reserved[0]!r} is set by the renderer itself")
     kwargs: dict[str, Any] = {**(template_kwargs or {}), "tokenize": False,
@@ -246,3 +246,9 @@ RESERVED_TEMPLATE_KWARGS = ("tokenize", "add_generation_prompt", "tools", "conve
                             "continue_final_message", "documents", "return_tensors", "return_dict", "padding",
                             "truncation", "max_length", "tokenizer_kwargs", "return_assistant_tokens_mask")
 """``apply_chat_template``'s own arguments: a request cannot set them as template variables"""
+
+
+def reserved_template_kwargs(template_kwargs: Mapping[str, Any] | None) -> list[str]:
+    """The names in ``template_kwargs`` that are :data:`RESERVED_TEMPLATE_KWARGS`, sorted (serve refuses them with a
+    400 naming the first before rendering; the renderer refuses them for any other caller)."""
+    return sorted(set(template_kwargs or ()) & set(RESERVED_TEMPLATE_KWARGS))

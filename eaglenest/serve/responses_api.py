@@ -14,18 +14,14 @@ only (``text.format`` other than text is refused, as ``response_format`` is on c
 
 from __future__ import annotations
 
-import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from eaglenest.serve.chat_parsing import Delta, Parsed, ToolCall
 from eaglenest.serve.openai_protocol import APIError, ChatCompletionRequest, Usage, new_id, validation_message
+from eaglenest.serve.sse import sse
 
-RESPONSES_IGNORED = ("store", "metadata", "service_tier", "user", "prompt_cache_key", "safety_identifier",
-                     "parallel_tool_calls", "reasoning", "include", "stream_options")
-"""accepted and ignored: none of them changes the tokens this server decodes (``include`` may ask for extra fields
-of the output; only the logprobs it can name are refused, see :func:`to_chat_request`)"""
 NOT_STORED = ("this server stores no responses; send the whole conversation as input items (messages, "
               "function_call and function_call_output items)")
 
@@ -59,7 +55,8 @@ class ResponsesRequest(BaseModel):
     repetition_penalty: float | None = None
     ignore_eos: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
-    # accepted and ignored (RESPONSES_IGNORED)
+    # accepted and ignored: none of them changes the tokens decoded (of what ``include`` may ask for, only the
+    # logprobs are refused, see to_chat_request)
     store: bool | None = None
     metadata: dict[str, Any] | None = None
     service_tier: str | None = None
@@ -238,6 +235,18 @@ def message_item(rid: str, text: str | None, status: str = "completed") -> dict[
     return {"id": rid, "type": "message", "role": "assistant", "status": status, "content": content}
 
 
+def text_item(kind: str, rid: str, text: str | None, status: str = "completed") -> dict[str, Any]:
+    """The item a stream's text of ``kind`` (the parser's ``content`` or ``reasoning``) becomes."""
+    return message_item(rid, text, status) if kind == "content" else reasoning_item(rid, text or "", status)
+
+
+def text_part(kind: str, text: str) -> dict[str, Any]:
+    """The content part of an item of ``kind``, as its content_part events carry it."""
+    if kind == "content":
+        return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+    return {"type": "reasoning_text", "text": text}
+
+
 def call_item(rid: str, call: ToolCall, arguments: str | None = None, status: str = "completed") -> dict[str, Any]:
     return {"id": rid, "type": "function_call", "call_id": call.id, "name": call.name,
             "arguments": call.arguments if arguments is None else arguments, "status": status}
@@ -256,9 +265,8 @@ class ResponseShell:
     """The response object's fields that echo the request; :meth:`body` fills status, output and usage."""
 
     def __init__(self, req: ResponsesRequest, model: str, created: int) -> None:
-        self.id = new_id("resp")
         self.fields = {
-            "id": self.id, "object": "response", "created_at": created, "model": model,
+            "id": new_id("resp"), "object": "response", "created_at": created, "model": model,
             "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
             "temperature": 1.0 if req.temperature is None else req.temperature,
             "top_p": 1.0 if req.top_p is None else req.top_p, "tools": req.tools or [],
@@ -268,10 +276,11 @@ class ResponseShell:
             "previous_response_id": None, "reasoning": req.reasoning, "error": None, "incomplete_details": None}
 
     def body(self, status: str, output: list[dict[str, Any]], usage: dict[str, Any] | None = None,
-             finish_reason: str | None = None, error: dict[str, Any] | None = None) -> dict[str, Any]:
-        """``status``: in_progress, completed, incomplete (cut at max_output_tokens) or failed."""
+             error: dict[str, Any] | None = None) -> dict[str, Any]:
+        """``status``: in_progress, completed, incomplete (cut at max_output_tokens: :func:`final_status`) or
+        failed."""
         out = {**self.fields, "status": status, "output": output, "usage": usage}
-        if status == "incomplete" and finish_reason == "length":
+        if status == "incomplete":
             out["incomplete_details"] = {"reason": "max_output_tokens"}
         if error is not None:
             out["error"] = error
@@ -307,32 +316,23 @@ class ResponseEvents:
         if self.open is None:
             return []
         o, self.open = self.open, None
-        index, rid, text = len(self.items), o["item"]["id"], o["text"]
+        index, rid, text, kind = len(self.items), o["item"]["id"], o["text"], o["kind"]
         where = {"item_id": rid, "output_index": index}
-        if o["kind"] == "content":
-            part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
-            item = message_item(rid, text)
-            evs = [self._event("response.output_text.done", content_index=0, text=text, logprobs=[], **where),
-                   self._event("response.content_part.done", content_index=0, part=part, **where)]
-        else:
-            part = {"type": "reasoning_text", "text": text}
-            item = reasoning_item(rid, text)
-            evs = [self._event("response.reasoning_text.done", content_index=0, text=text, **where),
-                   self._event("response.content_part.done", content_index=0, part=part, **where)]
+        item = text_item(kind, rid, text)
+        done = (self._event("response.output_text.done", content_index=0, text=text, logprobs=[], **where)
+                if kind == "content" else
+                self._event("response.reasoning_text.done", content_index=0, text=text, **where))
         self.items.append(item)
-        return evs + [self._event("response.output_item.done", output_index=index, item=item)]
+        return [done, self._event("response.content_part.done", content_index=0, part=text_part(kind, text), **where),
+                self._event("response.output_item.done", output_index=index, item=item)]
 
     def _open(self, kind: str) -> list[dict[str, Any]]:
         index = len(self.items)
-        if kind == "content":
-            item, part = message_item(new_id("msg"), None, "in_progress"), {"type": "output_text", "text": "",
-                                                                             "annotations": [], "logprobs": []}
-        else:
-            item, part = reasoning_item(new_id("rs"), "", "in_progress"), {"type": "reasoning_text", "text": ""}
+        item = text_item(kind, new_id("msg" if kind == "content" else "rs"), None, "in_progress")
         self.open = {"item": item, "kind": kind, "text": ""}
         return [self._event("response.output_item.added", output_index=index, item=item),
                 self._event("response.content_part.added", item_id=item["id"], output_index=index, content_index=0,
-                            part=part)]
+                            part=text_part(kind, ""))]
 
     def feed(self, deltas: list[Delta]) -> list[dict[str, Any]]:
         evs: list[dict[str, Any]] = []
@@ -368,7 +368,7 @@ class ResponseEvents:
         if not self.items:  # nothing was said: one empty message, as the non-streamed answer has
             evs += self._open("content") + self._close()
         status = final_status(finish_reason)
-        body = self.shell.body(status, self.items, usage, finish_reason)
+        body = self.shell.body(status, self.items, usage)
         return evs + [self._event(f"response.{status}", response=body)]
 
     def failed(self, status: int, message: str, code: str | None) -> list[dict[str, Any]]:
@@ -377,9 +377,7 @@ class ResponseEvents:
         API's code for a failure on the server's side (its codes are a closed list)."""
         output = list(self.items)
         if self.open is not None:
-            rid, text = self.open["item"]["id"], self.open["text"]
-            output.append(message_item(rid, text, "incomplete") if self.open["kind"] == "content"
-                          else reasoning_item(rid, text, "incomplete"))
+            output.append(text_item(self.open["kind"], self.open["item"]["id"], self.open["text"], "incomplete"))
         error = {"code": "server_error", "message": message}
         return [self._event("error", code=code or ("server_error" if status >= 500 else "invalid_request"),
                             message=message, param=None),
@@ -388,4 +386,4 @@ class ResponseEvents:
 
 def dumps(event: dict[str, Any]) -> str:
     """One event as OpenAI frames Responses events: ``event: <type>`` before its data."""
-    return f"event: {event['type']}\ndata: {json.dumps(event, separators=(',', ':'))}\n\n"
+    return f"event: {event['type']}\n" + sse(event)

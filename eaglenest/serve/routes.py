@@ -26,7 +26,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from eaglenest.engines.base import RESERVED_TEMPLATE_KWARGS
+from eaglenest.engines.base import reserved_template_kwargs
 from eaglenest.serve.arrival import Arrival
 from eaglenest.serve.chat_parsing import ChatParser, Parsed, chat_message, delta_fields, finish_reason, parse_all
 from eaglenest.serve.core import Outcome, ServerCore
@@ -115,7 +115,7 @@ class Routes:
         if req.tools and req.tool_choice not in (None, "auto", "none"):
             raise APIError(400, "tool_choice other than auto/none is not supported", param="tool_choice")
         messages = chat_messages(req)
-        reserved = sorted(set(req.chat_template_kwargs or ()) & set(RESERVED_TEMPLATE_KWARGS))
+        reserved = reserved_template_kwargs(req.chat_template_kwargs)
         if reserved:
             raise APIError(400, f"chat_template_kwargs cannot set {reserved[0]!r}: the server sets it (send tools and "
                                 f"messages as themselves)", param=f"chat_template_kwargs.{reserved[0]}")
@@ -153,7 +153,7 @@ class Routes:
             parsed = parse_all(parser, out.text) if parser is not None else Parsed(content=out.text)
             usage = usage_of(self.core.usage(len(prompt_ids), out), self._reasoning_tokens(parsed.reasoning))
             reason = finish_reason(parsed, out.finish_reason)
-            return shell.body(final_status(reason), output_items(parsed), usage, reason)
+            return shell.body(final_status(reason), output_items(parsed), usage)
 
         return await self._complete(RESPONSES_ROUTE, prompt_ids, sampling, arrived, build,
                                     decode=self._chat_decode(parser))

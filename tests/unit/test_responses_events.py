@@ -65,13 +65,12 @@ def test_an_empty_answer_is_one_empty_message():
     events = ResponseEvents(_shell())
     body = EVENT.validate_python((events.start() + events.finish("stop", USAGE))[-1]).response
     assert [(i.type, i.content[0].text) for i in body.output] == [("message", "")]
-    whole = Response.model_validate(_shell().body("completed", output_items(Parsed()), USAGE, "stop"))
+    whole = Response.model_validate(_shell().body("completed", output_items(Parsed()), USAGE))
     assert whole.output_text == ""
 
 
 def test_a_whole_answer_is_a_response():
-    body = _shell().body("incomplete", output_items(Parsed(content="a", reasoning="r", tool_calls=[CALL])), USAGE,
-                         "length")
+    body = _shell().body("incomplete", output_items(Parsed(content="a", reasoning="r", tool_calls=[CALL])), USAGE)
     r = Response.model_validate(body)
     assert [i.type for i in r.output] == ["reasoning", "message", "function_call"] and r.output_text == "a"
     assert r.incomplete_details.reason == "max_output_tokens" and r.usage.model_extra["spec"]["draft_tokens"] == 9
