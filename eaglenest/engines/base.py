@@ -19,6 +19,21 @@ FinishReason = Literal["stop", "length"]
 
 
 @dataclass(frozen=True)
+class OutputConstraint:
+    """What an answer must be: JSON valid under ``schema`` (OpenAI's ``response_format`` / ``text.format``).
+
+    ``schema`` is the JSON Schema as canonical JSON text (hashable: sampling settings key the decoder's groups; a
+    ``json_object`` request is ``{"type": "object"}``). ``reasoning`` holds the target's reasoning start and end token
+    ids when the request separates reasoning: the answer may open with a reasoning block, unconstrained, and the
+    schema applies from its end on (vLLM and SGLang do the same with a reasoning parser); ``in_reasoning`` says the
+    prompt already opened that block (a template that starts the answer thinking)."""
+
+    schema: str
+    reasoning: tuple[int, int] | None = None
+    in_reasoning: bool = False
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """How to continue a prompt. ``temperature == 0`` means greedy."""
 
@@ -38,6 +53,8 @@ class SamplingParams:
     """CTRL-style penalty on every token of the prompt and the output so far (1: off; applies to greedy too)"""
     logprobs: int | None = None
     """report each generated token's log-probability and the ``logprobs`` most likely alternatives (None: off)"""
+    constraint: OutputConstraint | None = None
+    """structured output: every token keeps the answer a valid prefix of it (None: free text)"""
 
     def __post_init__(self) -> None:
         if self.temperature < 0:

@@ -26,6 +26,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Hashable
+from dataclasses import replace
 from typing import Any, Protocol
 
 from eaglenest.config import EaglenestConfig
@@ -236,12 +237,15 @@ class HFSpecDecoder:
         self.per_step = draft_tokens_per_step if speculative else 0
 
     def key(self, job: Job) -> Hashable:
-        if job.sampling.seed is not None and not job.sampling.greedy:
-            return (job.sampling, id(job))
-        return job.sampling
+        """Rows of different structured outputs share a group: each row carries its own constraint."""
+        sampling = replace(job.sampling, constraint=None)
+        if sampling.seed is not None and not sampling.greedy:
+            return (sampling, id(job))
+        return sampling
 
     def new_group(self, sampling: SamplingParams) -> Group:
-        return _HFGroup(self, sampling)
+        return _HFGroup(self, replace(sampling, constraint=None))
+
 
 
 class _HFGroup:
@@ -258,7 +262,7 @@ class _HFGroup:
         return self.batch.alive
 
     def add(self, job: Job) -> None:
-        self.jobs[self.batch.add(job.prompt_ids)] = job
+        self.jobs[self.batch.add(job.prompt_ids, job.sampling.constraint)] = job
 
     def step(self) -> None:
         for rid, job in list(self.jobs.items()):

@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import torch
 
-from eaglenest.engines.base import SamplingParams
+from eaglenest.engines.base import OutputConstraint, SamplingParams
 from eaglenest.speculative import DecodeBatch, DecodeRow, SpecDecoder, StreamChunk, merge_batches
 
 Emit = Callable[[int, StreamChunk], None]
@@ -32,7 +32,7 @@ class ContinuousBatch:
         self.emit = emit
         self.rows: dict[int, DecodeRow] = {}
         self.batch: DecodeBatch | None = None
-        self.incoming: list[tuple[int, list[int]]] = []
+        self.incoming: list[tuple[int, list[int], OutputConstraint | None]] = []
         self.steps = 0
         self._ids = itertools.count()
 
@@ -41,16 +41,17 @@ class ContinuousBatch:
         """Rows decoding or waiting to join."""
         return len(self.incoming) + sum(1 for r in self.rows.values() if r.finish is None)
 
-    def add(self, prompt_ids: list[int]) -> int:
+    def add(self, prompt_ids: list[int], constraint: OutputConstraint | None = None) -> int:
+        """Queue a prompt (its own structured output, if any: rows of different schemas share the batch)."""
         if not prompt_ids:
             raise ValueError("empty prompt: every prompt needs at least one token")
         rid = next(self._ids)
-        self.incoming.append((rid, list(prompt_ids)))
+        self.incoming.append((rid, list(prompt_ids), constraint))
         return rid
 
     def cancel(self, rid: int) -> None:
         """Stop decoding a row (its client went away); it leaves the batch at the next step, without a chunk."""
-        self.incoming = [(i, p) for i, p in self.incoming if i != rid]
+        self.incoming = [entry for entry in self.incoming if entry[0] != rid]
         row = self.rows.get(rid)
         if row is not None:
             row.cancel()
@@ -71,7 +72,7 @@ class ContinuousBatch:
 
     def _admit(self) -> None:
         new, self.incoming = self.incoming, []
-        fresh = {rid: DecodeRow(prompt=p) for rid, p in new}
+        fresh = {rid: DecodeRow(prompt=p, constraint=c) for rid, p, c in new}
         self.rows.update(fresh)
         batch, chunks = self.dec.prefill(fresh, self.sampling)
         for rid, chunk in chunks:

@@ -33,6 +33,7 @@ from eaglenest.serve.metrics import NullMetrics, RequestStats, ServeMetrics
 from eaglenest.serve.openai_protocol import APIError, SamplingRequest, SpecUsage, Usage, error_body, now
 from eaglenest.serve.schedule import log_schedule, prepare_schedule
 from eaglenest.serve.selftest import SelfTest, run_self_test
+from eaglenest.serve.structured import check_engine_constrains
 from eaglenest.serve.text import StreamText
 from eaglenest.serve.traffic_log import TrafficLog
 from eaglenest.serve.vllm_metrics import SpecCounters
@@ -214,6 +215,11 @@ class ServerCore:
         check_prompt(len(prompt_ids), sampling.max_tokens, max_prompt_tokens=self.cfg.serve.max_prompt_tokens,
                      context=self.backend.info.max_position_embeddings, param=param)
 
+    def check_structured_output(self) -> None:
+        """A 400 with the fix where the engine cannot constrain an answer (SGLang launched without a grammar
+        backend, which would otherwise answer free text)."""
+        check_engine_constrains(self.cfg.target)
+
     def acquire(self) -> None:
         self.admission.acquire()
 
@@ -252,7 +258,8 @@ class ServerCore:
         sp = SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p,
                             max_new_tokens=sampling.max_tokens, seed=sampling.seed, stop=sampling.stop,
                             ignore_eos=sampling.ignore_eos, top_k=sampling.top_k, min_p=sampling.min_p,
-                            repetition_penalty=sampling.repetition_penalty, logprobs=sampling.logprobs)
+                            repetition_penalty=sampling.repetition_penalty, logprobs=sampling.logprobs,
+                            constraint=sampling.constraint)
         job = Job(prompt_ids, sp, sink)
         text = StreamText(decode or self.backend.decode, sampling.stop)
         try:

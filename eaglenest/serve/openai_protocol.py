@@ -21,6 +21,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
+from eaglenest.engines.base import OutputConstraint
 from eaglenest.serve.seeds import engine_seed
 
 IGNORED_PARAMS = ("store", "metadata", "service_tier", "reasoning_effort", "user", "prompt_cache_key",
@@ -318,6 +319,8 @@ class SamplingRequest(BaseModel):
     repetition_penalty: float = 1.0
     logprobs: int | None = None
     """None: off; k >= 0: each token's logprob and its k most likely alternatives"""
+    constraint: OutputConstraint | None = None
+    """structured output (``serve.structured``): set by the chat routes after the prompt is rendered"""
 
 
 def _requested_logprobs(req: _Request) -> int | None:
@@ -406,8 +409,6 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
     """Messages as the chat template expects them: text parts joined, other part types refused (400)."""
     if not req.messages:
         raise APIError(400, "messages must hold at least one message", param="messages")
-    if req.response_format and req.response_format.get("type", "text") != "text":
-        raise APIError(400, "response_format other than text is not supported", param="response_format")
     out = []
     for i, m in enumerate(req.messages):
         content = m.content

@@ -9,7 +9,8 @@ so ``previous_response_id`` / ``conversation`` are refused (400) with the fix, s
 is accepted but answered ``false``. Reasoning comes back as ``reasoning`` items whenever the target's chat template
 has reasoning markers (the API has a place for it; chat completions keep it in ``content`` unless
 ``serve.reasoning_parser``). Function tools only (the chat template renders nothing else), text output
-only (``text.format`` other than text is refused, as ``response_format`` is on chat).
+only; ``text.format`` (``json_schema``, ``json_object``) constrains the answer as chat's ``response_format`` does
+(``serve.structured``).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from eaglenest.serve.chat_parsing import Delta, Parsed, ToolCall
 from eaglenest.serve.openai_protocol import APIError, ChatCompletionRequest, Usage, new_id, validation_message
 from eaglenest.serve.sse import sse
+from eaglenest.serve.structured import requested_schema
 
 NOT_STORED = ("this server stores no responses; send the whole conversation as input items (messages, "
               "function_call and function_call_output items)")
@@ -116,15 +118,15 @@ def to_chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
     if req.top_logprobs or "message.output_text.logprobs" in (req.include or ()):
         raise APIError(400, "logprobs are not supported on /v1/responses; use /v1/chat/completions with logprobs",
                        param="top_logprobs" if req.top_logprobs else "include")
-    fmt = (req.text or {}).get("format") or {"type": "text"}
-    if not isinstance(fmt, dict) or fmt.get("type") != "text":
-        raise APIError(400, "text.format other than text is not supported", param="text.format")
+    schema = requested_schema((req.text or {}).get("format"), param="text.format", flat=True)
     if req.max_output_tokens is not None and req.max_output_tokens < 1:
         raise APIError(400, f"max_output_tokens must be >= 1, got {req.max_output_tokens}", param="max_output_tokens")
     system = [{"role": "system", "content": req.instructions}] if req.instructions else []
     messages = system + input_messages(req.input)
     body: dict[str, Any] = {"model": req.model, "messages": messages, "stream": bool(req.stream),
                             "max_completion_tokens": req.max_output_tokens, "separate_reasoning": True}
+    if schema is not None:  # checked above under the Responses API's names
+        body["response_format"] = {"type": "json_schema", "json_schema": {"name": "output", "schema": schema}}
     if req.tools:
         body["tools"] = chat_tools(req.tools)
     if req.tool_choice is not None:
@@ -272,7 +274,8 @@ class ResponseShell:
             "top_p": 1.0 if req.top_p is None else req.top_p, "tools": req.tools or [],
             "tool_choice": req.tool_choice or "auto", "store": False,
             "parallel_tool_calls": True if req.parallel_tool_calls is None else req.parallel_tool_calls,
-            "text": {"format": {"type": "text"}}, "truncation": "disabled", "metadata": req.metadata or {},
+            "text": {"format": (req.text or {}).get("format") or {"type": "text"}}, "truncation": "disabled",
+            "metadata": req.metadata or {},
             "previous_response_id": None, "reasoning": req.reasoning, "error": None, "incomplete_details": None}
 
     def body(self, status: str, output: list[dict[str, Any]], usage: dict[str, Any] | None = None,

@@ -26,7 +26,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from eaglenest.engines.base import reserved_template_kwargs
+from eaglenest.engines.base import OutputConstraint, reserved_template_kwargs
 from eaglenest.serve.arrival import Arrival
 from eaglenest.serve.chat_parsing import ChatParser, Parsed, chat_message, delta_fields, finish_reason, parse_all
 from eaglenest.serve.core import Outcome, ServerCore
@@ -60,6 +60,7 @@ from eaglenest.serve.responses_api import (
 )
 from eaglenest.serve.responses_api import dumps as responses_event
 from eaglenest.serve.sse import DONE, event_stream, sse
+from eaglenest.serve.structured import marker_ids, output_constraint, requested_schema
 from eaglenest.serve.vllm_metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 
 log = logging.getLogger("eaglenest.serve")
@@ -114,6 +115,9 @@ class Routes:
                                   max_tokens_limit=self.core.cfg.serve.max_tokens_limit)
         if req.tools and req.tool_choice not in (None, "auto", "none"):
             raise APIError(400, "tool_choice other than auto/none is not supported", param="tool_choice")
+        schema = requested_schema(req.response_format)
+        if schema is not None:
+            self.core.check_structured_output()
         messages = chat_messages(req)
         reserved = reserved_template_kwargs(req.chat_template_kwargs)
         if reserved:
@@ -126,7 +130,18 @@ class Routes:
             raise APIError(400, f"cannot render the conversation with the model's chat template: {e}",
                            param=messages_param) from e
         self.core.check_prompt(prompt_ids, sampling, param=messages_param)
+        if schema is not None:
+            sampling = sampling.model_copy(update={"constraint": self._constraint(req, schema, prompt_ids)})
         return sampling, prompt_ids
+
+    def _constraint(self, req: ChatCompletionRequest, schema: dict[str, Any],
+                    prompt_ids: list[int]) -> OutputConstraint | None:
+        """The answer's constraint; a reasoning block may open it where the request separates reasoning."""
+        fmt = self.core.chat_format
+        separate = self.core.cfg.serve.reasoning_parser if req.separate_reasoning is None else req.separate_reasoning
+        think = marker_ids(self.core.backend.tokenizer, fmt.reasoning) if separate else None
+        opened = think is not None and fmt.starts_in_reasoning(fmt.decode(prompt_ids[-16:]))
+        return output_constraint(schema, reasoning=think, in_reasoning=opened)
 
     async def responses(self, request: Request) -> Response:
         """``POST /v1/responses`` (serve.responses_api): the chat pipeline, answered as a response object or its

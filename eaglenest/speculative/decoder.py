@@ -63,6 +63,7 @@ from eaglenest.kernels import pack_linears, uses_packed_linears
 from eaglenest.speculative.backlog import Block, catch_up, select_backlog
 from eaglenest.speculative.cache import additive_mask, block_mask, causal_block, commit_block, select_rows
 from eaglenest.speculative.draft import DraftModel, Eagle3DraftModel, FeedMode
+from eaglenest.speculative.guide import GuideCompiler, next_token_masks
 from eaglenest.speculative.logits import context_mask, penalize, penalize_tree, token_logprobs
 from eaglenest.speculative.records import DecodeBatch, DecodeRow, SpecResult, StreamChunk
 from eaglenest.speculative.sampling import Acceptance, accept_greedy, accept_sampling, target_probs
@@ -115,6 +116,7 @@ class SpecDecoder:
         """batch size -> the draft shape of a step (None: the step does not draft); None: always ``spec``"""
         self.last_mode: tuple[int, int] | None = None
         """(batch size, num_steps) of the latest step; num_steps 0 = it did not draft"""
+        self._guides: GuideCompiler | None = None
 
     @classmethod
     def from_engine(cls, engine: Any, drafter: Eagle3Drafter | DraftModel | None, spec: SpecConfig | None = None,
@@ -157,6 +159,10 @@ class SpecDecoder:
         t0 = self.clock()
         for r in table:
             r.start = t0
+            if r.constraint is None:
+                r.constraint = sampling.constraint
+            if r.constraint is not None and r.guide is None:
+                r.guide = self.guides.guide(r.constraint)
         batch, first = self._prefill(table, sampling)
         batch.rows = ids
         t1 = self.clock()
@@ -209,6 +215,13 @@ class SpecDecoder:
             batch.root_hidden = batch.root_hidden[idx]
         return batch
 
+    @property
+    def guides(self) -> GuideCompiler:
+        """Structured output's grammar compiler for this target (made on the first constrained row)."""
+        if self._guides is None:
+            self._guides = GuideCompiler(self.tokenizer, self.lm_head.weight.shape[0], self.eos)
+        return self._guides
+
     def clock(self) -> float:
         """``time.perf_counter()`` once the device finished its queued work: phase timings of a GPU are real."""
         if self.device.type == "cuda":
@@ -245,6 +258,9 @@ class SpecDecoder:
             row.tokens.append(tok)
             took.append(tok)
             at_eos = tok in self.eos and not sampling.ignore_eos
+            if row.guide is not None and not at_eos:
+                row.guide.advance(tok)
+                at_eos = row.guide.done  # the answer is complete: only an end token could follow
             if at_eos or (sampling.stop and _hits_stop(self.tokenizer, row.tokens, sampling.stop)):
                 row.finish = "stop"
             elif len(row.tokens) >= sampling.max_new_tokens:
@@ -342,6 +358,9 @@ class SpecDecoder:
         if sampling.repetition_penalty != 1.0:
             seen = context_mask([r.prompt for r in rows], raw.shape[-1], raw.device)
             scored = penalize(raw, seen, sampling.repetition_penalty)
+        if any(r.guide is not None for r in rows):
+            fits = next_token_masks([r.guide for r in rows], scored.shape[-1])
+            scored = scored.masked_fill(~fits.to(scored.device), float("-inf"))
         first = self._choose(scored, sampling, gens)
         if sampling.logprobs is not None:
             for i, r in enumerate(rows):
@@ -388,6 +407,13 @@ class SpecDecoder:
         if sampling.repetition_penalty != 1.0:
             contexts = [rows[ri].prompt + rows[ri].tokens for ri in batch.rows]
             logits = penalize_tree(raw, contexts, tree.tokens, tree.ancestors, sampling.repetition_penalty)
+        guided = [(j, rows[ri].guide) for j, ri in enumerate(batch.rows) if rows[ri].guide is not None]
+        if guided:
+            fits = torch.ones(logits.shape, dtype=torch.bool)
+            tokens, parents = tree.tokens.cpu().tolist(), tree.parents.cpu().tolist()
+            for j, guide in guided:
+                fits[j] = guide.tree_masks(tokens[j], parents[j])
+            logits = logits.masked_fill(~fits.to(logits.device), float("-inf"))
         if sampling.greedy:
             acc = accept_greedy(tree, logits)
         else:

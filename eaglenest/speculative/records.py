@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from eaglenest.contracts.metrics import accept_length
+from eaglenest.engines.base import OutputConstraint
 from eaglenest.speculative.logits import TokenLogprob
 
 
@@ -90,6 +91,10 @@ class DecodeRow:
     end: float = 0.0
     step_logprobs: list[TokenLogprob] | None = None
     """logprobs of the tokens the last forward proposed for this row (cut to what ``_emit`` took)"""
+    constraint: OutputConstraint | None = None
+    """this row's structured output (None: the sampling setting's, if any)"""
+    guide: Any = None
+    """the grammar state of a constrained row (:class:`~eaglenest.speculative.guide.RowGuide`), set at its prefill"""
 
     @property
     def finished(self) -> bool:

@@ -202,6 +202,8 @@ def sampling_params_dict(sampling: SamplingParams, *, stop_token_ids: Sequence[i
         sp["sampling_seed"] = int(sampling.seed)
     if sampling.ignore_eos:
         sp["ignore_eos"] = True
+    if sampling.constraint is not None:  # SGLang's grammar backend (and its reasoning parser) apply it
+        sp["json_schema"] = sampling.constraint.schema
     return sp
 
 
