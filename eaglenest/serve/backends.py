@@ -262,7 +262,12 @@ class _HFGroup:
         return self.batch.alive
 
     def add(self, job: Job) -> None:
-        self.jobs[self.batch.add(job.prompt_ids, job.sampling.constraint)] = job
+        try:
+            rid = self.batch.add(job.prompt_ids, job.sampling.constraint)
+        except ValueError as e:  # a prompt or schema the decoder cannot take: this request fails, not the batch
+            job.emit(DecodeEvent([], error=str(e)))
+            return
+        self.jobs[rid] = job
 
     def step(self) -> None:
         for rid, job in list(self.jobs.items()):

@@ -32,7 +32,7 @@ class ContinuousBatch:
         self.emit = emit
         self.rows: dict[int, DecodeRow] = {}
         self.batch: DecodeBatch | None = None
-        self.incoming: list[tuple[int, list[int], OutputConstraint | None]] = []
+        self.incoming: list[tuple[int, DecodeRow]] = []
         self.steps = 0
         self._ids = itertools.count()
 
@@ -42,11 +42,14 @@ class ContinuousBatch:
         return len(self.incoming) + sum(1 for r in self.rows.values() if r.finish is None)
 
     def add(self, prompt_ids: list[int], constraint: OutputConstraint | None = None) -> int:
-        """Queue a prompt (its own structured output, if any: rows of different schemas share the batch)."""
+        """Queue a prompt (its own structured output, if any: rows of different schemas share the batch). A prompt
+        or schema the decoder cannot take raises ValueError here, before it joins (the batch never sees it)."""
         if not prompt_ids:
             raise ValueError("empty prompt: every prompt needs at least one token")
+        row = DecodeRow(prompt=list(prompt_ids), constraint=constraint,
+                        guide=self.dec.guides.guide(constraint) if constraint is not None else None)
         rid = next(self._ids)
-        self.incoming.append((rid, list(prompt_ids), constraint))
+        self.incoming.append((rid, row))
         return rid
 
     def cancel(self, rid: int) -> None:
@@ -72,7 +75,7 @@ class ContinuousBatch:
 
     def _admit(self) -> None:
         new, self.incoming = self.incoming, []
-        fresh = {rid: DecodeRow(prompt=p, constraint=c) for rid, p, c in new}
+        fresh = dict(new)
         self.rows.update(fresh)
         batch, chunks = self.dec.prefill(fresh, self.sampling)
         for rid, chunk in chunks:

@@ -63,7 +63,7 @@ from eaglenest.kernels import pack_linears, uses_packed_linears
 from eaglenest.speculative.backlog import Block, catch_up, select_backlog
 from eaglenest.speculative.cache import additive_mask, block_mask, causal_block, commit_block, select_rows
 from eaglenest.speculative.draft import DraftModel, Eagle3DraftModel, FeedMode
-from eaglenest.speculative.guide import GuideCompiler, next_token_masks
+from eaglenest.speculative.guide import ChainGuide, GuideCompiler, next_token_masks
 from eaglenest.speculative.logits import context_mask, penalize, penalize_tree, token_logprobs
 from eaglenest.speculative.records import DecodeBatch, DecodeRow, SpecResult, StreamChunk
 from eaglenest.speculative.sampling import Acceptance, accept_greedy, accept_sampling, target_probs
@@ -86,6 +86,7 @@ class SpecDecoder:
         mode: FeedMode | None = None,
         eos_token_ids: Sequence[int] | None = None,
         policy: Policy | None = None,
+        guided_drafting: bool = True,
     ) -> None:
         self.model = target_model
         self.tokenizer = tokenizer
@@ -117,6 +118,8 @@ class SpecDecoder:
         self.last_mode: tuple[int, int] | None = None
         """(batch size, num_steps) of the latest step; num_steps 0 = it did not draft"""
         self._guides: GuideCompiler | None = None
+        self.guided_drafting = guided_drafting
+        """structured output: a draft chain proposes under the row's grammar (False: free, for comparisons)"""
 
     @classmethod
     def from_engine(cls, engine: Any, drafter: Eagle3Drafter | DraftModel | None, spec: SpecConfig | None = None,
@@ -302,7 +305,7 @@ class SpecDecoder:
         t0 = self.clock()
         if spec is not None:
             catch_up(self.draft, batch)
-            tree = self._draft_tree(batch, sampling, spec)
+            tree = self._draft_tree(batch, sampling, spec, rows)
         else:
             tree = root_only(batch.pending)
         t1 = self.clock()
@@ -377,7 +380,8 @@ class SpecDecoder:
             batch.root_logits, batch.root_hidden = d_logits[:, -1], d_hidden[:, -1]
         return batch, first.cpu()
 
-    def _draft_tree(self, batch: DecodeBatch, sampling: SamplingParams, spec: SpecConfig) -> DraftTree:
+    def _draft_tree(self, batch: DecodeBatch, sampling: SamplingParams, spec: SpecConfig,
+                    rows: Mapping[int, DecodeRow]) -> DraftTree:
         draft = self.draft
         assert draft is not None and batch.d_valid is not None
         ld = batch.d_valid.shape[1]
@@ -389,11 +393,18 @@ class SpecDecoder:
             return draft.step(batch.d_cache, tokens, parent_hidden, pos, torch.cat([past, block], dim=2),
                               own_hidden=True)
 
-        tree = build_tree(
-            pending=batch.pending, root_logits=batch.root_logits, root_hidden=batch.root_hidden, step=step,
-            token_map=draft.token_map, num_steps=spec.num_steps, topk=spec.topk, num_nodes=spec.num_draft_tokens,
-            temperature=sampling.temperature, generators=batch.gens,
-        )
+        guides = [rows[ri].guide for ri in batch.rows]
+        chain = ChainGuide(guides, draft.token_map, self.lm_head.weight.shape[0]) \
+            if self.guided_drafting and spec.topk == 1 and any(g is not None for g in guides) else None
+        try:
+            tree = build_tree(
+                pending=batch.pending, root_logits=batch.root_logits, root_hidden=batch.root_hidden, step=step,
+                token_map=draft.token_map, num_steps=spec.num_steps, topk=spec.topk, num_nodes=spec.num_draft_tokens,
+                temperature=sampling.temperature, generators=batch.gens, chain_mask=chain,
+            )
+        finally:
+            if chain is not None:
+                chain.release()
         draft.truncate(batch.d_cache, ld)  # the speculative slots are re-read from target states after verify
         return tree
 

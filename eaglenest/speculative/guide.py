@@ -166,3 +166,46 @@ class RowGuide:
 
         visit(0)
         return masks
+
+
+class ChainGuide:
+    """The grammar on a draft chain (``build_tree``'s ``chain_mask``): each level proposes only tokens the target's
+    grammar allows after the levels before it, so a constrained row's drafts are not wasted on forbidden tokens.
+    A row whose grammar allows nothing in the draft vocabulary (or whose chain ended) drafts unmasked from there.
+    :meth:`release` rolls every guide back to where the chain started."""
+
+    def __init__(self, guides: Sequence[RowGuide | None], token_map: torch.Tensor | None, vocab_size: int) -> None:
+        self.guides = list(guides)
+        self.token_map = token_map.cpu() if token_map is not None else None
+        self.vocab_size = vocab_size
+        self.advanced = [0] * len(self.guides)
+        self.free = [g is None for g in self.guides]
+        self.last: list[torch.Tensor | None] = [None] * len(self.guides)
+
+    def __call__(self, prev: torch.Tensor | None) -> torch.Tensor:
+        if prev is not None:
+            for j, tok in enumerate(prev.cpu().tolist()):
+                guide, last = self.guides[j], self.last[j]
+                if self.free[j] or guide is None or last is None:
+                    continue
+                if not bool(last[tok]) or tok in guide.eos_ids:
+                    self.free[j] = True
+                    continue
+                guide.advance(int(tok))
+                self.advanced[j] += 1
+        rows = []
+        for j, guide in enumerate(self.guides):
+            full = torch.ones(self.vocab_size, dtype=torch.bool) if self.free[j] or guide is None else guide.mask()
+            self.last[j] = full
+            draft = full if self.token_map is None else full[self.token_map]
+            if not bool(draft.any()):
+                self.free[j] = True
+                draft = torch.ones_like(draft)
+            rows.append(draft)
+        return torch.stack(rows)
+
+    def release(self) -> None:
+        for j, guide in enumerate(self.guides):
+            if guide is not None and self.advanced[j]:
+                guide.retreat(self.advanced[j])
+        self.advanced = [0] * len(self.guides)

@@ -21,6 +21,9 @@ import torch
 
 # step(tokens [B, k] draft ids, parent_hidden [B, k, H], level, allowed_block [B, k, P + k]) -> (logits, hidden)
 DraftStepFn = Callable[[torch.Tensor, torch.Tensor, int, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+ChainMaskFn = Callable[[torch.Tensor | None], torch.Tensor]
+"""previous level's draft tokens ``[B]`` (target ids; None at the first level) -> the draft-vocab tokens ``[B, Vd]``
+(bool) this level may propose: structured output's grammar, so that a chain proposes what the target may accept"""
 
 
 @dataclass
@@ -77,8 +80,10 @@ def build_tree(
     num_nodes: int,
     temperature: float = 0.0,
     generators: list[torch.Generator | None] | None = None,
+    chain_mask: ChainMaskFn | None = None,
 ) -> DraftTree:
-    """Expand and select a draft tree (see the module docstring); ``step`` runs the drafter on frontier nodes."""
+    """Expand and select a draft tree (see the module docstring); ``step`` runs the drafter on frontier nodes.
+    ``chain_mask`` (chains only): the draft tokens each level may propose, given the previous level's."""
     b, vd = root_logits.shape
     dev = root_logits.device
     k = min(topk, vd)
@@ -93,9 +98,15 @@ def build_tree(
     c_depth: list[int] = []
     c_q: list[torch.Tensor] = []
 
-    def pick(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    masking = chain_mask is not None and k == 1
+
+    def pick(logits: torch.Tensor, prev: torch.Tensor | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """``logits [B, m, Vd]`` -> (scores, indices ``[B, m, k]``, q ``[B, m, Vd]`` when sampling)."""
         lg = logits.float()
+        if masking:
+            allowed = chain_mask(prev)  # type: ignore[misc]
+            lg = lg.masked_fill(~allowed[:, None, :].to(lg.device), float("-inf"))
         if sample_chain:
             q = torch.softmax(lg / temperature, dim=-1)
             idx = _multinomial_rows(q[:, 0], generators)[:, None, None]
@@ -118,7 +129,7 @@ def build_tree(
     n_cand = k
     for level in range(2, num_steps + 1):
         logits, hidden = step(to_target(fr_idx), fr_hidden, level, torch.cat([fr_anc, eye], dim=2))
-        vals, idx, q = pick(logits)  # [B, k, k]
+        vals, idx, q = pick(logits, to_target(fr_idx[:, 0]) if masking else None)  # [B, k, k]
         scores = (fr_score[:, :, None] + vals).reshape(b, k * k)
         flat_idx = idx.reshape(b, k * k)
         c_idx.append(flat_idx)

@@ -196,7 +196,7 @@ def test_chat_template_kwargs_reach_the_template(served, client):
      "input[0].content[0]"),
     ({"input": [{"type": "web_search_call", "id": "ws_1"}]}, "input[0].type"),
     ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools[0].type"),
-    ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x", "schema": {}}}}, "text.format"),
+    ({"input": "hi", "text": {"format": {"type": "xml"}}}, "text.format.type"),
     ({"input": "hi", "max_output_tokens": 1000}, "max_output_tokens"),
     ({"input": "hi", "frobnicate": 1}, "frobnicate"),
     ({"input": "hi", "messages": [{"role": "user", "content": "other"}]}, "messages"),  # chat's, not this API's

@@ -551,3 +551,21 @@ def test_mla_attention_inputs_as_sglangs_mla_prepares_them(tmp_path: Path, sglan
     assert "hidden_states.chunk(self.num_aux_hidden_states, dim=-1)" in fwd
     loader = src(kimi_k25_eagle3.Eagle3DeepseekV2ForCausalLM.load_weights)
     assert 're.sub(r"^layers\\.0\\.", "midlayer.", name)' in loader and 'f"model.{mapped_name}"' in loader
+
+
+def test_structured_output_reaches_sglangs_sampling_params_and_grammar_backends() -> None:
+    """A constrained request's sampling dict is one SGLang's SamplingParams takes and verifies (its schema under
+    ``json_schema``), and the grammar backends the 400's fix names are SGLang's own choices."""
+    from sglang.srt.sampling.sampling_params import SamplingParams as SGLangSampling
+    from sglang.srt.server_args import GRAMMAR_BACKEND_CHOICES
+
+    from eaglenest.engines.base import OutputConstraint, SamplingParams
+    from eaglenest.engines.sglang.args import sampling_params_dict
+    from eaglenest.speculative.guide import canonical_schema
+
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    sp = sampling_params_dict(SamplingParams(max_new_tokens=8, constraint=OutputConstraint(canonical_schema(schema))))
+    theirs = SGLangSampling(**sp)
+    theirs.verify(1000)
+    assert theirs.json_schema == canonical_schema(schema)
+    assert {"xgrammar", "llguidance", "none"} <= set(GRAMMAR_BACKEND_CHOICES)
