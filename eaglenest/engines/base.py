@@ -20,17 +20,24 @@ FinishReason = Literal["stop", "length"]
 
 @dataclass(frozen=True)
 class OutputConstraint:
-    """What an answer must be: JSON valid under ``schema`` (OpenAI's ``response_format`` / ``text.format``).
+    """What an answer must be: JSON valid under ``schema`` (OpenAI's ``response_format`` / ``text.format``), or text of
+    the Lark grammar ``lark`` (``tool_choice`` ``required`` / a named function: tool calls in the target's own syntax).
 
-    ``schema`` is the JSON Schema as canonical JSON text (hashable: sampling settings key the decoder's groups; a
-    ``json_object`` request is ``{"type": "object"}``). ``reasoning`` holds the target's reasoning start and end token
-    ids when the request separates reasoning: the answer may open with a reasoning block, unconstrained, and the
-    schema applies from its end on (vLLM and SGLang do the same with a reasoning parser); ``in_reasoning`` says the
-    prompt already opened that block (a template that starts the answer thinking)."""
+    ``schema`` is the JSON Schema as compact JSON text (hashable: sampling settings key the decoder's groups; a
+    ``json_object`` request is ``{"type": "object"}``); exactly one of ``schema`` and ``lark`` is set. ``reasoning``
+    holds the target's reasoning start and end token ids when the request separates reasoning: the answer may open
+    with a reasoning block, unconstrained, and the grammar applies from its end on (vLLM and SGLang do the same with a
+    reasoning parser); ``in_reasoning`` says the prompt already opened that block (a template that starts the answer
+    thinking)."""
 
-    schema: str
+    schema: str | None = None
+    lark: str | None = None
     reasoning: tuple[int, int] | None = None
     in_reasoning: bool = False
+
+    def __post_init__(self) -> None:
+        if (self.schema is None) == (self.lark is None):
+            raise ValueError("an OutputConstraint holds exactly one of schema and lark")
 
 
 @dataclass(frozen=True)

@@ -129,7 +129,9 @@ def to_chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
         body["response_format"] = {"type": "json_schema", "json_schema": {"name": "output", "schema": schema}}
     if req.tools:
         body["tools"] = chat_tools(req.tools)
-    if req.tool_choice is not None:
+    if isinstance(req.tool_choice, dict) and req.tool_choice.get("type") == "function" and "name" in req.tool_choice:
+        body["tool_choice"] = {"type": "function", "function": {"name": req.tool_choice["name"]}}  # chat's shape
+    elif req.tool_choice is not None:
         body["tool_choice"] = req.tool_choice
     for name in ("temperature", "top_p", "seed", "top_k", "min_p", "repetition_penalty", "ignore_eos",
                  "chat_template_kwargs"):

@@ -61,6 +61,7 @@ from eaglenest.serve.responses_api import (
 from eaglenest.serve.responses_api import dumps as responses_event
 from eaglenest.serve.sse import DONE, event_stream, sse
 from eaglenest.serve.structured import marker_ids, output_constraint, requested_schema
+from eaglenest.serve.tool_choice import forced_functions, tool_call_grammar
 from eaglenest.serve.vllm_metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 
 log = logging.getLogger("eaglenest.serve")
@@ -113,11 +114,13 @@ class Routes:
         """The sampling settings and the rendered prompt of a chat request, every value checked (400 naming it)."""
         sampling = check_sampling(req, max_tokens=req.max_completion_tokens or req.max_tokens,
                                   max_tokens_limit=self.core.cfg.serve.max_tokens_limit)
-        if req.tools and req.tool_choice not in (None, "auto", "none"):
-            raise APIError(400, "tool_choice other than auto/none is not supported", param="tool_choice")
+        forced = forced_functions(req.tools, req.tool_choice)
         schema = requested_schema(req.response_format)
-        if schema is not None:
-            self.core.check_structured_output()
+        if forced is not None and schema is not None:
+            raise APIError(400, "response_format and a forced tool call (tool_choice) cannot both decide the answer; "
+                                "send one of them", param="response_format")
+        if forced is not None or schema is not None:
+            self.core.check_structured_output(lark=forced is not None)
         messages = chat_messages(req)
         reserved = reserved_template_kwargs(req.chat_template_kwargs)
         if reserved:
@@ -130,18 +133,29 @@ class Routes:
             raise APIError(400, f"cannot render the conversation with the model's chat template: {e}",
                            param=messages_param) from e
         self.core.check_prompt(prompt_ids, sampling, param=messages_param)
-        if schema is not None:
-            sampling = sampling.model_copy(update={"constraint": self._constraint(req, schema, prompt_ids)})
+        if schema is not None or forced is not None:
+            lark = self._forced_call_grammar(req, forced) if forced is not None else None
+            sampling = sampling.model_copy(update={"constraint": self._constraint(req, prompt_ids, schema, lark)})
         return sampling, prompt_ids
 
-    def _constraint(self, req: ChatCompletionRequest, schema: dict[str, Any],
-                    prompt_ids: list[int]) -> OutputConstraint | None:
+    def _forced_call_grammar(self, req: ChatCompletionRequest, names: list[str]) -> str:
+        """``tool_choice`` required / named: the grammar of calls in the target's own tool-call syntax."""
+        markers = self.core.chat_format.tool_call
+        if markers is None:
+            raise APIError(400, "tool_choice cannot force a call: this target's chat template has no tool-call "
+                                "markers (set serve.tool_call_markers); send tool_choice 'auto'", param="tool_choice")
+        parallel = req.tool_choice == "required" and req.parallel_tool_calls is not False
+        return tool_call_grammar(req.tools or [], names, markers=markers,
+                                 vocab=self.core.backend.tokenizer.get_vocab(), parallel=parallel)
+
+    def _constraint(self, req: ChatCompletionRequest, prompt_ids: list[int], schema: dict[str, Any] | None,
+                    lark: str | None) -> OutputConstraint | None:
         """The answer's constraint; a reasoning block may open it where the request separates reasoning."""
         fmt = self.core.chat_format
         separate = self.core.cfg.serve.reasoning_parser if req.separate_reasoning is None else req.separate_reasoning
         think = marker_ids(self.core.backend.tokenizer, fmt.reasoning) if separate else None
         opened = think is not None and fmt.starts_in_reasoning(fmt.decode(prompt_ids[-16:]))
-        return output_constraint(schema, reasoning=think, in_reasoning=opened)
+        return output_constraint(schema, lark=lark, reasoning=think, in_reasoning=opened)
 
     async def responses(self, request: Request) -> Response:
         """``POST /v1/responses`` (serve.responses_api): the chat pipeline, answered as a response object or its
@@ -158,6 +172,8 @@ class Routes:
         except APIError as e:
             if e.param == "max_tokens" and e.code != "unrecognized_argument":  # the chat check's name for it
                 e.param, e.message = "max_output_tokens", e.message.replace("max_tokens", "max_output_tokens")
+            elif e.param == "tool_choice.function.name":  # the Responses API names it at the top level
+                e.param = "tool_choice.name"
             return self.error(RESPONSES_ROUTE, e)
         shell = ResponseShell(req, self.core.model_name, now())
         parser = self._chat_parser(chat, prompt_ids)

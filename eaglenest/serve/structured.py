@@ -53,13 +53,13 @@ def requested_schema(response_format: dict[str, Any] | None, *, param: str = "re
     return schema
 
 
-def output_constraint(schema: dict[str, Any] | None, *, reasoning: tuple[int, int] | None = None,
-                      in_reasoning: bool = False) -> OutputConstraint | None:
-    """The engine's constraint for ``schema`` (None: free text); ``reasoning``: the start and end token ids of a
-    reasoning block the answer may open with (None: the schema applies from the first token)."""
-    if schema is None:
+def output_constraint(schema: dict[str, Any] | None = None, *, lark: str | None = None,
+                      reasoning: tuple[int, int] | None = None, in_reasoning: bool = False) -> OutputConstraint | None:
+    """The engine's constraint for ``schema`` or a Lark grammar (None: free text); ``reasoning``: the start and end
+    token ids of a reasoning block the answer may open with (None: the grammar applies from the first token)."""
+    if schema is None and lark is None:
         return None
-    return OutputConstraint(canonical_schema(schema), reasoning=reasoning,
+    return OutputConstraint(canonical_schema(schema) if schema is not None else None, lark=lark, reasoning=reasoning,
                             in_reasoning=in_reasoning and reasoning is not None)
 
 
@@ -74,12 +74,17 @@ def marker_ids(tokenizer: Any, markers: tuple[str, str] | None) -> tuple[int, in
     return int(ids[0]), int(ids[1])  # type: ignore[arg-type]
 
 
-def check_engine_constrains(target: TargetConfig) -> None:
+def check_engine_constrains(target: TargetConfig, *, lark: bool = False) -> None:
     """A 400 with the fix where the engine cannot constrain an answer: SGLang launched without a grammar backend
-    (the bundle's default) would answer free text. The hf engine always can (llguidance)."""
+    (the bundle's default) would answer free text, and only its llguidance backend reads a Lark grammar (a forced
+    tool call). The hf engine always can (llguidance)."""
     if target.engine != "sglang":
         return
     backend = target.sglang.extra_args.get("grammar_backend", target.sglang.grammar_backend)
+    if lark and backend != "llguidance":
+        raise APIError(400, "tool_choice 'required' or a named function needs SGLang's llguidance grammar backend "
+                            f"(this server's engine runs {backend!r}); set target.sglang.grammar_backend: llguidance "
+                            "or send tool_choice 'auto'", param="tool_choice")
     if backend in (None, "none"):
         raise APIError(400, "response_format needs a grammar backend in SGLang, and this server's engine runs "
                             "without one; set target.sglang.grammar_backend (xgrammar or llguidance) or send no "

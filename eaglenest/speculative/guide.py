@@ -1,16 +1,18 @@
 """Structured output on the reference decoder: a grammar mask on every target distribution a constrained row draws from.
 
 A row with an :class:`~eaglenest.engines.base.OutputConstraint` carries a :class:`RowGuide`: an llguidance matcher
-compiled from the JSON Schema over the target's tokenizer, and the reasoning phase when the request separates
-reasoning (the answer may open with a reasoning block, unconstrained; the schema applies from its end on).
+compiled from the JSON Schema (or the Lark grammar of a required tool call) over the target's tokenizer, and the
+reasoning phase when the request separates reasoning (the answer may open with a reasoning block, unconstrained; the
+grammar applies from its end on).
 
 Where the mask goes (``SpecDecoder``): the prefill's first token, and every node of a verify step's tree, where node
 ``c`` is masked with the grammar state after the draft tokens on the path to ``c`` (walked depth first, rolled back
 after each subtree). Greedy matching and rejection sampling then run on the masked logits, unchanged: a draft token
 the grammar forbids has target probability 0 and is rejected, so the speculative answer equals plain constrained
-decoding's token for token (greedy) or follows its distribution (sampling). The drafter itself proposes unmasked
-(its proposals only cost acceptance when they break the grammar). A row ends ``stop`` as soon as the grammar is
-complete (nothing but an end token could follow).
+decoding's token for token (greedy) or follows its distribution (sampling). A draft chain also proposes under the
+grammar (:class:`ChainGuide`: a token the grammar forces is then a draft the target accepts; a sampled chain's
+proposal distribution is the masked one, so rejection sampling stays exact); a tree drafts free. A row ends ``stop``
+as soon as the grammar is complete (nothing but an end token could follow).
 """
 
 from __future__ import annotations
@@ -34,6 +36,20 @@ def compile_schema(schema: str) -> str:
     from llguidance import LLMatcher
 
     return LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_flexible": False})
+
+
+def compile_constraint(constraint: OutputConstraint) -> str:
+    """The llguidance grammar of a constraint (its schema's, or its Lark grammar's)."""
+    if constraint.schema is not None:
+        return compile_schema(constraint.schema)
+    return compile_lark(constraint.lark or "")
+
+
+@functools.lru_cache(maxsize=256)
+def compile_lark(lark: str) -> str:
+    from llguidance import LLMatcher
+
+    return LLMatcher.grammar_from_lark(lark)
 
 
 def schema_error(schema: dict[str, Any]) -> str | None:
@@ -78,9 +94,9 @@ class GuideCompiler:
         if self._ll_tokenizer is None:
             self._ll_tokenizer = from_tokenizer(self.tokenizer, n_vocab=self.vocab_size,
                                                 eos_token=sorted(self.eos_ids) or None)
-        matcher = LLMatcher(self._ll_tokenizer, compile_schema(constraint.schema), log_level=0)
+        matcher = LLMatcher(self._ll_tokenizer, compile_constraint(constraint), log_level=0)
         if matcher.is_error():
-            raise ValueError(f"cannot constrain the answer to this schema: {matcher.get_error()}")
+            raise ValueError(f"cannot constrain the answer to this grammar: {matcher.get_error()}")
         return RowGuide(matcher, self.vocab_size, self.eos_ids, constraint)
 
 

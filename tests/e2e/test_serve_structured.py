@@ -1,7 +1,7 @@
 """Structured output on a live Ray Serve, through the official ``openai`` client's own helpers: ``chat.completions.
 parse`` and ``responses.parse`` with a pydantic model (the client sends the model's strict JSON Schema and parses the
-answer back into it), the chat stream helper, ``json_object``, a reasoning block before the answer, and the 400s that
-name a schema the server cannot use.
+answer back into it), the chat stream helper, ``json_object``, a reasoning block before the answer, forced tool calls
+(``tool_choice`` required or a named function, on both routes), and the 400s that name what the server cannot use.
 
 One application: the tiny target with an exported EAGLE-3 drafter (the speculative path serves every answer). The
 decoder's exactness under a constraint is tested in ``tests/component/test_spec_structured.py``; here: the answers
@@ -126,3 +126,71 @@ def test_responses_name_their_own_field_in_a_400(client):
         client.responses.create(model="eaglenest", input="hi", max_output_tokens=4,
                                 text={"format": {"type": "json_schema", "name": "x", "schema": {"type": "strnig"}}})
     assert e.value.body["param"] == "text.format.schema" and "strnig" in e.value.body["message"]
+
+
+# ---------------------------------------------------------------------------------------------- forced tool calls
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "current weather of a city",
+                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                          "required": ["city"]}}},
+         {"type": "function", "function": {"name": "add", "description": "add two integers", "parameters": {
+             "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+             "required": ["a", "b"], "additionalProperties": False}}}]
+
+
+def _calls(r) -> list[tuple[str, dict]]:
+    return [(c.function.name, json.loads(c.function.arguments)) for c in r.choices[0].message.tool_calls or []]
+
+
+def test_tool_choice_required_makes_a_call_where_auto_answers_text(client):
+    auto = client.chat.completions.create(model="eaglenest", messages=_ask("hello"), tools=TOOLS, temperature=0,
+                                          max_tokens=48)
+    assert not auto.choices[0].message.tool_calls, "the control: the tiny target answers hello with text"
+    r = client.chat.completions.create(model="eaglenest", messages=_ask("hello"), tools=TOOLS, temperature=0,
+                                       max_tokens=64, tool_choice="required")
+    calls = _calls(r)
+    assert calls and r.choices[0].finish_reason == "tool_calls" and not r.choices[0].message.content
+    assert all(name in {"get_weather", "add"} for name, _ in calls)
+    assert r.usage.model_extra["spec"]["draft_tokens"] > 0, "the speculative path served it"
+    with client.chat.completions.stream(model="eaglenest", messages=_ask("hello"), tools=TOOLS, temperature=0,
+                                        max_tokens=64, tool_choice="required") as stream:
+        final = stream.get_final_completion()
+    assert _calls(final) == calls
+
+
+def test_a_named_function_is_the_one_call(client):
+    r = client.chat.completions.create(model="eaglenest", messages=_ask("What is the weather in paris?"),
+                                       tools=TOOLS, temperature=0, max_tokens=64,
+                                       tool_choice={"type": "function", "function": {"name": "add"}})
+    calls = _calls(r)
+    assert len(calls) == 1 and calls[0][0] == "add" and set(calls[0][1]) == {"a", "b"}
+    assert all(isinstance(v, int) for v in calls[0][1].values())
+    one = client.chat.completions.create(model="eaglenest", messages=_ask("hello"), tools=TOOLS, temperature=0,
+                                         max_tokens=64, tool_choice="required", parallel_tool_calls=False)
+    assert len(_calls(one)) == 1
+
+
+def test_responses_take_required_and_their_named_form(client):
+    tools = [{"type": "function", "name": t["function"]["name"], "parameters": t["function"]["parameters"]}
+             for t in TOOLS]
+    r = client.responses.create(model="eaglenest", input="hello", tools=tools, tool_choice="required",
+                                temperature=0, max_output_tokens=64)
+    assert [i.type for i in r.output if i.type != "reasoning"] and \
+        all(i.type == "function_call" for i in r.output if i.type != "reasoning")
+    named = client.responses.create(model="eaglenest", input="hello", tools=tools, temperature=0,
+                                    max_output_tokens=64, tool_choice={"type": "function", "name": "add"})
+    assert [i.name for i in named.output if i.type == "function_call"] == ["add"]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model="eaglenest", input="hello", tools=tools, max_output_tokens=8,
+                                tool_choice={"type": "function", "name": "mul"})
+    assert e.value.body["param"] == "tool_choice.name"
+
+
+@pytest.mark.parametrize(("kw", "param"), [
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "mul"}}}, "tool_choice.function.name"),
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
+])
+def test_a_tool_choice_that_cannot_be_honoured_is_a_400(client, kw, param):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="eaglenest", messages=_ask("hello"), max_tokens=4, **kw)
+    assert e.value.body["param"] == param, e.value.body

@@ -203,7 +203,10 @@ def sampling_params_dict(sampling: SamplingParams, *, stop_token_ids: Sequence[i
     if sampling.ignore_eos:
         sp["ignore_eos"] = True
     if sampling.constraint is not None:  # SGLang's grammar backend (and its reasoning parser) apply it
-        sp["json_schema"] = sampling.constraint.schema
+        if sampling.constraint.schema is not None:
+            sp["json_schema"] = sampling.constraint.schema
+        else:  # llguidance's "ebnf" takes Lark (serve refuses tool_choice on other grammar backends)
+            sp["ebnf"] = sampling.constraint.lark
     return sp
 
 
