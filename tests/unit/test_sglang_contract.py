@@ -312,6 +312,9 @@ def test_streaming_surface_we_call() -> None:
     engine = methods("sglang.srt.entrypoints.engine", "Engine")
     assert isinstance(engine["async_generate"], ast.AsyncFunctionDef)
     assert {"input_ids", "sampling_params", "stream", "rid"} <= params(engine["async_generate"])
+    # request_kwargs: logprobs, and a constrained answer that starts inside its reasoning block
+    assert {"return_logprob", "top_logprobs_num", "logprob_start_len", "require_reasoning"} <= \
+        params(engine["async_generate"])
     assert "self.loop" in ast.unparse(engine["__init__"])
     assert "rid" in params(methods("sglang.srt.managers.tokenizer_manager", "TokenizerManager")["abort_request"])
     field = {f.name: f for f in dataclasses.fields(ServerArgs)}["incremental_streaming_output"]

@@ -52,12 +52,18 @@ def test_the_constraint_keeps_the_schemas_order_and_the_reasoning_markers() -> N
     hash(c)  # sampling settings key the decoder's groups
 
 
-def test_sglang_gets_the_schema_as_json_schema() -> None:
+def test_sglang_gets_the_schema_as_json_schema_and_a_grammar_as_ebnf() -> None:
     from eaglenest.engines.base import SamplingParams
+    from eaglenest.engines.sglang.args import request_kwargs
 
     c = output_constraint(SCHEMA)
     assert sampling_params_dict(SamplingParams(constraint=c))["json_schema"] == c.schema
     assert "json_schema" not in sampling_params_dict(SamplingParams())
+    lark = 'start: "yes" | "no"'
+    assert sampling_params_dict(SamplingParams(constraint=output_constraint(lark=lark)))["ebnf"] == lark
+    opened = output_constraint(SCHEMA, reasoning=(7, 8), in_reasoning=True)
+    assert request_kwargs(SamplingParams(constraint=opened)) == {"require_reasoning": True}
+    assert request_kwargs(SamplingParams(constraint=c)) == {}
 
 
 def test_only_an_engine_with_a_grammar_backend_takes_response_format() -> None:
@@ -69,3 +75,9 @@ def test_only_an_engine_with_a_grammar_backend_takes_response_format() -> None:
         check_engine_constrains(TargetConfig(model="m", engine="sglang"))
     assert e.value.status == 400 and e.value.param == "response_format"
     assert "target.sglang.grammar_backend" in e.value.message
+    check_engine_constrains(TargetConfig(model="m", engine="sglang", sglang={"grammar_backend": "llguidance"}),
+                            lark=True)
+    with pytest.raises(APIError) as e:  # a forced tool call's Lark grammar: llguidance only
+        check_engine_constrains(TargetConfig(model="m", engine="sglang", sglang={"grammar_backend": "xgrammar"}),
+                                lark=True)
+    assert e.value.param == "tool_choice" and "llguidance" in e.value.message

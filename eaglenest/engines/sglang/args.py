@@ -210,6 +210,16 @@ def sampling_params_dict(sampling: SamplingParams, *, stop_token_ids: Sequence[i
     return sp
 
 
+def request_kwargs(sampling: SamplingParams) -> dict[str, Any]:
+    """``Engine.async_generate``'s per-request arguments beyond the sampling dict: the logprobs ones, and
+    ``require_reasoning`` for a constrained answer whose prompt opened a reasoning block (SGLang's grammar then waits
+    for the reasoning's end; it needs the engine launched with a ``reasoning_parser``, via ``extra_args``)."""
+    kw = logprob_kwargs(sampling)
+    if sampling.constraint is not None and sampling.constraint.in_reasoning:
+        kw["require_reasoning"] = True
+    return kw
+
+
 def logprob_kwargs(sampling: SamplingParams) -> dict[str, Any]:
     """The ``Engine.generate`` / ``async_generate`` arguments that make SGLang return output logprobs (none when the
     request did not ask): ``return_logprob`` and ``top_logprobs_num``; ``logprob_start_len=-1`` skips the prompt."""

@@ -23,9 +23,9 @@ from eaglenest.engines.base import Generation, SamplingParams
 from eaglenest.engines.sglang.args import (
     StreamedRequest,
     check_prompts,
-    logprob_kwargs,
     output_logprobs,
     per_request_sampling,
+    request_kwargs,
 )
 
 
@@ -73,7 +73,7 @@ class SGLangStreams:
         sp = per_request_sampling(sampling, 1, stop_token_ids=self.eos_token_ids)[0]
         parser = StreamedRequest(prompt_len=len(ids), decode=self.decode, stop=sampling.stop)
         self._streams[key] = _Stream(rid=f"eaglenest-{uuid.uuid4().hex}", prompt_ids=ids, sampling=sp, parser=parser,
-                                     extra=logprob_kwargs(sampling))
+                                     extra=request_kwargs(sampling))
         self._to_open.append(key)
 
     def abort(self, key: Hashable) -> None:
