@@ -2,7 +2,8 @@
 
 Side by side in one process, on the same prompts and JSON Schema (greedy, one batch): plain decoding free and
 constrained, and speculative decoding constrained with a draft chain that proposes under the grammar ("guided"), the
-same chain drafting free ("unguided"), and a tree (which drafts free). Drafters: the target drafting for itself (the
+same chain drafting free ("unguided"), and a tree drafting free (a tree is only ever unguided: served, a step with a
+constrained row drafts the chain of its depth, the guided chain's row). Drafters: the target drafting for itself (the
 best a drafter can be: what speculation could give) and an untrained EAGLE-3 drafter (the worst). Rounds are
 interleaved (``--repeats``); each figure is the median. Reported: tokens/s, accept length (tokens per target
 forward), and speed relative to plain constrained decoding. Every constrained answer is checked to parse under the
@@ -79,7 +80,8 @@ def main() -> None:
         rows[f"{name} chain, guided"] = (SpecDecoder.from_engine(engine, draft, chain), constrained)
         rows[f"{name} chain, unguided"] = (SpecDecoder.from_engine(engine, draft, chain, guided_drafting=False),
                                            constrained)
-        rows[f"{name} tree"] = (SpecDecoder.from_engine(engine, draft, tree), constrained)
+        rows[f"{name} tree, unguided"] = (SpecDecoder.from_engine(engine, draft, tree, guided_drafting=False),
+                                          constrained)
 
     speed: dict[str, list[float]] = {k: [] for k in rows}
     accept: dict[str, float] = {}

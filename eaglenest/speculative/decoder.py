@@ -119,7 +119,8 @@ class SpecDecoder:
         """(batch size, num_steps) of the latest step; num_steps 0 = it did not draft"""
         self._guides: GuideCompiler | None = None
         self.guided_drafting = guided_drafting
-        """structured output: a draft chain proposes under the row's grammar (False: free, for comparisons)"""
+        """structured output: a draft chain proposes under the row's grammar, and a tree step with a constrained row
+        drafts as a chain (False: both draft free, for comparisons)"""
 
     @classmethod
     def from_engine(cls, engine: Any, drafter: Eagle3Drafter | DraftModel | None, spec: SpecConfig | None = None,
@@ -183,8 +184,12 @@ class SpecDecoder:
         one ``(row id, chunk)`` per row that emitted, ``chunk.step == number``. A row finished before the step began
         (cancelled while in the batch) is decoded along but emits nothing. With a ``policy`` the live batch size
         picks this step's draft shape, or no drafting at all (a plain decoding step; the drafter catches up when
-        drafting resumes, :mod:`eaglenest.speculative.backlog`)."""
+        drafting resumes, :mod:`eaglenest.speculative.backlog`). While a row of the batch is constrained (structured
+        output), a tree shape drafts as the chain of its depth (:func:`chain_of`)."""
         spec = self.spec_for(len(batch.rows))
+        if spec is not None and spec.topk > 1 and self.guided_drafting \
+                and any(rows[ri].guide is not None for ri in batch.rows):
+            spec = chain_of(spec)  # a tree drafts free and is rejected under a grammar; a chain drafts under it
         self.last_mode = (len(batch.rows), spec.num_steps if spec is not None else 0)
         return [(ri, self._chunk(r, took, number, accepted, sampling))
                 for ri, r, took, accepted in self._step(batch, rows, sampling, spec) if took is not None]
@@ -490,6 +495,11 @@ class BaselineDecoder(SpecDecoder):
     def from_engine(cls, engine: Any, drafter: Any = None, spec: SpecConfig | None = None,
                     **kwargs: Any) -> BaselineDecoder:
         return cls(engine.model, engine.tokenizer, eos_token_ids=engine.info.eos_token_ids)
+
+
+def chain_of(spec: SpecConfig) -> SpecConfig:
+    """The chain as deep as ``spec``'s tree: what a step drafts while a row of it is constrained."""
+    return spec.model_copy(update={"topk": 1, "num_draft_tokens": spec.num_steps + 1})
 
 
 def _eos_ids(model: Any, tokenizer: Any) -> set[int]:

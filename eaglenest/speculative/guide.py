@@ -11,8 +11,10 @@ after each subtree). Greedy matching and rejection sampling then run on the mask
 the grammar forbids has target probability 0 and is rejected, so the speculative answer equals plain constrained
 decoding's token for token (greedy) or follows its distribution (sampling). A draft chain also proposes under the
 grammar (:class:`ChainGuide`: a token the grammar forces is then a draft the target accepts; a sampled chain's
-proposal distribution is the masked one, so rejection sampling stays exact); a tree drafts free. A row ends ``stop``
-as soon as the grammar is complete (nothing but an end token could follow).
+proposal distribution is the masked one, so rejection sampling stays exact). A tree would draft free (its branches
+would each need a grammar state while drafting) and be rejected, so a step with a constrained row drafts the chain of
+the tree's depth instead. A row ends ``stop`` as soon as the grammar is complete (nothing but an end token could
+follow).
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """Structured output on the reference decoder: every answer is JSON valid under the schema, and speculation changes
 nothing: greedy speculative answers equal plain constrained decoding's, which equals an independent loop written here
 (the target's forward, llguidance's mask, argmax), for chains and trees, with drafters that are always right, never
-right, and untrained. A control shows the same prompts answered free are not JSON. Chains draft under the grammar:
-the target drafting for itself is then accepted in full (drafting free, the grammar rejects most of its drafts).
+right, and untrained, drafting under the grammar or free. A control shows the same prompts answered free are not
+JSON. Drafting under the grammar (a tree step with a constrained row drafts as a chain), the target drafting for itself
+is accepted in full; drafting free, the grammar rejects most of its drafts.
 """
 
 from __future__ import annotations
@@ -116,10 +117,11 @@ def test_greedy_speculative_answers_equal_plain_constrained_decoding(tiny_engine
     out = SpecDecoder.from_engine(tiny_engine, draft, shape).generate(prompts, sampling)
     assert [r.token_ids for r in out] == [r.token_ids for r in baseline]
     assert all(r.finish_reason == "stop" for r in out)
-    if kind == "self" and shape is CHAIN:  # a chain drafts under the grammar too: the target drafting for itself
-        assert all(a == shape.num_steps for r in out for a in r.accepted_per_step[:-1])  # is then always right
-    elif kind == "self":  # a tree drafts free: the grammar forces tokens the free argmax would not pick
-        assert any(a < shape.num_steps for r in out for a in r.accepted_per_step)
+    free = SpecDecoder.from_engine(tiny_engine, draft, shape, guided_drafting=False).generate(prompts, sampling)
+    assert [r.token_ids for r in free] == [r.token_ids for r in baseline]
+    if kind == "self":  # drafting under the grammar (a tree step drafts as a chain), the target drafting for itself
+        assert all(a == shape.num_steps for r in out for a in r.accepted_per_step[:-1])  # is always right;
+        assert any(a < shape.num_steps for r in free for a in r.accepted_per_step)  # drafting free, it is not
 
 
 def test_sampled_speculative_answers_are_valid_and_follow_the_seed(tiny_engine, prompts):
