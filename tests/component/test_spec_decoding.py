@@ -10,11 +10,10 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 from conftest import FIXTURES
+from spec_helpers import untrained_eagle3
 
 from eaglenest.config import SpecConfig
-from eaglenest.drafter.spec_fit import drafter_config_for
 from eaglenest.drafters.eagle3.model import Eagle3Drafter
 from eaglenest.engines.base import SamplingParams
 from eaglenest.speculative.decoder import BaselineDecoder, SpecDecoder
@@ -41,14 +40,7 @@ def reference(tiny_engine, prompts) -> dict[int, list[list[int]]]:
 
 @pytest.fixture(scope="module")
 def untrained_drafter(tiny_engine) -> Eagle3Drafter:
-    torch.manual_seed(0)
-    cfg = drafter_config_for(tiny_engine, tiny_engine.aux_layer_ids, draft_vocab_size=400)
-    d = Eagle3Drafter(cfg)
-    ids = torch.arange(0, cfg.vocab_size, 2)[: cfg.draft_vocab_size]  # a non-trivial d2t
-    t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
-    t2d[ids] = True
-    d.init_from_target(tiny_engine.embed_weight(), tiny_engine.lm_head_weight(), ids - torch.arange(ids.numel()), t2d)
-    return d.eval()
+    return untrained_eagle3(tiny_engine)
 
 
 def _draft(kind: str, engine, untrained):

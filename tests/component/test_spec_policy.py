@@ -14,9 +14,9 @@ import json
 import pytest
 import torch
 from conftest import FIXTURES
+from spec_helpers import untrained_eagle3
 
 from eaglenest.config import SpecConfig
-from eaglenest.drafter.spec_fit import drafter_config_for
 from eaglenest.drafters.eagle3.model import Eagle3Drafter
 from eaglenest.engines.base import SamplingParams
 from eaglenest.serve.continuous import ContinuousBatch
@@ -74,14 +74,7 @@ def test_load_policy_in_a_continuous_batch_keeps_every_draft_accepted(tiny_engin
 
 @pytest.fixture(scope="module")
 def untrained(tiny_engine) -> Eagle3Drafter:
-    torch.manual_seed(0)
-    cfg = drafter_config_for(tiny_engine, tiny_engine.aux_layer_ids, draft_vocab_size=400)
-    d = Eagle3Drafter(cfg)
-    ids = torch.arange(0, cfg.vocab_size, 2)[: cfg.draft_vocab_size]
-    t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
-    t2d[ids] = True
-    d.init_from_target(tiny_engine.embed_weight(), tiny_engine.lm_head_weight(), ids - torch.arange(ids.numel()), t2d)
-    return d.eval()
+    return untrained_eagle3(tiny_engine)
 
 
 def _roots_by_position(dec: SpecDecoder, prompt: list[int], steps: int) -> dict[int, torch.Tensor]:

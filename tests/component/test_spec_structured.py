@@ -15,10 +15,9 @@ import llguidance
 import llguidance.hf
 import pytest
 import torch
+from spec_helpers import untrained_eagle3
 
 from eaglenest.config import SpecConfig
-from eaglenest.drafter.spec_fit import drafter_config_for
-from eaglenest.drafters.eagle3.model import Eagle3Drafter
 from eaglenest.engines.base import OutputConstraint, SamplingParams
 from eaglenest.serve.continuous import ContinuousBatch
 from eaglenest.speculative.decoder import BaselineDecoder, SpecDecoder
@@ -96,24 +95,13 @@ def test_every_answer_is_valid_json_under_the_schema_and_free_answers_are_not(ti
     assert valid == 0, [r.text for r in free]  # the control: the tiny target does not answer this by itself
 
 
-def _untrained(engine) -> Eagle3Drafter:
-    torch.manual_seed(0)
-    cfg = drafter_config_for(engine, engine.aux_layer_ids, draft_vocab_size=400)
-    d = Eagle3Drafter(cfg)
-    ids = torch.arange(0, cfg.vocab_size, 2)[: cfg.draft_vocab_size]
-    t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
-    t2d[ids] = True
-    d.init_from_target(engine.embed_weight(), engine.lm_head_weight(), ids - torch.arange(ids.numel()), t2d)
-    return d.eval()
-
-
 @pytest.mark.parametrize("shape", [CHAIN, TREE], ids=["chain", "tree"])
 @pytest.mark.parametrize("kind", ["self", "random", "untrained"])
 def test_greedy_speculative_answers_equal_plain_constrained_decoding(tiny_engine, prompts, sampling, baseline, kind,
                                                                       shape):
     draft = {"self": lambda: TargetSelfDraft(tiny_engine.model),
              "random": lambda: RandomDraft(tiny_engine.info.vocab_size, seed=1),
-             "untrained": lambda: _untrained(tiny_engine)}[kind]()
+             "untrained": lambda: untrained_eagle3(tiny_engine)}[kind]()
     out = SpecDecoder.from_engine(tiny_engine, draft, shape).generate(prompts, sampling)
     assert [r.token_ids for r in out] == [r.token_ids for r in baseline]
     assert all(r.finish_reason == "stop" for r in out)
