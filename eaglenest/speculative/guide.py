@@ -93,9 +93,11 @@ class GuideCompiler:
         from llguidance import LLMatcher
         from llguidance.hf import from_tokenizer
 
-        if self._ll_tokenizer is None:
-            self._ll_tokenizer = from_tokenizer(self.tokenizer, n_vocab=self.vocab_size,
-                                                eos_token=sorted(self.eos_ids) or None)
+        if self._ll_tokenizer is None:  # one end token (llguidance < 1.0, SGLang 0.5.14's pin, takes no list):
+            primary = getattr(self.tokenizer, "eos_token_id", None)  # RowGuide.mask allows the others alike
+            if primary not in self.eos_ids:
+                primary = min(self.eos_ids) if self.eos_ids else None
+            self._ll_tokenizer = from_tokenizer(self.tokenizer, n_vocab=self.vocab_size, eos_token=primary)
         matcher = LLMatcher(self._ll_tokenizer, compile_constraint(constraint), log_level=0)
         if matcher.is_error():
             raise ValueError(f"cannot constrain the answer to this grammar: {matcher.get_error()}")
@@ -133,6 +135,8 @@ class RowGuide:
         allowed = torch.frombuffer(bytearray(bias), dtype=torch.uint8)[: self.vocab_size] > 0
         if self.phase == "open" and self.reasoning is not None:
             allowed[self.reasoning[0]] = True
+        if self.eos_ids and self.matcher.is_accepting():  # the answer may end: by any of the target's end tokens
+            allowed[sorted(self.eos_ids)] = True
         return allowed
 
     def advance(self, token: int) -> None:

@@ -49,7 +49,8 @@ def _independent_answers(engine, prompts: list[list[int]]) -> list[list[int]]:
     model, tok = engine.model, engine.tokenizer
     width = model.get_output_embeddings().weight.shape[0]
     eos = sorted(engine.info.eos_token_ids)
-    ll_tok = llguidance.hf.from_tokenizer(tok, n_vocab=width, eos_token=eos)
+    assert len(eos) == 1, "the tiny target has one end token"
+    ll_tok = llguidance.hf.from_tokenizer(tok, n_vocab=width, eos_token=eos[0])
     grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(FORECAST),
                                                             defaults={"whitespace_flexible": False})
     answers = []
