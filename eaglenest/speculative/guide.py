@@ -97,7 +97,11 @@ class GuideCompiler:
             primary = getattr(self.tokenizer, "eos_token_id", None)  # RowGuide.mask allows the others alike
             if primary not in self.eos_ids:
                 primary = min(self.eos_ids) if self.eos_ids else None
-            self._ll_tokenizer = from_tokenizer(self.tokenizer, n_vocab=self.vocab_size, eos_token=primary)
+            try:
+                self._ll_tokenizer = from_tokenizer(self.tokenizer, n_vocab=self.vocab_size, eos_token=primary)
+            except Exception as e:  # e.g. a slow (sentencepiece-only) tokenizer: this request fails, not the batch
+                raise ValueError(f"structured output needs the target's tokenizer in llguidance, which refused it "
+                                 f"({type(e).__name__}: {e}); a fast (tokenizers) tokenizer is needed") from e
         matcher = LLMatcher(self._ll_tokenizer, compile_constraint(constraint), log_level=0)
         if matcher.is_error():
             raise ValueError(f"cannot constrain the answer to this grammar: {matcher.get_error()}")
