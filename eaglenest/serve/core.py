@@ -215,10 +215,10 @@ class ServerCore:
         check_prompt(len(prompt_ids), sampling.max_tokens, max_prompt_tokens=self.cfg.serve.max_prompt_tokens,
                      context=self.backend.info.max_position_embeddings, param=param)
 
-    def check_structured_output(self, *, lark: bool = False) -> None:
+    def check_structured_output(self, *, lark: bool = False, param: str = "response_format") -> None:
         """A 400 with the fix where the engine cannot constrain an answer (SGLang launched without a grammar
-        backend, which would otherwise answer free text; ``lark``: a forced tool call's grammar)."""
-        check_engine_constrains(self.cfg.target, lark=lark)
+        backend, which would otherwise answer free text; ``lark``: a grammar of tool calls)."""
+        check_engine_constrains(self.cfg.target, lark=lark, param=param)
 
     def acquire(self) -> None:
         self.admission.acquire()

@@ -116,11 +116,10 @@ class Routes:
                                   max_tokens_limit=self.core.cfg.serve.max_tokens_limit)
         forced = forced_functions(req.tools, req.tool_choice)
         schema = requested_schema(req.response_format)
-        if forced is not None and schema is not None:
-            raise APIError(400, "response_format and a forced tool call (tool_choice) cannot both decide the answer; "
-                                "send one of them", param="response_format")
+        calls_beside = schema is not None and forced is None and self._calls_parsed(req)
         if forced is not None or schema is not None:
-            self.core.check_structured_output(lark=forced is not None)
+            self.core.check_structured_output(lark=forced is not None or calls_beside,
+                                              param="tool_choice" if forced is not None else "response_format")
         messages = chat_messages(req)
         reserved = reserved_template_kwargs(req.chat_template_kwargs)
         if reserved:
@@ -133,20 +132,32 @@ class Routes:
             raise APIError(400, f"cannot render the conversation with the model's chat template: {e}",
                            param=messages_param) from e
         self.core.check_prompt(prompt_ids, sampling, param=messages_param)
-        if schema is not None or forced is not None:
-            lark = self._forced_call_grammar(req, forced) if forced is not None else None
-            sampling = sampling.model_copy(update={"constraint": self._constraint(req, prompt_ids, schema, lark)})
-        return sampling, prompt_ids
+        if forced is not None:  # the answer is calls only: no text is left for a response_format to shape
+            lark = self._calls_grammar(req, forced, parallel=req.tool_choice == "required")
+            constraint = self._constraint(req, prompt_ids, None, lark)
+        elif calls_beside:  # tools offered with auto: a call, or the answer in the format
+            names = [t["function"]["name"] for t in req.tools or ()]
+            constraint = self._constraint(req, prompt_ids, None, self._calls_grammar(req, names, answer=schema))
+        elif schema is not None:
+            constraint = self._constraint(req, prompt_ids, schema, None)
+        else:
+            return sampling, prompt_ids
+        return sampling.model_copy(update={"constraint": constraint}), prompt_ids
 
-    def _forced_call_grammar(self, req: ChatCompletionRequest, names: list[str]) -> str:
-        """``tool_choice`` required / named: the grammar of calls in the target's own tool-call syntax."""
+    def _calls_parsed(self, req: ChatCompletionRequest) -> bool:
+        """The request offers tools whose calls the target's markers let the parser read."""
+        return bool(req.tools) and req.tool_choice != "none" and self.core.chat_format.tool_call is not None
+
+    def _calls_grammar(self, req: ChatCompletionRequest, names: list[str], *, parallel: bool = True,
+                       answer: dict[str, Any] | None = None) -> str:
+        """The grammar of calls of ``names`` in the target's own tool-call syntax (or JSON under ``answer``)."""
         markers = self.core.chat_format.tool_call
         if markers is None:
             raise APIError(400, "tool_choice cannot force a call: this target's chat template has no tool-call "
                                 "markers (set serve.tool_call_markers); send tool_choice 'auto'", param="tool_choice")
-        parallel = req.tool_choice == "required" and req.parallel_tool_calls is not False
-        return tool_call_grammar(req.tools or [], names, markers=markers,
-                                 vocab=self.core.backend.tokenizer.get_vocab(), parallel=parallel)
+        return tool_call_grammar(req.tools or [], names, markers=markers, answer=answer,
+                                 vocab=self.core.backend.tokenizer.get_vocab(),
+                                 parallel=parallel and req.parallel_tool_calls is not False)
 
     def _constraint(self, req: ChatCompletionRequest, prompt_ids: list[int], schema: dict[str, Any] | None,
                     lark: str | None) -> OutputConstraint | None:
@@ -223,7 +234,7 @@ class Routes:
         only kept out of ``content``), or its reasoning is separated (``serve.reasoning_parser``, overridden by
         SGLang's ``separate_reasoning``) and it has markers for it."""
         fmt = self.core.chat_format
-        tools = bool(req.tools) and req.tool_choice != "none" and fmt.tool_call is not None
+        tools = self._calls_parsed(req)
         wanted = self.core.cfg.serve.reasoning_parser if req.separate_reasoning is None else req.separate_reasoning
         reasoning = wanted and fmt.reasoning is not None
         if not reasoning and fmt.tool_call is None:

@@ -74,17 +74,18 @@ def marker_ids(tokenizer: Any, markers: tuple[str, str] | None) -> tuple[int, in
     return int(ids[0]), int(ids[1])  # type: ignore[arg-type]
 
 
-def check_engine_constrains(target: TargetConfig, *, lark: bool = False) -> None:
-    """A 400 with the fix where the engine cannot constrain an answer: SGLang launched without a grammar backend
-    (the bundle's default) would answer free text, and only its llguidance backend reads a Lark grammar (a forced
-    tool call). The hf engine always can (llguidance)."""
+def check_engine_constrains(target: TargetConfig, *, lark: bool = False, param: str = "response_format") -> None:
+    """A 400 (naming ``param``) with the fix where the engine cannot constrain an answer: SGLang launched without a
+    grammar backend (the bundle's default) would answer free text, and only its llguidance backend reads a Lark
+    grammar (a forced tool call, or tools beside a ``response_format``). The hf engine always can (llguidance)."""
     if target.engine != "sglang":
         return
     backend = target.sglang.extra_args.get("grammar_backend", target.sglang.grammar_backend)
     if lark and backend != "llguidance":
-        raise APIError(400, "tool_choice 'required' or a named function needs SGLang's llguidance grammar backend "
-                            f"(this server's engine runs {backend!r}); set target.sglang.grammar_backend: llguidance "
-                            "or send tool_choice 'auto'", param="tool_choice")
+        raise APIError(400, "a forced tool call (tool_choice 'required' or a named function), or tools beside "
+                            "response_format, is constrained by a Lark grammar, which SGLang reads with its llguidance "
+                            f"grammar backend only (this server's engine runs {backend!r}); set "
+                            "target.sglang.grammar_backend: llguidance", param=param)
     if backend in (None, "none"):
         raise APIError(400, "response_format needs a grammar backend in SGLang, and this server's engine runs "
                             "without one; set target.sglang.grammar_backend (xgrammar or llguidance) or send no "

@@ -10,9 +10,13 @@ that function's ``parameters`` schema, so the chat parser then reads them back a
 - Kimi-K2/K2.5: ``<|tool_calls_section_begin|>`` then ``<|tool_call_begin|>functions.N:IDX<|tool_call_argument_begin|>
   {...}<|tool_call_end|>``, one or more, then ``<|tool_calls_section_end|>``.
 
-``parallel_tool_calls: false`` (or a named function) allows exactly one call. Bodies are written with the separators
-chat templates' ``tojson`` uses (``", "`` and ``": "``), the form the target saw its calls in. The markers must be
-single tokens of the vocabulary (they are, for every known template); otherwise the request is a 400.
+``parallel_tool_calls: false`` (or a named function) allows exactly one call. With ``tool_choice: auto``, tools and a
+``response_format``, the answer is either calls (as ``required``) or JSON under the format's schema: the model may
+still call a tool first and answer in the format after (an Agents SDK agent with tools and an ``output_type``); a
+forced call (``required`` / named) leaves no text for the format to shape, so the calls' grammar alone applies.
+Bodies are written with the separators chat templates' ``tojson`` uses (``", "`` and ``": "``), the form the target
+saw its calls in. The markers must be single tokens of the vocabulary (they are, for every known template); otherwise
+the request is a 400.
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ from eaglenest.serve.openai_protocol import APIError
 KIMI_SECTION = ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>")
 BODY_FORMAT = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False}
 """how a body's JSON is written: ``json.dumps``' (and Jinja's ``tojson``) separators, no other whitespace"""
+ANSWER_FORMAT = {"item_separator": ",", "key_separator": ":", "whitespace_flexible": False}
+"""how a ``response_format`` answer is written (compact, as :func:`eaglenest.speculative.guide.compile_schema`)"""
 
 
 def forced_functions(tools: Sequence[Mapping[str, Any]] | None, choice: Any) -> list[str] | None:
@@ -50,27 +56,34 @@ def forced_functions(tools: Sequence[Mapping[str, Any]] | None, choice: Any) -> 
 
 
 def tool_call_grammar(tools: Sequence[Mapping[str, Any]], names: Sequence[str], *, markers: tuple[str, str],
-                      vocab: Mapping[str, int], parallel: bool) -> str:
-    """The Lark grammar of an answer that is only calls of ``names`` (one, or one or more when ``parallel``)."""
+                      vocab: Mapping[str, int], parallel: bool, answer: Mapping[str, Any] | None = None) -> str:
+    """The Lark grammar of an answer that is only calls of ``names`` (one, or one or more when ``parallel``), or,
+    with ``answer`` (a JSON Schema: ``response_format`` beside ``tool_choice: auto``), either such calls or JSON
+    valid under ``answer`` (written compactly, as ``serve.structured`` writes it)."""
     params = {t["function"]["name"]: t["function"].get("parameters") or {"type": "object"} for t in tools}
+    param = "tool_choice" if answer is None else "response_format"
 
     def token(marker: str) -> str:
         if marker not in vocab:
-            raise APIError(400, f"tool_choice cannot force a call on this target: its tool-call marker {marker!r} is "
-                                "not one token of its vocabulary; send tool_choice 'auto'", param="tool_choice")
+            raise APIError(400, f"cannot constrain tool calls on this target: its tool-call marker {marker!r} is not "
+                                f"one token of its vocabulary; send {param} without tools or tool_choice 'auto'",
+                           param=param)
         return f"<[{vocab[marker]}]>"
 
-    def schema(s: Mapping[str, Any]) -> str:
-        return "%json " + json.dumps({**s, "x-guidance": BODY_FORMAT})
+    def json_rule(s: Mapping[str, Any], form: Mapping[str, Any] = BODY_FORMAT) -> str:
+        return "%json " + json.dumps({**s, "x-guidance": form})
 
-    repeat = "+" if parallel and len(names) > 0 else ""
+    repeat = "+" if parallel else ""
     if tuple(markers) == KIMI_TOOL_CALL:
-        bodies = " | ".join(f'"functions.{n}:" INDEX {token(KIMI_ARGUMENT_MARKER)} {schema(params[n])}'
+        bodies = " | ".join(f'"functions.{n}:" INDEX {token(KIMI_ARGUMENT_MARKER)} {json_rule(params[n])}'
                             for n in names)
-        return (f"start: {token(KIMI_SECTION[0])} call{repeat} {token(KIMI_SECTION[1])}\n"
-                f"call: {token(markers[0])} ({bodies}) {token(markers[1])}\n"
-                "INDEX: /[0-9]+/\n")
-    one_of = [{"type": "object", "properties": {"name": {"const": n}, "arguments": params[n]},
-               "required": ["name", "arguments"], "additionalProperties": False} for n in names]
-    body = one_of[0] if len(one_of) == 1 else {"anyOf": one_of}
-    return f"start: call{repeat}\ncall: {token(markers[0])} {schema(body)} {token(markers[1])}\n"
+        rules = (f"calls: {token(KIMI_SECTION[0])} call{repeat} {token(KIMI_SECTION[1])}\n"
+                 f"call: {token(markers[0])} ({bodies}) {token(markers[1])}\n"
+                 "INDEX: /[0-9]+/\n")
+    else:
+        one_of = [{"type": "object", "properties": {"name": {"const": n}, "arguments": params[n]},
+                   "required": ["name", "arguments"], "additionalProperties": False} for n in names]
+        body = one_of[0] if len(one_of) == 1 else {"anyOf": one_of}
+        rules = f"calls: call{repeat}\ncall: {token(markers[0])} {json_rule(body)} {token(markers[1])}\n"
+    start = "start: calls\n" if answer is None else f"start: calls | {json_rule(answer, ANSWER_FORMAT)}\n"
+    return start + rules

@@ -129,8 +129,10 @@ class RowGuide:
 
     def mask(self) -> torch.Tensor:
         """``[V]`` bool: the tokens allowed next."""
-        if self.phase == "thinking":
-            return torch.ones(self.vocab_size, dtype=torch.bool)
+        if self.phase == "thinking":  # free, but the answer must follow: no end token before the reasoning's end
+            allowed = torch.ones(self.vocab_size, dtype=torch.bool)
+            allowed[sorted(self.eos_ids)] = False
+            return allowed
         if self.matcher.is_error():  # cannot happen through advance(); end the answer rather than run free
             allowed = torch.zeros(self.vocab_size, dtype=torch.bool)
             allowed[sorted(self.eos_ids)] = True

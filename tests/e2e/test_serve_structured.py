@@ -10,6 +10,7 @@ parse into the model, the same questions asked free do not, and the speculative 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 from typing import Literal
@@ -188,9 +189,62 @@ def test_responses_take_required_and_their_named_form(client):
 @pytest.mark.parametrize(("kw", "param"), [
     ({"tool_choice": "required"}, "tool_choice"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "mul"}}}, "tool_choice.function.name"),
-    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
 ])
 def test_a_tool_choice_that_cannot_be_honoured_is_a_400(client, kw, param):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model="eaglenest", messages=_ask("hello"), max_tokens=4, **kw)
     assert e.value.body["param"] == param, e.value.body
+
+
+def test_beside_a_response_format_tools_may_still_be_called(client):
+    """tool_choice auto with tools and a response_format: the answer is calls or JSON in the format, never free
+    text (the tiny target, with tools in its prompt, picks the call even for hello; both branches are walked in
+    tests/unit/test_tool_choice.py); a forced call is calls only (no text is left for the format)."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "Forecast", "schema": Forecast.model_json_schema()}}
+    kw = {"model": "eaglenest", "tools": TOOLS, "temperature": 0, "max_tokens": 64, "response_format": fmt}
+    weather = client.chat.completions.create(messages=_ask("What is the weather in paris?"), **kw)
+    assert [name for name, _ in _calls(weather)] == ["get_weather"] and not weather.choices[0].message.content
+    for question in QUESTIONS:
+        msg = client.chat.completions.create(messages=_ask(question), **kw).choices[0].message
+        assert msg.tool_calls or Forecast.model_validate_json(msg.content)
+    forced = client.chat.completions.create(messages=_ask("hello"), tool_choice="required", **kw)
+    assert _calls(forced) and forced.choices[0].finish_reason == "tool_calls"
+
+
+def _agent_model(client):
+    from agents import OpenAIResponsesModel, set_tracing_disabled
+
+    set_tracing_disabled(True)
+    return OpenAIResponsesModel(model="eaglenest", openai_client=openai.AsyncOpenAI(
+        base_url=str(client.base_url), api_key="none", max_retries=0, timeout=120))
+
+
+def test_an_agents_sdk_agent_answers_in_its_output_type(client):
+    """OpenAI's Agents SDK with a pydantic ``output_type`` (sent as a strict ``text.format``): the SDK parses the
+    final answer into the type."""
+    from agents import Agent, ModelSettings, Runner
+
+    agent = Agent(name="forecaster", model=_agent_model(client), output_type=Forecast,
+                  model_settings=ModelSettings(temperature=0, max_tokens=64))
+    result = asyncio.run(Runner.run(agent, QUESTIONS[0], max_turns=2))
+    assert isinstance(result.final_output, Forecast)
+
+
+def test_an_agents_sdk_agent_forced_to_its_tool_calls_it_then_answers(client):
+    """``ModelSettings(tool_choice="required")`` on a question the tiny target answers without tools: the call is
+    forced, the SDK runs the tool, resets the choice to auto (its default) and the model's next answer ends the run."""
+    from agents import Agent, ModelSettings, Runner, function_tool
+
+    added: list[tuple[int, int]] = []
+
+    @function_tool
+    def add(a: int, b: int) -> int:
+        """add two integers"""
+        added.append((a, b))
+        return a + b
+
+    agent = Agent(name="adder", tools=[add], model=_agent_model(client),
+                  model_settings=ModelSettings(temperature=0, max_tokens=48, tool_choice="required"))
+    result = asyncio.run(Runner.run(agent, "hello", max_turns=3))
+    assert [type(i).__name__ for i in result.new_items] == ["ToolCallItem", "ToolCallOutputItem", "MessageOutputItem"]
+    assert len(added) == 1 and isinstance(result.final_output, str)

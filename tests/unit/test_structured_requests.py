@@ -79,5 +79,5 @@ def test_only_an_engine_with_a_grammar_backend_takes_response_format() -> None:
                             lark=True)
     with pytest.raises(APIError) as e:  # a forced tool call's Lark grammar: llguidance only
         check_engine_constrains(TargetConfig(model="m", engine="sglang", sglang={"grammar_backend": "xgrammar"}),
-                                lark=True)
+                                lark=True, param="tool_choice")
     assert e.value.param == "tool_choice" and "llguidance" in e.value.message

@@ -64,8 +64,9 @@ def tokenizer() -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|end|>", additional_special_tokens=SPECIAL[1:])
 
 
-def _walk(tokenizer, constraint: OutputConstraint | None, seed: int, limit: int = 200) -> list[int]:
-    """Draw each next token uniformly among those the grammar allows (all of them without one)."""
+def _walk(tokenizer, constraint: OutputConstraint | None, seed: int, limit: int = 200) -> list[int] | None:
+    """Draw each next token uniformly among those the grammar allows (all of them without one); None when a
+    constrained walk has not ended within ``limit`` tokens (a random walk may keep adding calls)."""
     gen = torch.Generator().manual_seed(seed)
     vocab = len(tokenizer)
     eos = tokenizer.convert_tokens_to_ids("<|end|>")
@@ -81,7 +82,16 @@ def _walk(tokenizer, constraint: OutputConstraint | None, seed: int, limit: int 
             guide.advance(tok)
             if guide.done:
                 break
+    else:
+        if guide is not None:
+            return None
     return out
+
+
+def _ended_walks(tokenizer, grammar: str, want: int = 4) -> list[list[int]]:
+    walks = [w for w in (_walk(tokenizer, OutputConstraint(lark=grammar), seed) for seed in range(24)) if w]
+    assert len(walks) >= want, "too few walks ended within their limit"
+    return walks
 
 
 @pytest.mark.parametrize("markers", [HERMES, KIMI_TOOL_CALL], ids=["hermes", "kimi"])
@@ -90,8 +100,7 @@ def test_a_walk_in_the_grammar_parses_as_calls_of_the_forced_functions(tokenizer
     grammar = tool_call_grammar(TOOLS, names, markers=markers, vocab=tokenizer.get_vocab(), parallel=parallel)
     fmt = ChatFormat(tokenizer, tool_call=markers, reasoning=None)
     schemas = {"get_weather": WEATHER, "add": ADD}
-    for seed in range(6):
-        ids = _walk(tokenizer, OutputConstraint(lark=grammar), seed)
+    for ids in _ended_walks(tokenizer, grammar):
         parser = fmt.parser(tools=True, reasoning=False)
         parser.feed(fmt.decode(ids, tools=True))
         parser.finish()
@@ -109,6 +118,28 @@ def test_a_walk_in_the_grammar_parses_as_calls_of_the_forced_functions(tokenizer
     assert not parser.out.tool_calls
 
 
+@pytest.mark.parametrize("markers", [HERMES, KIMI_TOOL_CALL], ids=["hermes", "kimi"])
+def test_beside_a_response_format_the_answer_is_calls_or_json_under_it(tokenizer, markers):
+    """tool_choice auto with tools and a response_format: every walk is either calls or an answer in the format."""
+    answer = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    grammar = tool_call_grammar(TOOLS, ["get_weather", "add"], markers=markers, vocab=tokenizer.get_vocab(),
+                                parallel=True, answer=answer)
+    fmt = ChatFormat(tokenizer, tool_call=markers, reasoning=None)
+    kinds = set()
+    for ids in _ended_walks(tokenizer, grammar):
+        parser = fmt.parser(tools=True, reasoning=False)
+        parser.feed(fmt.decode(ids, tools=True))
+        parser.finish()
+        if parser.out.tool_calls:
+            assert not parser.out.content.strip()
+            kinds.add("calls")
+        else:
+            jsonschema.validate(json.loads(parser.out.content), answer)
+            kinds.add("answer")
+    assert kinds == {"calls", "answer"}, kinds  # both branches are reachable
+
+
 def test_a_marker_that_is_not_one_token_is_a_400(tokenizer):
     with pytest.raises(APIError) as e:
         tool_call_grammar(TOOLS, ["add"], markers=("[CALL]", "[/CALL]"), vocab=tokenizer.get_vocab(), parallel=False)
@@ -119,4 +150,4 @@ def test_the_kimi_grammar_is_valid_for_llguidance(tokenizer):
     grammar = tool_call_grammar(TOOLS, ["get_weather", "add"], markers=KIMI_TOOL_CALL, vocab=tokenizer.get_vocab(),
                                 parallel=True)
     assert llguidance.LLMatcher.validate_grammar(llguidance.LLMatcher.grammar_from_lark(grammar)) == ""
-    assert grammar.startswith("start: <[") and '"functions.add:" INDEX' in grammar
+    assert "calls: <[" in grammar and '"functions.add:" INDEX' in grammar
