@@ -27,6 +27,7 @@ from typing import Any
 
 from eaglenest.serve.chat_parsing import KIMI_ARGUMENT_MARKER, KIMI_TOOL_CALL
 from eaglenest.serve.openai_protocol import APIError
+from eaglenest.speculative.guide import grammar_error
 
 KIMI_SECTION = ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>")
 BODY_FORMAT = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False}
@@ -86,4 +87,9 @@ def tool_call_grammar(tools: Sequence[Mapping[str, Any]], names: Sequence[str], 
         body = one_of[0] if len(one_of) == 1 else {"anyOf": one_of}
         rules = f"calls: call{repeat}\ncall: {token(markers[0])} {json_rule(body)} {token(markers[1])}\n"
     start = "start: calls\n" if answer is None else f"start: calls | {json_rule(answer, ANSWER_FORMAT)}\n"
-    return start + rules
+    grammar = start + rules
+    error = grammar_error(grammar)
+    if error:  # the answer's schema was checked before: what fails here is a tool's parameters
+        raise APIError(400, f"a function's parameters cannot constrain its calls: {error.splitlines()[0]}",
+                       param="tools")
+    return grammar

@@ -66,6 +66,13 @@ def schema_error(schema: dict[str, Any]) -> str | None:
     return err or None
 
 
+def grammar_error(lark: str) -> str | None:
+    """Why a Lark grammar cannot constrain an answer (None: it can), e.g. a tool's ``parameters`` it embeds."""
+    from llguidance import LLMatcher
+
+    return LLMatcher.validate_grammar(compile_lark(lark)) or None
+
+
 def canonical_schema(schema: dict[str, Any]) -> str:
     """The schema as compact JSON text, the hashable form :class:`OutputConstraint` holds (key order kept: the
     answer's properties come in the schema's order)."""

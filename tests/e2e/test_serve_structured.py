@@ -189,6 +189,8 @@ def test_responses_take_required_and_their_named_form(client):
 @pytest.mark.parametrize(("kw", "param"), [
     ({"tool_choice": "required"}, "tool_choice"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "mul"}}}, "tool_choice.function.name"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "strnig"}}}],
+      "tool_choice": "required"}, "tools"),
 ])
 def test_a_tool_choice_that_cannot_be_honoured_is_a_400(client, kw, param):
     with pytest.raises(openai.BadRequestError) as e:

@@ -140,6 +140,14 @@ def test_beside_a_response_format_the_answer_is_calls_or_json_under_it(tokenizer
     assert kinds == {"calls", "answer"}, kinds  # both branches are reachable
 
 
+def test_parameters_that_cannot_constrain_a_call_are_a_400_naming_tools(tokenizer):
+    bad = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "a": {"type": "strnig"}}}}}]
+    with pytest.raises(APIError) as e:
+        tool_call_grammar(bad, ["f"], markers=HERMES, vocab=tokenizer.get_vocab(), parallel=False)
+    assert e.value.param == "tools" and "strnig" in e.value.message
+
+
 def test_a_marker_that_is_not_one_token_is_a_400(tokenizer):
     with pytest.raises(APIError) as e:
         tool_call_grammar(TOOLS, ["add"], markers=("[CALL]", "[/CALL]"), vocab=tokenizer.get_vocab(), parallel=False)
