@@ -247,7 +247,6 @@ class HFSpecDecoder:
         return _HFGroup(self, replace(sampling, constraint=None))
 
 
-
 class _HFGroup:
     def __init__(self, decoder: HFSpecDecoder, sampling: SamplingParams) -> None:
         from eaglenest.serve.continuous import ContinuousBatch
