@@ -134,7 +134,7 @@ def to_chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
     elif req.tool_choice is not None:
         body["tool_choice"] = req.tool_choice
     for name in ("temperature", "top_p", "seed", "top_k", "min_p", "repetition_penalty", "ignore_eos",
-                 "chat_template_kwargs"):
+                 "chat_template_kwargs", "parallel_tool_calls"):
         if getattr(req, name) is not None:
             body[name] = getattr(req, name)
     try:

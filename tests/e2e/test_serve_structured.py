@@ -177,6 +177,9 @@ def test_responses_take_required_and_their_named_form(client):
                                 temperature=0, max_output_tokens=64)
     assert [i.type for i in r.output if i.type != "reasoning"] and \
         all(i.type == "function_call" for i in r.output if i.type != "reasoning")
+    one = client.responses.create(model="eaglenest", input="hello", tools=tools, tool_choice="required",
+                                  parallel_tool_calls=False, temperature=0, max_output_tokens=64)
+    assert len([i for i in one.output if i.type == "function_call"]) == 1
     named = client.responses.create(model="eaglenest", input="hello", tools=tools, temperature=0,
                                     max_output_tokens=64, tool_choice={"type": "function", "name": "add"})
     assert [i.name for i in named.output if i.type == "function_call"] == ["add"]
