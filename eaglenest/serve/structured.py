@@ -3,12 +3,13 @@
 ``{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": ...}}`` constrains the answer to JSON
 valid under the schema (``strict`` or not: the schema is always enforced, as vLLM and SGLang do), ``{"type":
 "json_object"}`` to a JSON object, ``{"type": "text"}`` (or none) leaves it free. The Responses API's ``text.format``
-arrives here in chat's shape (``serve.responses_api``). A schema the grammar compiler cannot use is a 400 that says
-why, before the request is admitted.
+is read here too (``flat``: its fields sit beside ``type``). A schema the grammar compiler cannot use is a 400 that
+says why, before the request is admitted.
 
 When the request separates reasoning and the target's reasoning markers are single tokens, the answer may open with
-its reasoning block, unconstrained, and the schema applies to what follows (the hf backend; an SGLang engine does the
-same when launched with a reasoning parser, ``target.sglang.extra_args.reasoning_parser``).
+its reasoning block, free but for end tokens (the answer must follow), and the schema applies to what follows (the hf
+backend; an SGLang engine does the same when launched with a reasoning parser,
+``target.sglang.extra_args.reasoning_parser``).
 """
 
 from __future__ import annotations
