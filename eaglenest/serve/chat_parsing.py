@@ -97,6 +97,9 @@ class ChatFormat:
         self.tool_call = tool_call
         self.reasoning = reasoning
         vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
+        self.vocab: dict[str, int] = vocab
+        """the tokenizer's vocabulary, read once: requests look their markers' ids up here (``get_vocab`` builds a
+        new dict of every token on each call)"""
 
         def ids(pair: tuple[str, str] | None) -> set[int]:
             return {vocab[m] for m in pair or () if m in vocab}

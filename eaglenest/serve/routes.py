@@ -156,7 +156,7 @@ class Routes:
             raise APIError(400, "tool_choice cannot force a call: this target's chat template has no tool-call "
                                 "markers (set serve.tool_call_markers); send tool_choice 'auto'", param="tool_choice")
         return tool_call_grammar(req.tools or [], names, markers=markers, answer=answer,
-                                 vocab=self.core.backend.tokenizer.get_vocab(),
+                                 vocab=self.core.chat_format.vocab,
                                  parallel=parallel and req.parallel_tool_calls is not False)
 
     def _constraint(self, req: ChatCompletionRequest, prompt_ids: list[int], schema: dict[str, Any] | None,
@@ -164,7 +164,7 @@ class Routes:
         """The answer's constraint; a reasoning block may open it where the request separates reasoning."""
         fmt = self.core.chat_format
         separate = self.core.cfg.serve.reasoning_parser if req.separate_reasoning is None else req.separate_reasoning
-        think = marker_ids(self.core.backend.tokenizer, fmt.reasoning) if separate else None
+        think = marker_ids(fmt.vocab, fmt.reasoning) if separate else None
         opened = think is not None and fmt.starts_in_reasoning(fmt.decode(prompt_ids[-16:]))
         return output_constraint(schema, lark=lark, reasoning=think, in_reasoning=opened)
 

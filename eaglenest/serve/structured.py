@@ -14,6 +14,7 @@ backend; an SGLang engine does the same when launched with a reasoning parser,
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from eaglenest.config import TargetConfig
@@ -64,11 +65,10 @@ def output_constraint(schema: dict[str, Any] | None = None, *, lark: str | None 
                             in_reasoning=in_reasoning and reasoning is not None)
 
 
-def marker_ids(tokenizer: Any, markers: tuple[str, str] | None) -> tuple[int, int] | None:
-    """The token ids of a (start, end) marker pair when both are single tokens of the vocabulary (else None)."""
+def marker_ids(vocab: Mapping[str, int], markers: tuple[str, str] | None) -> tuple[int, int] | None:
+    """The token ids of a (start, end) marker pair when both are single tokens of ``vocab`` (else None)."""
     if markers is None:
         return None
-    vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
     ids = [vocab.get(m) for m in markers]
     if any(i is None for i in ids):
         return None
